@@ -1,0 +1,1 @@
+"""onepass engine: GGUF models, reference and GPU decode paths, batching."""
