@@ -1,0 +1,18 @@
+"""Model families; `build_model` picks one from the config's architecture."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import GGUFError
+from engine.models.llama import LlamaModel
+from engine.models.qwen3 import Qwen3Model
+from kernels.ops import Ops
+
+MODELS = {"llama": LlamaModel, "qwen3": Qwen3Model}
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops) -> LlamaModel:
+    if cfg.arch not in MODELS:
+        raise GGUFError(f"no model for architecture {cfg.arch!r}; supported: {sorted(MODELS)}")
+    return MODELS[cfg.arch](cfg, weights, ops)
