@@ -2,12 +2,14 @@
 
 Prompts must have equal length. Prefill either feeds the prompt through the decode step one token per
 step with logits discarded (the seed's way, mode "token"), or all prompt tokens in one forward
-("batched"); both leave the same KV.
+("batched"); both leave the same KV. The loop drives a stepper: the torch reference model here, or
+the fused GPU decoder with CUDA graphs (engine/runner.py); both expose prefill() and decode().
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +18,7 @@ from engine.errors import ConfigError
 from engine.sampler import Sampler, SamplingParams
 
 PREFILL_MODES = ("token", "batched")
+STOP_CHECK_EVERY = 8  # on a GPU, reading tokens back is a sync: look for stop tokens every few steps only
 
 
 @dataclass
@@ -23,7 +26,7 @@ class StaticBatchResult:
     prompts: list[list[int]]
     outputs: list[list[int]]  # generated ids per slot, stop token included, nothing after it
     prefill_s: float
-    step_s: list[float] = field(default_factory=list)  # wall time of each decode step (forward + sample)
+    step_s: list[float] = field(default_factory=list)  # time of each decode step (forward + sample)
     decode_s: float = 0.0  # wall time of the whole decode loop, host bookkeeping included
 
     @property
@@ -36,9 +39,41 @@ class StaticBatchResult:
         return sum(max(len(o) - 1, 0) for o in self.outputs)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class Stepper(Protocol):
+    device: torch.device
+
+    def prefill(self, prompts: torch.Tensor, mode: str) -> torch.Tensor:
+        """Feed [B, P] prompt ids into slots 0..B-1; return the first sampled ids [B]."""
+
+    def decode(self) -> torch.Tensor:
+        """Feed each slot's last sampled token at its next position; return the new ids [B]."""
+
+
+class ReferenceStepper:
+    """The torch reference model (any device, eager): slot b = row b of the KV cache."""
+
+    def __init__(self, model, kv, sampling: SamplingParams, batch: int):
+        if batch > kv.num_slots:
+            raise ConfigError(f"batch of {batch} slots but the KV cache has {kv.num_slots}")
+        self.model, self.kv, self.device = model, kv, model.device
+        self.slots = torch.arange(batch, device=self.device)
+        self.sampler = Sampler(sampling, batch, self.device)
+
+    def prefill(self, prompts, mode):
+        B, P = prompts.shape
+        if mode == "batched":
+            logits = self.model.forward(prompts, torch.arange(P, device=self.device).expand(B, P), self.slots, self.kv)
+        else:
+            for t in range(P):
+                logits = self.model.forward(prompts[:, t:t + 1], torch.full((B, 1), t, device=self.device), self.slots, self.kv)
+        self.pos, self.last = P, self.sampler(logits, self.slots)
+        return self.last
+
+    def decode(self):
+        B = self.last.shape[0]
+        logits = self.model.forward(self.last.view(B, 1), torch.full((B, 1), self.pos, device=self.device), self.slots, self.kv)
+        self.pos, self.last = self.pos + 1, self.sampler(logits, self.slots)
+        return self.last
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> None:
@@ -51,54 +86,74 @@ def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> None:
             f"but kv_cache.ctx={ctx}; raise kv_cache.ctx or shorten the prompt / workload.max_new_tokens")
 
 
-def generate_static(model, kv, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
-                    stop_ids: tuple[int, ...] = (), prefill: str = "batched", progress: bool = False) -> StaticBatchResult:
-    """Run B = len(prompts) slots (slot b = row b of the KV cache) to max_new_tokens or a stop token each."""
+class _Clock:
+    """Step times: CUDA events on a GPU (no sync per step), perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_static(stepper: Stepper, prompts: list[list[int]], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
+               prefill: str = "batched", ctx: int | None = None, progress: bool = False) -> StaticBatchResult:
+    """Run B = len(prompts) slots to max_new_tokens or a stop token each."""
     if prefill not in PREFILL_MODES:
         raise ConfigError(f"unknown prefill mode {prefill!r}; choose one of {PREFILL_MODES}")
     B, P = len(prompts), len(prompts[0])
     if any(len(p) != P for p in prompts):
         raise ConfigError("static batching needs prompts of equal length; use the continuous scheduler for ragged prompts")
-    if B > kv.num_slots:
-        raise ConfigError(f"batch of {B} slots but the KV cache has {kv.num_slots}")
-    check_fits(P, max_new_tokens, kv.ctx)
-
-    dev = model.device
-    slots = torch.arange(B, device=dev)
-    prompt = torch.tensor(prompts, dtype=torch.long, device=dev)
-    sampler = Sampler(sampling, B, dev)
-    stops = set(stop_ids)
+    if ctx is not None:
+        check_fits(P, max_new_tokens, ctx)
+    dev = stepper.device
+    history = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
 
     _sync(dev)
     t0 = time.perf_counter()
-    if prefill == "batched":
-        positions = torch.arange(P, device=dev).expand(B, P)
-        logits = model.forward(prompt, positions, slots, kv)
-    else:
-        for t in range(P):
-            logits = model.forward(prompt[:, t:t + 1], torch.full((B, 1), t, device=dev), slots, kv)
-    token = sampler(logits, slots)
+    history[:, 0] = stepper.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), prefill)
     _sync(dev)
-    result = StaticBatchResult(prompts, [[] for _ in range(B)], time.perf_counter() - t0)
+    prefill_s = time.perf_counter() - t0
 
-    done = [False] * B
+    stops = torch.tensor(sorted(set(stop_ids)), device=dev) if stop_ids else None
+    clock, steps = _Clock(dev), 1
     t_loop = time.perf_counter()
-    bar = tqdm(total=max_new_tokens, desc=f"decode B={B}", disable=not progress, leave=False)
-    for step in range(max_new_tokens):
-        ids = token.tolist()  # the only host transfer per step: B token ids
-        for b in range(B):
-            if not done[b]:
-                result.outputs[b].append(ids[b])
-                done[b] = ids[b] in stops or len(result.outputs[b]) == max_new_tokens
-        bar.update(1)
-        if all(done):
-            break
-        t0 = time.perf_counter()
-        positions = torch.full((B, 1), P + step, device=dev)
-        logits = model.forward(token.view(B, 1), positions, slots, kv)
-        token = sampler(logits, slots)
-        _sync(dev)
-        result.step_s.append(time.perf_counter() - t0)
-    bar.close()
-    result.decode_s = time.perf_counter() - t_loop
+    clock.mark()
+    for steps in tqdm(range(1, max_new_tokens), desc=f"decode B={B}", disable=not progress, leave=False):
+        if stops is not None and (steps % STOP_CHECK_EVERY == 1 or dev.type == "cpu"):
+            if torch.isin(history[:, :steps], stops).any(dim=1).all():
+                break
+        history[:, steps] = stepper.decode()
+        clock.mark()
+    else:
+        steps = max_new_tokens
+    _sync(dev)
+    result = StaticBatchResult(prompts, [], prefill_s, clock.intervals(), time.perf_counter() - t_loop)
+    for row in history[:, :steps].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in set(stop_ids)), len(row))
+        result.outputs.append(row[:cut])
     return result
+
+
+def generate_static(model, kv, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
+                    stop_ids: tuple[int, ...] = (), prefill: str = "batched", progress: bool = False) -> StaticBatchResult:
+    """Static batching on the torch reference model (slot b = row b of `kv`)."""
+    stepper = ReferenceStepper(model, kv, sampling, len(prompts))
+    return run_static(stepper, prompts, max_new_tokens, stop_ids, prefill, kv.ctx, progress)

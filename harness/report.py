@@ -103,6 +103,88 @@ def divergent_streams(df: pd.DataFrame):
     return d.to_markdown(index=False, floatfmt=(".0f", ".2f", "", ",.1f", "")), None
 
 
+def _opt(df: pd.DataFrame, col: str) -> pd.Series:
+    return num(df, col) if col in df else pd.Series([float("nan")] * len(df), index=df.index)
+
+
+@table("static_scaling")
+def static_scaling(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "B": num(df, "params.batch.size").astype(int),
+        "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "vs single-stream": num(df, "metrics.speedup_vs_single"),
+        "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
+        "step floor (ms)": _opt(df, "metrics.step_floor_ms"),
+        "floor reached": _opt(df, "metrics.floor_frac"),
+        "HF static tok/s": _opt(df, "metrics.peer_tok_s"),
+        "vs HF": _opt(df, "metrics.speedup_vs_peer"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values("B")
+    md = d.to_markdown(index=False, floatfmt=(".0f", ",.0f", ".1f", ".3f", ".3f", ".0%", ",.0f", ".2f", ""))
+    return md.replace("nan", "—"), _plot(d["B"], d["aggregate tok/s"], "B (slots)", "aggregate tok/s", "Static batching, Llama-3.2-1B shapes")
+
+
+@table("across_models")
+def across_models(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "model": df["params.model.name"],
+        "B": num(df, "params.batch.size").astype(int),
+        "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "vs single-stream": num(df, "metrics.speedup_vs_single"),
+        "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
+        "floor reached": _opt(df, "metrics.floor_frac"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values(["model", "B"])
+    return d.to_markdown(index=False, floatfmt=("", ".0f", ",.0f", ".1f", ".3f", ".0%", "")), None
+
+
+@table("graphs_backends")
+def graphs_backends(df: pd.DataFrame):
+    backend = df["tags.backend"]  # the resolved backend ("auto" in params)
+    variant = (backend + df["params.engine.gemm"].where(backend == "triton", "")
+               .map(lambda g: f" ({g} GEMM)" if g else "") + df["params.engine.cuda_graphs"].map(
+                   lambda g: ", CUDA graphs" if g == "True" else ", eager"))
+    d = pd.DataFrame({
+        "engine": variant.str.replace("torch, CUDA graphs", "torch, eager"),
+        "B": num(df, "params.batch.size").astype(int),
+        "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
+        "floor reached": _opt(df, "metrics.floor_frac"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values(["B", "aggregate tok/s"], ascending=[True, False])
+    return d.to_markdown(index=False, floatfmt=("", ".0f", ",.0f", ".3f", ".0%", "")), None
+
+
+@table("projection_crossover")
+def projection_crossover(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "B": num(df, "params.batch.size").astype(int),
+        "batched GEMM (us)": num(df, "metrics.gemm_us"),
+        "one token (us)": num(df, "metrics.gemv_us"),
+        "aggregate speedup": num(df, "metrics.speedup_vs_separate"),
+        "TFLOP/s": num(df, "metrics.tflops"),
+        "weights TB/s": num(df, "metrics.weight_tbps"),
+        "cuBLAS (us)": num(df, "metrics.cublas_us"),
+        "rows bit-exact": check(num(df, "metrics.verify_ok")),
+    }).sort_values("B")
+    md = d.to_markdown(index=False, floatfmt=(".0f", ".1f", ".1f", ".1f", ".0f", ".2f", ".1f", ""))
+    return md, _plot(d["B"], d["aggregate speedup"], "B (tokens)", "speedup vs B single-token GEMMs", "Projection crossover")
+
+
+@table("decode_attention")
+def decode_attention(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "B": num(df, "params.batch.size").astype(int),
+        "time (us)": num(df, "metrics.attn_us"),
+        "one slot (us)": num(df, "metrics.attn_one_slot_us"),
+        "aggregate speedup": num(df, "metrics.speedup_vs_one_slot"),
+        "KV TB/s": num(df, "metrics.kv_tbps"),
+        "max |err|": num(df, "metrics.max_abs_err"),
+        "bit-exact per slot": check(num(df, "metrics.verify_ok")),
+    }).sort_values("B")
+    return d.to_markdown(index=False, floatfmt=(".0f", ".1f", ".1f", ".1f", ".2f", ".1e", "")), None
+
+
 def _plot(x, y, xlabel: str, ylabel: str, title: str):
     import matplotlib
 

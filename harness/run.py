@@ -5,25 +5,57 @@ import os
 import platform
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from engine.config import ModelConfig, RopeScaling
 from engine.errors import ConfigError
 from engine.gguf_loader import load_gguf
 from engine.kv_cache import ContiguousKVCache
 from engine.models import build_model
 from engine.sampler import SamplingParams
-from engine.static_batch import StaticBatchResult, check_fits, generate_static
+from engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits, run_static
 from engine.tokenizer import Tokenizer
 from engine.verify import verify_greedy, verify_sampled
 from harness import tracking
+from harness.roofline import copy_bandwidth, decode_floor_bytes
 from harness.synth import resolve_gguf
 from harness.workload import prompt_ids, workload_digest
 from kernels.ops import get_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Built:
+    """A loaded model ready to make steppers: the reference model or the fused GPU decoder."""
+
+    cfg: ModelConfig
+    weights: dict
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+    backend: str
+    gguf_path: Path
+    load_s: float
+    engine_cfg: object
+    model: object = None
+
+    def stepper(self, batch: int, sampling: SamplingParams, ctx: int):
+        """A fresh KV cache and stepper for `batch` slots."""
+        if self.backend == "torch":
+            kv = ContiguousKVCache(self.cfg, batch, ctx, self.dtype, self.device)
+            return ReferenceStepper(self.model, kv, sampling, batch), kv
+        from engine.runner import GraphStepper
+        from kernels.decode_attention import make_workspace
+
+        kv = ContiguousKVCache(self.cfg, batch + 1, ctx, self.dtype, self.device)  # + the scratch slot
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        ws = lambda rows: make_workspace(rows, self.cfg.n_heads, self.cfg.head_dim, ctx, sms, self.device, kv_heads=self.cfg.n_kv_heads)  # noqa: E731
+        return GraphStepper(self.model, kv, batch, sampling, self.engine_cfg.cuda_graphs, ws), kv
 
 
 def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
@@ -38,10 +70,41 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
         dtype = DTYPES[e.dtype]
     else:
         raise ConfigError(f"engine.dtype={e.dtype!r}; choose auto or one of {sorted(DTYPES)}")
-    backend = "torch" if e.backend == "auto" else e.backend
+    backend = ("triton" if dev.type == "cuda" else "torch") if e.backend == "auto" else e.backend
+    if backend not in ("torch", "triton"):
+        raise ConfigError(f"engine.backend={e.backend!r}; choose auto, torch or triton")
+    if backend == "triton" and dev.type != "cuda":
+        raise ConfigError("engine.backend=triton needs a CUDA device; use engine.backend=torch on the CPU")
+    if e.gemm not in ("triton", "cublas"):
+        raise ConfigError(f"engine.gemm={e.gemm!r}; choose triton or cublas")
     if e.threads > 0:
         torch.set_num_threads(e.threads)
     return dev, dtype, backend
+
+
+def build(cfg) -> Built:
+    dev, dtype, backend = resolve_engine(cfg.engine)
+    t0 = time.perf_counter()
+    gguf_path = resolve_gguf(cfg.model, progress=cfg.progress)
+    mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress)
+    if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
+        mcfg = _with_scaling(mcfg)  # the file keeps only rope_freqs; the peer wants the parameters
+    b = Built(mcfg, weights, Tokenizer.from_gguf(gguf_path), dev, dtype, backend, gguf_path, 0.0, cfg.engine)
+    if backend == "torch":
+        b.model = build_model(mcfg, weights, get_ops("torch"))
+    else:
+        from engine.fused_model import FusedDecoder
+        from kernels.backend import get_step_kernels
+
+        b.model = FusedDecoder(mcfg, weights, get_step_kernels("triton", cfg.engine.gemm), cfg.kv_cache.ctx + 1)
+    b.load_s = time.perf_counter() - t0
+    return b
+
+
+def _with_scaling(mcfg: ModelConfig) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(mcfg, rope_scaling=RopeScaling())
 
 
 def device_name(dev: torch.device) -> str:
@@ -71,15 +134,12 @@ def decode_rate(r: StaticBatchResult) -> float:
 
 
 def run_job(cfg, out_dir: Path) -> float:
-    dev, dtype, backend = resolve_engine(cfg.engine)
-    ops = get_ops(backend)
-    t0 = time.perf_counter()
-    gguf_path = resolve_gguf(cfg.model, progress=cfg.progress)
-    mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress)
-    tok = Tokenizer.from_gguf(gguf_path)
-    model = build_model(mcfg, weights, ops)
-    load_s = time.perf_counter() - t0
+    if cfg.job != "decode":
+        from harness.micro import MICRO
 
+        if cfg.job not in MICRO:
+            raise ConfigError(f"job={cfg.job!r}; choose decode or one of {sorted(MICRO)}")
+        return run_micro(cfg, out_dir)
     w, B = cfg.workload, cfg.batch.size
     if B < 1:
         raise ConfigError(f"batch.size={B}; need at least one slot")
@@ -87,26 +147,31 @@ def run_job(cfg, out_dir: Path) -> float:
         raise ConfigError(f"scheduler.mode={cfg.scheduler.mode!r}: this build runs static batching only")
     if cfg.kv_cache.layout != "contiguous":
         raise ConfigError(f"kv_cache.layout={cfg.kv_cache.layout!r}: this build has the contiguous per-slot layout only")
+    built = build(cfg)
+    mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)
     check_fits(len(ids), w.max_new_tokens, cfg.kv_cache.ctx)
     stop_ids = () if w.ignore_eos else (tok.stop_ids if tok else mcfg.eos_ids)
     sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p, cfg.sampling.seed)
-    run = dict(max_new_tokens=w.max_new_tokens, sampling=sampling, stop_ids=stop_ids, prefill=cfg.scheduler.prefill)
+    ctx = cfg.kv_cache.ctx
     print(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "
-          f"{mcfg.vocab_size}; {gguf_path.name} loaded in {load_s:.1f}s on {dev} ({dtype}, {backend} kernels)")
+          f"{mcfg.vocab_size}; {built.gguf_path.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "
+          f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''})")
     print(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
           f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, prefill={cfg.scheduler.prefill}")
 
-    # Warm both shapes first so neither timed run pays for first-call setup (allocator, kernel choice).
-    for n in (1, B):
-        generate_static(model, ContiguousKVCache(mcfg, n, cfg.kv_cache.ctx, dtype, dev), [ids] * n,
-                        **{**run, "max_new_tokens": min(4, w.max_new_tokens)})
+    def run(batch: int, new_tokens: int, progress: bool = False) -> tuple[StaticBatchResult, object]:
+        stepper, kv = built.stepper(batch, sampling, ctx)
+        r = run_static(stepper, [ids] * batch, new_tokens, stop_ids, cfg.scheduler.prefill, ctx, progress)
+        return r, kv
+
+    for n in (1, B):  # warm both shapes so neither timed run pays first-call costs
+        run(n, min(4, w.max_new_tokens))
     # The single-stream run: the greedy reference and the "x single stream" baseline, same process.
-    single = generate_static(model, ContiguousKVCache(mcfg, 1, cfg.kv_cache.ctx, dtype, dev), [ids], **run)
+    single, _ = run(1, w.max_new_tokens)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    kv = ContiguousKVCache(mcfg, B, cfg.kv_cache.ctx, dtype, dev)
-    result = generate_static(model, kv, [ids] * B, progress=cfg.progress, **run)
+    result, kv = run(B, w.max_new_tokens, cfg.progress)
 
     verdict = (verify_greedy(result.outputs, single.outputs[0]) if sampling.greedy
                else verify_sampled(result.outputs, sampling.temperature))
@@ -118,34 +183,71 @@ def run_job(cfg, out_dir: Path) -> float:
         "single_stream_tok_s": single_tput, "speedup_vs_single": tput / single_tput if single_tput else 0.0,
         "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
         "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),
-        "kv_cache_mb": kv.nbytes / 2**20, "load_s": load_s,
+        "kv_cache_mb": kv.nbytes / 2**20, "load_s": built.load_s,
     }
     metrics.update({k: float(v) for k, v in verdict.detail.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    if dev.type == "cuda":
+        bw = copy_bandwidth(dev)
+        floor_bytes = decode_floor_bytes(mcfg, dtype.itemsize, B, len(ids), len(result.step_s))
+        metrics.update(copy_bw_tbps=bw / 1e12, step_floor_ms=floor_bytes / bw * 1e3,
+                       floor_frac=floor_bytes / bw / (metrics["step_ms_p50"] / 1e3))
     print(f"[verify] {verdict.line}")
-    print(f"[perf] B={B}: {tput:,.1f} tok/s aggregate ({tput / B:,.1f} per stream, {metrics['speedup_vs_single']:.2f}x "
-          f"single stream at {single_tput:,.1f} tok/s); step p50 {metrics['step_ms_p50']:.2f} ms, "
-          f"p90 {metrics['step_ms_p90']:.2f} ms over {metrics['steps']} steps; prefill {metrics['prefill_ms']:.1f} ms; "
-          f"peak mem {metrics['peak_mem_mb']:.0f} MB")
+    perf = (f"[perf] B={B}: {tput:,.1f} tok/s aggregate ({tput / B:,.1f} per stream, {metrics['speedup_vs_single']:.2f}x "
+            f"single stream at {single_tput:,.1f} tok/s); step p50 {metrics['step_ms_p50']:.3f} ms, "
+            f"p90 {metrics['step_ms_p90']:.3f} ms over {metrics['steps']} steps; prefill {metrics['prefill_ms']:.1f} ms; "
+            f"peak mem {metrics['peak_mem_mb']:.0f} MB")
+    if "floor_frac" in metrics:
+        perf += f"; floor {metrics['step_floor_ms']:.3f} ms/step ({metrics['floor_frac']:.0%} reached)"
+    print(perf)
+    if cfg.peer.enabled and (not cfg.peer.batches or B in cfg.peer.batches):
+        metrics.update(_peer(built, ids, B, w.max_new_tokens, tput))
 
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    tags = {"table": cfg.table, "device": device_name(dev), "torch_version": torch.__version__,
-            "triton_version": _triton_version(), "workload_hash": workload_digest([ids] * B, w),
-            "model_file": gguf_path.name, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
-            "verify": verdict.line, **tracking.git_state()}
-    sweep_id = os.environ.get(tracking.SWEEP_ENV)
-    if sweep_id:
-        tags["sweep_id"] = sweep_id
-    record = tracking.new_record(f"{cfg.table} {cfg.model.name} B={B}", cfg.tracking.experiment,
-                                 tracking.flatten(resolved), tags)
-    record["metrics"] = metrics
-    record["artifacts"] = {
-        "config.yaml": OmegaConf.to_yaml(cfg, resolve=True),
+    artifacts = {
         "samples.txt": _samples(tok, ids, single.outputs[0], result.outputs, cfg.verify.sample_streams),
         "step_times.json": {"decode_step_ms": [s * 1e3 for s in result.step_s], "prefill_ms": result.prefill_s * 1e3},
     }
+    tags = {"workload_hash": workload_digest([ids], w), "model_file": built.gguf_path.name, "backend": built.backend,
+            "dtype": str(dtype).removeprefix("torch."), "verify": verdict.line}
+    _record(cfg, f"{cfg.table} {cfg.model.name} B={B}", dev, metrics, tags, artifacts, out_dir)
+    return tput
+
+
+def run_micro(cfg, out_dir: Path) -> float:
+    from harness.micro import MICRO
+
+    dev, dtype, _ = resolve_engine(cfg.engine)
+    metrics, line = MICRO[cfg.job](cfg.micro, cfg.batch.size, dev, dtype)
+    print(f"[verify] {cfg.job}: {bool(metrics['verify_ok'])}".lower())
+    print(f"[perf] {line}")
+    _record(cfg, f"{cfg.table} B={cfg.batch.size}", dev, metrics, {"dtype": str(dtype).removeprefix("torch.")}, {}, out_dir)
+    return metrics["throughput_tok_s"]
+
+
+def _record(cfg, name: str, dev: torch.device, metrics: dict, tags: dict, artifacts: dict, out_dir: Path) -> None:
+    tags = {"table": cfg.table, "device": device_name(dev), "torch_version": torch.__version__,
+            "triton_version": _triton_version(), **tags, **tracking.git_state()}
+    if os.environ.get(tracking.SWEEP_ENV):
+        tags["sweep_id"] = os.environ[tracking.SWEEP_ENV]
+    record = tracking.new_record(name, cfg.tracking.experiment, tracking.flatten(OmegaConf.to_container(cfg, resolve=True)), tags)
+    record["metrics"] = metrics
+    record["artifacts"] = {"config.yaml": OmegaConf.to_yaml(cfg, resolve=True), **artifacts}
     record["status"] = "FINISHED"
     tracking.finish(record, cfg.tracking, out_dir)
-    return tput
+
+
+def _peer(built: Built, ids: list[int], batch: int, new_tokens: int, ours: float) -> dict[str, float]:
+    from harness.peers import hf_model, hf_static_generate_rate
+
+    if built.device.type != "cuda":
+        raise ConfigError("peer.enabled=true compares on the GPU (transformers' static cache is compiled for CUDA)")
+    model = hf_model(built.cfg, built.weights, built.device, built.dtype)
+    r = hf_static_generate_rate(model, ids, batch, new_tokens)
+    del model
+    torch.cuda.empty_cache()
+    print(f"[peer] HF transformers generate(static cache, compiled) B={batch}: {r['peer_tok_s']:,.1f} tok/s "
+          f"({r['peer_step_ms']:.2f} ms/step); onepass is {ours / r['peer_tok_s']:.2f}x")
+    return {"peer_tok_s": r["peer_tok_s"], "peer_step_ms": r["peer_step_ms"], "peer_warmup_s": r["peer_warmup_s"],
+            "speedup_vs_peer": ours / r["peer_tok_s"]}
 
 
 def _triton_version() -> str:

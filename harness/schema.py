@@ -78,7 +78,9 @@ class WorkloadCfg:
 class EngineCfg:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16
-    backend: str = "auto"  # auto | torch
+    backend: str = "auto"  # auto (triton on cuda, torch on cpu) | torch | triton
+    gemm: str = "triton"  # triton (batch-invariant) | cublas (torch.matmul), for the triton backend
+    cuda_graphs: bool = True  # one CUDA graph per row bucket (triton backend)
     threads: int = 0  # CPU threads for torch; 0 = leave torch's default
 
 
@@ -97,6 +99,24 @@ class VerifyCfg:
 
 
 @dataclass
+class MicroCfg:
+    """Synthetic dimensions for the micro-benchmark jobs (defaults: Llama-3.2-1B's gate|up and attention)."""
+
+    n: int = 16384
+    k: int = 2048
+    n_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 64
+    ctx: int = 512
+
+
+@dataclass
+class PeerCfg:
+    enabled: bool = False  # HF transformers generate (static cache, compiled) in the same process
+    batches: list[int] = field(default_factory=list)  # measure the peer only at these B (empty: every B)
+
+
+@dataclass
 class RunCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
     batch: BatchCfg = field(default_factory=BatchCfg)
@@ -107,6 +127,9 @@ class RunCfg:
     engine: EngineCfg = field(default_factory=EngineCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     verify: VerifyCfg = field(default_factory=VerifyCfg)
+    peer: PeerCfg = field(default_factory=PeerCfg)
+    micro: MicroCfg = field(default_factory=MicroCfg)
+    job: str = "decode"  # decode | projection_crossover | decode_attention
     table: str = "adhoc"  # the experiments/<table> this run belongs to
     progress: bool = True
 

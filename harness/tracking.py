@@ -40,14 +40,20 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 
 def git_state() -> dict[str, str]:
+    """Commit and dirty flag of the source tree. A tree copied without its history (a GPU machine that
+    receives the working tree) records "unknown" unless ONEPASS_GIT_COMMIT names the commit."""
+    if os.environ.get("ONEPASS_GIT_COMMIT"):
+        return {"git_commit": os.environ["ONEPASS_GIT_COMMIT"], "git_dirty": os.environ.get("ONEPASS_GIT_DIRTY", "unknown")}
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                                text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return {"git_commit": "unknown", "git_dirty": "unknown"}
-    return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower()}
+    if head.returncode != 0 or status.returncode != 0:
+        return {"git_commit": "unknown", "git_dirty": "unknown"}
+    return {"git_commit": head.stdout.strip(), "git_dirty": str(bool(status.stdout.strip())).lower()}
 
 
 def check_reachable(uri: str) -> None:

@@ -6,3 +6,108 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: new_residual = residual + x (rounded to the residual's dtype, i.e.
+    exactly torch's `residual + x`), normed = rms_norm(new_residual) * w in x's dtype. Pure: returns
+    (normed, new_residual); the Triton version writes new_residual into `residual` in place."""
+    new_res = (residual.float() + x.float()).to(residual.dtype)
+    return rms_norm_ref(new_res, weight, eps).to(x.dtype), new_res
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton. One program per row (a row = the last dim), the whole row in registers, fp32 math. A row's
+# arithmetic never depends on how many rows there are, so results are bitwise batch invariant. No host
+# sync; nothing is allocated when `out` is given (CUDA-graph safe).
+
+from kernels.triton_compat import tl, triton
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
+                     sx0, sx1, sr0, sr1, so0, so1,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    # rows are (i0, i1) of a [n0, n_inner, D] view; each operand has its own two leading strides
+    row = tl.program_id(0).to(tl.int64)
+    i0 = row // n_inner
+    i1 = row % n_inner
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r_ptrs = res_ptr + i0 * sr0 + i1 * sr1 + offs
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        h = (r.to(tl.float32) + x.to(tl.float32)).to(res_ptr.dtype.element_ty)  # == torch's residual + x
+        tl.store(r_ptrs, h, mask=mask)
+        xf = h.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    ms = tl.sum(xf * xf, axis=0) / D
+    rstd = 1.0 / tl.sqrt(ms + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd) * w
+    tl.store(out_ptr + i0 * so0 + i1 * so1 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(t: torch.Tensor, name: str) -> tuple[int, int, int, int]:
+    """(n0, n_inner, stride0, stride1) describing t's rows as a 2-level grid; t's last dim must be unit
+    stride. Handles [D], [R, D] and [A, B, D] with any leading strides (e.g. heads of a fused qkv row);
+    more leading dims must merge into two without a copy."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name}: last dim must be contiguous (stride {t.stride(-1)})")
+    if t.dim() == 1:
+        return 1, 1, 0, 0
+    if t.dim() == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    if t.dim() > 3:
+        try:
+            t = t.view(-1, t.shape[-2], t.shape[-1])
+        except RuntimeError as e:
+            raise ValueError(f"{name}: leading dims {tuple(t.shape[:-2])} cannot be merged without a copy") from e
+    return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+
+
+def _num_warps(block: int) -> int:
+    return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8 if block <= 8192 else 16
+
+
+def _launch_rms_norm(x, residual, w, eps, out):
+    D = x.shape[-1]
+    if w.shape != (D,) or not w.is_contiguous():
+        raise ValueError(f"weight must be contiguous [{D}], got {tuple(w.shape)}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != x shape {tuple(x.shape)}")
+    n0, n1, sx0, sx1 = _rows_view(x, "x")
+    _, _, so0, so1 = _rows_view(out, "out")
+    has_res = residual is not None
+    if has_res:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        _, _, sr0, sr1 = _rows_view(residual, "residual")
+    else:
+        residual, sr0, sr1 = x, 0, 0  # unused (HAS_RES=False)
+    rows = n0 * n1
+    if rows == 0:
+        return out
+    BLOCK = triton.next_power_of_2(D)
+    _rms_norm_kernel[(rows,)](x, residual, w, out, D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1,
+                              HAS_RES=has_res, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+    return out
+
+
+def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([D], [R, D], [R, H, D] with any leading strides, e.g. per-head
+    q/k norm where rows = heads). Output in out's dtype (default x's)."""
+    return _launch_rms_norm(x, None, w, eps, out)
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x in place (in the residual's dtype), then normed = rms_norm(residual) * w.
+    Returns (normed, residual). `out` must not alias x or residual."""
+    normed = _launch_rms_norm(x, residual, w, eps, out)
+    return normed, residual

@@ -1,0 +1,89 @@
+"""The decode step as a flat sequence of kernels over rows, on preallocated buffers.
+
+Same math as engine/models/llama.py, arranged for the GPU: row r is one token of slot `slots[r]` at
+position `positions[r]`, so a decode step is one row per slot and a batched prefill is many rows per
+slot, through the same kernels. q|k|v and gate|up are fused into one GEMM each; RoPE, Qwen3's q/k
+norm and the KV write are one kernel; the residual add is fused into the next RMSNorm. With the
+Triton kernels every row's arithmetic is independent of how many rows the step holds, which is what
+makes B streams bit-exact with a single-stream run.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from kernels.backend import StepKernels
+from kernels.rope import rope_cache, rope_inv_freq
+
+
+class FusedDecoder:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int):
+        self.cfg, self.k = cfg, kernels
+        self.embed = weights["token_embd.weight"]
+        self.lm_head = weights.get("output.weight", self.embed)
+        self.out_norm = weights["output_norm.weight"]
+        self.rope = rope_cache(rope_inv_freq(cfg.head_dim, cfg.rope_theta, weights.get("rope_freqs.weight")), max_pos)
+        self.rope = self.rope.to(self.embed.device)
+        self.layers = []
+        for i in range(cfg.n_layers):
+            w = lambda n: weights[f"blk.{i}.{n}.weight"]  # noqa: E731
+            self.layers.append({
+                "attn_norm": w("attn_norm"), "ffn_norm": w("ffn_norm"),
+                "qkv": torch.cat([w("attn_q"), w("attn_k"), w("attn_v")]).contiguous(),
+                "o": w("attn_output"), "down": w("ffn_down"),
+                "gate_up": torch.cat([w("ffn_gate"), w("ffn_up")]).contiguous(),
+                "q_norm": weights.get(f"blk.{i}.attn_q_norm.weight"), "k_norm": weights.get(f"blk.{i}.attn_k_norm.weight"),
+            })
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def weight_bytes(self) -> int:
+        """Bytes one step reads from weights (embedding rows are a gather: not counted)."""
+        n = self.lm_head.numel() * self.lm_head.element_size() + self.out_norm.numel() * self.out_norm.element_size()
+        for layer in self.layers:
+            n += sum(t.numel() * t.element_size() for t in layer.values() if t is not None)
+        return n
+
+    def buffers(self, rows: int) -> dict[str, torch.Tensor]:
+        """Every activation of a step with `rows` rows, allocated once (a CUDA graph replays on them)."""
+        c, dev, dt = self.cfg, self.device, self.dtype
+        e = lambda *s, dtype=dt: torch.empty(*s, device=dev, dtype=dtype)  # noqa: E731
+        return {
+            "residual": e(rows, c.dim), "h": e(rows, c.dim), "qkv": e(rows, c.q_dim + 2 * c.kv_dim),
+            "q": e(rows, c.n_heads, c.head_dim), "attn": e(rows, c.n_heads, c.head_dim), "x": e(rows, c.dim),
+            "gate_up": e(rows, 2 * c.ffn_dim), "act": e(rows, c.ffn_dim),
+        }
+
+    def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None) -> torch.Tensor:
+        """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm)."""
+        c, k, eps = self.cfg, self.k, self.cfg.norm_eps
+        res, h, x = buf["residual"], buf["h"], buf["x"]
+        k.embedding(tokens, self.embed, out=res)
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                k.rms_norm(res, layer["attn_norm"], eps, out=h)
+            else:
+                k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h)  # res += x (the previous FFN output)
+            k.linear(h, layer["qkv"], out=buf["qkv"])
+            k.rope_kv_write(buf["qkv"], positions, slots, self.rope, kv.k[i], kv.v[i], c.n_heads, c.n_kv_heads,
+                            c.head_dim, q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=eps,
+                            block_table=block_table, q_out=buf["q"])
+            k.decode_attention(buf["q"], kv.k[i], kv.v[i], slots, positions, block_table=block_table,
+                               out=buf["attn"], workspace=attn_ws, max_len=kv.ctx)
+            k.linear(buf["attn"].view(-1, c.q_dim), layer["o"], out=x)
+            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
+            k.linear(h, layer["gate_up"], out=buf["gate_up"])
+            k.swiglu(buf["gate_up"], out=buf["act"])
+            k.linear(buf["act"], layer["down"], out=x)
+        k.add_residual(x, res)
+        return res
+
+    def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None, normed: torch.Tensor | None = None) -> torch.Tensor:
+        normed = self.k.rms_norm(hidden_rows, self.out_norm, self.cfg.norm_eps, out=normed)
+        return self.k.linear(normed, self.lm_head, out=out)

@@ -1,0 +1,44 @@
+"""Bytes a decode step must move, and the copy bandwidth measured in the same process: the floor."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+def weight_bytes_per_step(cfg: ModelConfig, elem_bytes: int) -> int:
+    """Every weight is read once per step, except the embedding table (a B-row gather) unless it is
+    also the LM head (tied)."""
+    params = cfg.param_count()
+    if not cfg.tie_embeddings:
+        params -= cfg.vocab_size * cfg.dim
+    return params * elem_bytes
+
+
+def kv_bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> int:
+    return cfg.n_layers * 2 * cfg.kv_dim * elem_bytes
+
+
+def decode_floor_bytes(cfg: ModelConfig, elem_bytes: int, batch: int, prompt_len: int, steps: int) -> float:
+    """Mean bytes per decode step: weights + each slot's KV read (positions 0..pos) + one KV row written."""
+    if steps == 0:
+        return 0.0
+    kv = kv_bytes_per_token(cfg, elem_bytes)
+    mean_len = sum(prompt_len + s + 1 for s in range(steps)) / steps  # step s feeds position prompt_len + s
+    return weight_bytes_per_step(cfg, elem_bytes) + batch * kv * (mean_len + 1)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read + written (the notes' convention)."""
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2 * nbytes * reps / (start.elapsed_time(end) / 1e3)

@@ -1,0 +1,111 @@
+"""The kernels of one decode step, bound to a backend: "torch" (the references; any device, eager)
+or "triton" (GPU kernels; no host sync, no allocation when outputs are given, CUDA-graph safe)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from engine.errors import ConfigError
+
+STEP_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    name: str
+    embedding: Callable
+    rms_norm: Callable
+    add_rms_norm: Callable
+    add_residual: Callable
+    linear: Callable
+    rope_kv_write: Callable
+    decode_attention: Callable
+    swiglu: Callable
+    argmax: Callable
+    sample: Callable
+
+
+def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if out is None else out.copy_(value)
+
+
+def _add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return residual.add_(x)
+
+
+def torch_kernels() -> StepKernels:
+    from kernels.attention import attention_ref
+    from kernels.decode_attention import paged_attention_ref
+    from kernels.embedding import embedding_ref
+    from kernels.gemm import linear_ref
+    from kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
+    from kernels.rope import rope_kv_write_ref
+    from kernels.sampling import argmax_ref, sample_ref
+    from kernels.swiglu import swiglu_fused_ref
+
+    def add_rms_norm(x, residual, w, eps, out=None):
+        normed, new_res = add_rms_norm_ref(x, residual, w, eps)
+        residual.copy_(new_res)
+        return _into(out, normed)
+
+    def decode_attention(q, k_cache, v_cache, slots, positions, *, block_table=None, out=None, workspace=None,
+                         max_len=None, scale=None):
+        if block_table is not None:
+            return _into(out, paged_attention_ref(q, k_cache, v_cache, block_table, slots, positions, scale))
+        o = attention_ref(q.unsqueeze(1), k_cache[slots], v_cache[slots], positions.view(-1, 1))
+        return _into(out, o.squeeze(1))
+
+    return StepKernels(
+        "torch",
+        embedding=lambda ids, table, out=None: _into(out, embedding_ref(ids, table)),
+        rms_norm=lambda x, w, eps, out=None: _into(out, rms_norm_ref(x, w, eps)),
+        add_rms_norm=add_rms_norm,
+        add_residual=_add_residual,
+        linear=lambda x, w, out=None: _into(out, linear_ref(x, w)),
+        rope_kv_write=lambda *a, q_out=None, **kw: _into(q_out, rope_kv_write_ref(*a, **kw)),
+        decode_attention=decode_attention,
+        swiglu=lambda gu, out=None: _into(out, swiglu_fused_ref(gu)),
+        argmax=lambda logits, out=None: _into(out, argmax_ref(logits)),
+        sample=lambda logits, *a, out=None, **kw: _into(out, sample_ref(logits, *a, **kw)),
+    )
+
+
+def triton_kernels() -> StepKernels:
+    from kernels.decode_attention import decode_attention
+    from kernels.embedding import embedding_triton
+    from kernels.gemm import linear
+    from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
+    from kernels.rope import rope_kv_write_triton
+    from kernels.sampling import argmax_triton, sample_triton
+    from kernels.swiglu import swiglu_triton
+
+    def add_rms_norm(x, residual, w, eps, out=None):
+        return add_rms_norm_triton(x, residual, w, eps, out=out)[0]
+
+    return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, _add_residual, linear,
+                       rope_kv_write_triton, decode_attention, swiglu_triton, argmax_triton, sample_triton)
+
+
+GEMMS = ("triton", "cublas")
+
+
+def _cublas_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.matmul(x, w.t(), out=out)
+
+
+def get_step_kernels(backend: str, gemm: str = "triton") -> StepKernels:
+    """`gemm="cublas"` swaps the projections to torch.matmul (fast at some shapes, but its kernel choice
+    depends on the row count, so B streams may stop being bit-exact with a single stream)."""
+    if gemm not in GEMMS:
+        raise ConfigError(f"unknown gemm {gemm!r}; choose one of {GEMMS}")
+    if backend == "torch":
+        kernels = torch_kernels()
+    elif backend == "triton":
+        kernels = triton_kernels()
+    else:
+        raise ConfigError(f"unknown step backend {backend!r}; choose one of {STEP_BACKENDS}")
+    if gemm == "cublas":
+        kernels = replace(kernels, linear=_cublas_linear, name=kernels.name + "+cublas")
+    return kernels
