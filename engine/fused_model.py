@@ -60,8 +60,9 @@ class FusedDecoder:
             "gate_up": e(rows, 2 * c.ffn_dim), "act": e(rows, c.ffn_dim),
         }
 
-    def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None) -> torch.Tensor:
-        """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm)."""
+    def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None) -> torch.Tensor:
+        """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm).
+        Every position must be < max_len (default: the cache's ctx)."""
         c, k, eps = self.cfg, self.k, self.cfg.norm_eps
         res, h, x = buf["residual"], buf["h"], buf["x"]
         k.embedding(tokens, self.embed, out=res)
@@ -75,7 +76,7 @@ class FusedDecoder:
                             c.head_dim, q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=eps,
                             block_table=block_table, q_out=buf["q"])
             k.decode_attention(buf["q"], kv.k[i], kv.v[i], slots, positions, block_table=block_table,
-                               out=buf["attn"], workspace=attn_ws, max_len=kv.ctx)
+                               out=buf["attn"], workspace=attn_ws, max_len=max_len or kv.ctx)
             k.linear(buf["attn"].view(-1, c.q_dim), layer["o"], out=x)
             k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
             k.linear(h, layer["gate_up"], out=buf["gate_up"])

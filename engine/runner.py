@@ -27,12 +27,15 @@ def bucket_for(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int:
 
 class GraphStepper:
     def __init__(self, model: FusedDecoder, kv, batch: int, sampling: SamplingParams, use_graphs: bool = True,
-                 attn_workspace: Callable[[int], object] | None = None):
-        """`kv` must hold batch + 1 slots: the last one is the scratch slot that padded rows write to."""
+                 attn_workspace: Callable[[int, int], object] | None = None, max_len: int | None = None):
+        """`kv` must hold batch + 1 slots: the last one is the scratch slot that padded rows write to.
+        `max_len` bounds every position this stepper will feed (default: the cache's ctx); the decode
+        attention grid is sized for it, so a shorter bound skips split-KV work no row can need."""
         if kv.num_slots < batch + 1:
             raise ConfigError(f"the KV cache needs {batch + 1} slots (batch + a scratch slot), has {kv.num_slots}")
         self.model, self.kv, self.device = model, kv, model.device
         self.batch, self.rows = batch, bucket_for(batch)
+        self.max_len = min(max_len or kv.ctx, kv.ctx)
         self.scratch = kv.num_slots - 1
         dev, R = self.device, self.rows
         self.tokens = torch.zeros(R, dtype=torch.long, device=dev)
@@ -49,8 +52,8 @@ class GraphStepper:
         self.buf = model.buffers(R)
         self.normed = torch.empty(R, model.cfg.dim, device=dev, dtype=model.dtype)
         self.logits = torch.empty(R, model.cfg.vocab_size, device=dev, dtype=model.dtype)
-        self.make_ws = attn_workspace or (lambda rows: None)  # decode-attention split buffers for `rows` rows
-        self.attn_ws = self.make_ws(R)
+        self.make_ws = attn_workspace or (lambda rows, max_len: None)  # decode-attention split buffers
+        self.attn_ws = self.make_ws(R, self.max_len)
         self.graph = self._capture() if use_graphs else None
 
     def _choose(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -63,11 +66,11 @@ class GraphStepper:
     def _step(self) -> None:
         """One decode step over all rows of the bucket, feeding its output back as the next input."""
         m = self.model
-        hidden = m.hidden(self.tokens, self.positions, self.slots, self.kv, self.buf, self.attn_ws)
+        hidden = m.hidden(self.tokens, self.positions, self.slots, self.kv, self.buf, self.attn_ws, max_len=self.max_len)
         m.logits(hidden, out=self.logits, normed=self.normed)
         self._choose(self.logits, self.next)
         self.tokens.copy_(self.next)
-        self.positions.add_(1)
+        self.positions[:self.batch].add_(1)  # padded rows stay at position 0 of the scratch slot
         self.step_count.add_(1)
 
     def _capture(self) -> torch.cuda.CUDAGraph:
@@ -110,7 +113,8 @@ class GraphStepper:
         rows = B * P
         slots = torch.arange(B, device=dev).repeat_interleave(P)
         positions = torch.arange(P, device=dev).repeat(B)
-        hidden = m.hidden(prompts.reshape(-1), positions, slots, self.kv, m.buffers(rows), self.make_ws(rows))
+        hidden = m.hidden(prompts.reshape(-1), positions, slots, self.kv, m.buffers(rows), self.make_ws(rows, self.max_len),
+                          max_len=self.max_len)
         last = hidden.view(B, P, -1)[:, -1].contiguous()
         logits = m.logits(last)
         self.step_count.zero_()

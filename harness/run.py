@@ -44,8 +44,8 @@ class Built:
     engine_cfg: object
     model: object = None
 
-    def stepper(self, batch: int, sampling: SamplingParams, ctx: int):
-        """A fresh KV cache and stepper for `batch` slots."""
+    def stepper(self, batch: int, sampling: SamplingParams, ctx: int, max_len: int | None = None):
+        """A fresh KV cache and stepper for `batch` slots whose positions stay below max_len (<= ctx)."""
         if self.backend == "torch":
             kv = ContiguousKVCache(self.cfg, batch, ctx, self.dtype, self.device)
             return ReferenceStepper(self.model, kv, sampling, batch), kv
@@ -54,8 +54,9 @@ class Built:
 
         kv = ContiguousKVCache(self.cfg, batch + 1, ctx, self.dtype, self.device)  # + the scratch slot
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        ws = lambda rows: make_workspace(rows, self.cfg.n_heads, self.cfg.head_dim, ctx, sms, self.device, kv_heads=self.cfg.n_kv_heads)  # noqa: E731
-        return GraphStepper(self.model, kv, batch, sampling, self.engine_cfg.cuda_graphs, ws), kv
+        ws = lambda rows, n: make_workspace(rows, self.cfg.n_heads, self.cfg.head_dim, n, sms, self.device,  # noqa: E731
+                                            kv_heads=self.cfg.n_kv_heads)
+        return GraphStepper(self.model, kv, batch, sampling, self.engine_cfg.cuda_graphs, ws, max_len), kv
 
 
 def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
@@ -161,7 +162,7 @@ def run_job(cfg, out_dir: Path) -> float:
           f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, prefill={cfg.scheduler.prefill}")
 
     def run(batch: int, new_tokens: int, progress: bool = False) -> tuple[StaticBatchResult, object]:
-        stepper, kv = built.stepper(batch, sampling, ctx)
+        stepper, kv = built.stepper(batch, sampling, ctx, max_len=len(ids) + new_tokens)  # positions < P + new
         r = run_static(stepper, [ids] * batch, new_tokens, stop_ids, cfg.scheduler.prefill, ctx, progress)
         return r, kv
 
