@@ -30,3 +30,36 @@ class ContiguousKVCache:
     def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions 0..length-1 of each slot: two [B, length, KVH, D] tensors."""
         return self.k[layer][slots, :length], self.v[layer][slots, :length]
+
+
+class PagedKVCache:
+    """KV in a shared pool of fixed-size blocks: k[layer] is [num_blocks, block_size, kv_heads, head_dim].
+
+    Slot s reads and writes through row s of `block_table` [num_slots + 1, max_blocks] (int32, on the
+    device): position p lives in block block_table[s, p // block_size] at offset p % block_size. The
+    last row belongs to the scratch slot and points at block 0, the scratch block, as do unused entries.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int, ctx: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots + 1
+        self.max_blocks = -(-ctx // block_size)
+        self.ctx = self.max_blocks * block_size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.block_table = torch.zeros(self.num_slots, self.max_blocks, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def set_tables(self, tables: dict[int, list[int]]) -> None:
+        """Rewrite the block-table rows of the given slots (one small host-to-device copy)."""
+        if not tables:
+            return
+        rows = torch.zeros(len(tables), self.max_blocks, dtype=torch.int32)
+        for i, blocks in enumerate(tables.values()):
+            rows[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        idx = torch.tensor(list(tables), dtype=torch.long)
+        self.block_table[idx.to(self.block_table.device)] = rows.to(self.block_table.device, non_blocking=True)

@@ -185,6 +185,42 @@ def decode_attention(df: pd.DataFrame):
     return d.to_markdown(index=False, floatfmt=(".0f", ".1f", ".1f", ".1f", ".2f", ".1e", "")), None
 
 
+def _serving(df: pd.DataFrame, first: dict) -> pd.DataFrame:
+    return pd.DataFrame({**first,
+        "steps": num(df, "metrics.steps").astype(int),
+        "gen tok/s": num(df, "metrics.throughput_tok_s"),
+        "requests/s": num(df, "metrics.requests_s"),
+        "slot utilization": num(df, "metrics.slot_util"),
+        "prefill tokens": num(df, "metrics.prefill_tokens").astype(int),
+        "peak KV blocks": _opt(df, "metrics.peak_blocks"),
+        "KV pool MB": num(df, "metrics.kv_pool_mb"),
+        "host ms/step": num(df, "metrics.host_ms_p50"),
+        "correct": check(num(df, "metrics.verify_ok")),
+    })
+
+
+SERVING_FMT = (",.0f", ",.1f", ".1f", ".1%", ",.0f", ",.0f", ",.0f", ".2f", "")
+
+
+@table("serving_schedule")
+def serving_schedule(df: pd.DataFrame):
+    d = _serving(df, {"scheduling": df["params.scheduler.mode"] + " / " + df["params.scheduler.prefill"] + " prefill"})
+    return d.to_markdown(index=False, floatfmt=("",) + SERVING_FMT).replace("nan", "—"), None
+
+
+@table("serving_paged")
+def serving_paged(df: pd.DataFrame):
+    pool = df["params.kv_cache.layout"] + num(df, "metrics.kv_blocks").map(lambda b: "" if pd.isna(b) else f", {int(b) - 1}-block pool")
+    d = _serving(df, {"KV cache": pool})
+    return d.sort_values("KV pool MB", ascending=False).to_markdown(index=False, floatfmt=("",) + SERVING_FMT).replace("nan", "—"), None
+
+
+@table("serving_prefix")
+def serving_prefix(df: pd.DataFrame):
+    d = _serving(df, {"prefix cache": df["params.kv_cache.prefix"]})
+    return d.to_markdown(index=False, floatfmt=("",) + SERVING_FMT).replace("nan", "—"), None
+
+
 def _plot(x, y, xlabel: str, ylabel: str, title: str):
     import matplotlib
 

@@ -144,10 +144,10 @@ def run_job(cfg, out_dir: Path) -> float:
     w, B = cfg.workload, cfg.batch.size
     if B < 1:
         raise ConfigError(f"batch.size={B}; need at least one slot")
-    if cfg.scheduler.mode != "static":
-        raise ConfigError(f"scheduler.mode={cfg.scheduler.mode!r}: this build runs static batching only")
-    if cfg.kv_cache.layout != "contiguous":
-        raise ConfigError(f"kv_cache.layout={cfg.kv_cache.layout!r}: this build has the contiguous per-slot layout only")
+    if cfg.scheduler.mode not in ("static", "wave", "continuous"):
+        raise ConfigError(f"scheduler.mode={cfg.scheduler.mode!r}; choose static, wave or continuous")
+    if cfg.scheduler.mode == "static" and cfg.kv_cache.layout != "contiguous":
+        raise ConfigError("static batching uses the contiguous KV layout; paged KV serves scheduler.mode=wave|continuous")
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)
@@ -160,6 +160,18 @@ def run_job(cfg, out_dir: Path) -> float:
           f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''})")
     print(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
           f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, prefill={cfg.scheduler.prefill}")
+
+    if cfg.scheduler.mode != "static":
+        from harness.serve_job import run_serving
+
+        metrics, artifacts, vline, perf = run_serving(cfg, built, ids, stop_ids, sampling)
+        metrics.update(peak_mem_mb=peak_mem_mb(dev), prompt_len=len(ids), load_s=built.load_s)
+        print(f"[verify] {vline}")
+        print(perf)
+        tags = {"workload_hash": workload_digest([ids], w), "model_file": built.gguf_path.name, "backend": built.backend,
+                "dtype": str(dtype).removeprefix("torch."), "verify": vline}
+        _record(cfg, f"{cfg.table} {cfg.model.name} B={B} {cfg.scheduler.mode}", dev, metrics, tags, artifacts, out_dir)
+        return metrics["throughput_tok_s"]
 
     def run(batch: int, new_tokens: int, progress: bool = False) -> tuple[StaticBatchResult, object]:
         stepper, kv = built.stepper(batch, sampling, ctx, max_len=len(ids) + new_tokens)  # positions < P + new

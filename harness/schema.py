@@ -45,18 +45,23 @@ class BatchCfg:
 
 @dataclass
 class KVCacheCfg:
-    layout: str = "contiguous"
+    layout: str = "contiguous"  # contiguous (ctx positions per slot) | paged (a pool of blocks)
     ctx: int = 512
+    block_size: int = 16
+    num_blocks: int = 0  # paged pool size incl. the scratch block; 0 = slots * ctx / block_size + 1
+    prefix: str = "off"  # off | pinned (the seed: the shared prefix prefilled once) | auto (hash-chain caching)
 
 
 @dataclass
 class SchedulerCfg:
-    mode: str = "static"
-    prefill: str = "batched"  # "token": prompt through the decode step one token per step (the seed's way)
+    mode: str = "static"  # static (one lockstep batch) | wave (request queue, refill off) | continuous
+    prefill: str = "batched"  # token (through the decode step, the seed's way) | batched (static) | chunked (serving)
+    token_budget: int = 512  # rows per step with chunked prefill
 
 
 @dataclass
 class SamplingCfg:
+    on_device: bool = True  # False: copy the sampling rows' logits to the host and choose there (the seed's baseline)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -70,6 +75,9 @@ class WorkloadCfg:
     chat: bool = True  # render through the model's chat template
     synthetic_prompt_len: int = 22  # token count for models without a tokenizer (the seed's length)
     shared_prefix_len: int = 0
+    num_requests: int = 0  # serving workloads: requests drawn from the prompt (0 = static batch of B copies)
+    min_new_tokens: int = 0  # serving: each request's max-gen uniform in [min_new_tokens, max_new_tokens]
+    seed: int = 0
     max_new_tokens: int = 64
     ignore_eos: bool = True  # fixed output length, as throughput benchmarks use
 

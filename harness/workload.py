@@ -25,4 +25,6 @@ def workload_digest(prompts: list[list[int]], workload) -> str:
     h = hashlib.sha256()
     h.update(repr([list(p) for p in prompts]).encode())
     h.update(f"{workload.max_new_tokens}|{workload.ignore_eos}".encode())
+    if workload.num_requests:  # serving workloads: the request count and the max-gen draw
+        h.update(f"|{workload.num_requests}|{workload.min_new_tokens}|{workload.seed}".encode())
     return h.hexdigest()[:16]

@@ -118,3 +118,25 @@ def test_prompt_longer_than_ctx_fails_cleanly(tmp_path):
 def test_misspelled_override_on_the_command_line(tmp_path):
     r = cli(tmp_path, *tiny(tmp_path), "workload.max_new_tokenz=4")
     assert r.returncode != 0 and "max_new_tokenz" in r.stderr
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_serving_run_verifies_and_logs(tmp_path, kv):
+    extra = ["scheduler=continuous", f"kv_cache={kv}", "workload.num_requests=6", "workload.min_new_tokens=2",
+             "kv_cache.block_size=4", "kv_cache.ctx=64"] + (["kv_cache.prefix=auto"] if kv == "paged" else [])
+    cfg = cfg_of(*tiny(tmp_path, "table=serving_paged", *extra))
+    assert run_job(cfg, tmp_path / "out") > 0
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    row = mlflow.search_runs(search_all_experiments=True).iloc[0]
+    assert row["metrics.verify_ok"] == 1.0 and row["metrics.steps"] > 0
+    assert row["metrics.prefill_tokens"] > 0
+    if kv == "paged":
+        assert row["metrics.peak_blocks"] > 0
+
+
+def test_prefix_cache_needs_paged_kv(tmp_path):
+    from engine.errors import ConfigError
+
+    cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=auto"))
+    with pytest.raises(ConfigError, match="layout=paged"):
+        run_job(cfg, tmp_path / "out")

@@ -1,0 +1,192 @@
+"""Which rows each step computes, over a fixed set of slots.
+
+A request feeds its tokens (prompt, then each sampled token) into its slot's KV positions in order.
+`computed` counts positions already written; a step feeds the next rows of some requests, and a
+request samples when its last fed row is its newest token, so prefill and decode are one thing.
+- mode "static": a wave of requests fills the slots; the next wave waits until every slot is free.
+- mode "continuous": a slot freed by a finished request is refilled from the queue the next step.
+- prefill "token": one row per running request per step (the seed's way: prompt tokens through the
+  decode step); "chunked": decode rows first, then prompt chunks of waiting prefills under a per-step
+  token budget.
+With a block manager (paged KV) a request is admitted only when blocks for its uncached prompt can be
+had; when growth finds the pool empty the youngest other request is preempted (its blocks freed, its
+tokens recomputed later; greedy output is unchanged because every row's arithmetic is batch-invariant).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.errors import ConfigError
+
+MODES = ("static", "continuous")
+PREFILLS = ("token", "chunked")
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    slot: int = -1
+    computed: int = 0  # KV positions written
+    cached: int = 0  # prompt positions served by shared prefix blocks
+    admitted_step: int = -1
+    finished_step: int = -1
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt) + len(self.output) - self.computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+@dataclass
+class Scheduled:
+    request: Request
+    rows: int  # tokens fed this step: positions computed .. computed + rows - 1
+    samples: bool  # its last row is the newest token: sample the next one
+
+
+@dataclass
+class Plan:
+    items: list[Scheduled]
+    admitted: list[Request]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.rows for s in self.items)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, mode: str = "continuous", prefill: str = "token", token_budget: int = 512,
+                 block_manager: BlockManager | None = None, ctx: int = 512, stop_ids: tuple[int, ...] = ()):
+        if mode not in MODES:
+            raise ConfigError(f"scheduler.mode={mode!r}; choose one of {MODES}")
+        if prefill not in PREFILLS:
+            raise ConfigError(f"scheduler.prefill={prefill!r} for serving; choose one of {PREFILLS}")
+        if prefill == "chunked" and token_budget < num_slots:
+            raise ConfigError(f"scheduler.token_budget={token_budget} is below the {num_slots} decode rows a step may need")
+        self.num_slots, self.mode, self.prefill, self.budget = num_slots, mode, prefill, token_budget
+        self.bm, self.ctx, self.stop_ids = block_manager, ctx, set(stop_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.finished: list[Request] = []
+        self.rejected: list[tuple[Request, str]] = []
+        self.step = 0
+        self.dirty_tables: dict[int, list[int]] = {}  # slot -> block table to upload before the step
+
+    # -- requests in ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        need = len(req.prompt) + req.max_new_tokens - 1  # the last sampled token is never fed
+        if need > self.ctx:
+            self._reject(req, f"needs {need} KV positions, the per-slot context is {self.ctx}")
+        elif self.bm is not None and self.bm.blocks_for(need) > self.bm.num_blocks - 1:
+            self._reject(req, f"needs {self.bm.blocks_for(need)} KV blocks of {self.bm.block_size} positions, "
+                              f"the pool has {self.bm.num_blocks - 1}; raise kv_cache.num_blocks")
+        else:
+            self.waiting.append(req)
+
+    def _reject(self, req: Request, why: str) -> None:
+        self.rejected.append((req, f"request {req.rid} rejected: {why}"))
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        admitted = self._admit()
+        items: list[Scheduled] = []
+        budget = self.budget if self.prefill == "chunked" else None
+        order = sorted(self.running.values(), key=lambda r: (r.in_prefill, r.admitted_step, r.rid))
+        for req in order:
+            if req.slot < 0:  # preempted earlier in this loop
+                continue
+            rows = 1 if self.prefill == "token" else min(req.pending, budget)
+            if rows <= 0:
+                continue
+            if not self._grow(req, req.computed + rows):
+                continue
+            if budget is not None:
+                budget -= rows
+            items.append(Scheduled(req, rows, req.computed + rows == len(req.prompt) + len(req.output)))
+        items = [s for s in items if s.request.slot >= 0]  # drop any preempted while growing others
+        return Plan(items, admitted)
+
+    def _admit(self) -> list[Request]:
+        if self.mode == "static" and self.running:
+            return []
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if self.bm is not None:
+                if not self.bm.can_allocate(req.tokens):
+                    break  # admission control: wait for blocks
+                req.cached = self.bm.allocate(req.rid, req.tokens)
+                req.computed = req.cached
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            req.admitted_step = self.step
+            self.running[req.slot] = req
+            if self.bm is not None:
+                self.dirty_tables[req.slot] = self.bm.table(req.rid)
+            admitted.append(req)
+        return admitted
+
+    def _grow(self, req: Request, new_len: int) -> bool:
+        """Make the request's blocks cover new_len positions, preempting the youngest others if needed."""
+        if self.bm is None:
+            return True
+        while not self.bm.can_append(req.rid, new_len):
+            victims = [r for r in self.running.values() if r is not req]
+            if not victims:
+                raise ConfigError(f"request {req.rid} cannot grow to {new_len} positions even alone: "
+                                  f"the KV pool of {self.bm.num_blocks - 1} blocks is too small")
+            self._preempt(max(victims, key=lambda r: (r.admitted_step, r.rid)))
+        self.bm.append(req.rid, new_len)
+        self.dirty_tables[req.slot] = self.bm.table(req.rid)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req.rid)
+        del self.running[req.slot]
+        self.free_slots.append(req.slot)
+        req.slot, req.computed, req.cached = -1, 0, 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish_step(self, plan: Plan, sampled: list[int]) -> list[Request]:
+        """Advance every scheduled request by its rows; append sampled tokens in plan order; retire the done."""
+        it = iter(sampled)
+        done = []
+        for s in plan.items:
+            req = s.request
+            req.computed += s.rows
+            if self.bm is not None:
+                self.bm.commit(req.rid, req.tokens[:req.computed])
+            if not s.samples:
+                continue
+            tok = next(it)
+            req.output.append(tok)
+            if tok in self.stop_ids or len(req.output) >= req.max_new_tokens:
+                done.append(req)
+        for req in done:
+            req.finished_step = self.step
+            if self.bm is not None:
+                self.bm.free(req.rid)
+            del self.running[req.slot]
+            self.free_slots.append(req.slot)
+            self.finished.append(req)
+        self.step += 1
+        return done

@@ -1,0 +1,94 @@
+"""A serving job: a queue of requests through the scheduler, paged or contiguous KV, prefix caching,
+on-device or host sampling; verified against the single-stream greedy output of each prompt."""
+from __future__ import annotations
+
+import random
+
+from engine.block_manager import BlockManager
+from engine.errors import ConfigError
+from engine.fused_model import FusedDecoder
+from engine.kv_cache import ContiguousKVCache, PagedKVCache
+from engine.sampler import SamplingParams
+from engine.scheduler import Request, Scheduler
+from engine.serve import PREFIX_MODES, ServingEngine
+from engine.static_batch import run_static
+from kernels.backend import get_step_kernels
+
+
+def make_requests(prompt: list[int], w) -> list[Request]:
+    rng = random.Random(w.seed)
+    lo = w.min_new_tokens or w.max_new_tokens
+    return [Request(i, list(prompt), rng.randint(lo, w.max_new_tokens)) for i in range(w.num_requests)]
+
+
+def fused_model(built, ctx: int) -> FusedDecoder:
+    if isinstance(built.model, FusedDecoder):
+        return built.model
+    # CPU: the same fused step over the torch reference kernels
+    return FusedDecoder(built.cfg, built.weights, get_step_kernels("torch"), ctx + 1)
+
+
+def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling: SamplingParams) -> tuple[dict, dict, str, str]:
+    kvc, sc, w, B = cfg.kv_cache, cfg.scheduler, cfg.workload, cfg.batch.size
+    if kvc.prefix not in PREFIX_MODES:
+        raise ConfigError(f"kv_cache.prefix={kvc.prefix!r}; choose one of {PREFIX_MODES}")
+    if kvc.prefix != "off" and kvc.layout != "paged":
+        raise ConfigError("kv_cache.prefix needs kv_cache.layout=paged (shared prefixes live in shared blocks)")
+    if w.num_requests < 1:
+        raise ConfigError("a serving job (scheduler.mode=wave|continuous) needs workload.num_requests >= 1")
+    model = fused_model(built, kvc.ctx)
+    dev, dt = built.device, built.dtype
+    bm = None
+    if kvc.layout == "paged":
+        blocks = kvc.num_blocks or B * kvc.ctx // kvc.block_size + 1
+        bm = BlockManager(blocks, kvc.block_size, prefix_caching=kvc.prefix == "auto")
+        kv = PagedKVCache(built.cfg, blocks, kvc.block_size, B, kvc.ctx, dt, dev)
+    elif kvc.layout == "contiguous":
+        kv = ContiguousKVCache(built.cfg, B + 1, kvc.ctx, dt, dev)
+    else:
+        raise ConfigError(f"kv_cache.layout={kvc.layout!r}; choose contiguous or paged")
+    mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
+    sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids)
+    engine = ServingEngine(model, kv, sched, sampling, cfg.sampling.on_device)
+    pinned = engine.pin_prefix(ids) if kvc.prefix == "pinned" else 0
+    requests = make_requests(ids, w)
+    res = engine.run(requests, progress=cfg.progress)
+
+    # verify: greedy outputs equal the single-stream greedy output of the prompt, truncated to each length
+    longest = max(r.max_new_tokens for r in requests)
+    stepper, _ = built.stepper(1, sampling, kvc.ctx)
+    ref = run_static(stepper, [ids], longest, stop_ids, "token", kvc.ctx).outputs[0]
+    if sampling.greedy:
+        bad = [r.rid for r in res.finished if r.output != ref[:len(r.output)]]
+        ok = not bad and not res.rejected and len(res.finished) == len(requests)
+        line = (f"{len(res.finished)} requests completed, all equal to the single-stream greedy reference "
+                f"(mutually prefix-consistent): {str(ok).lower()}")
+        if bad:
+            line += f" ({len(bad)} differ, first request {bad[0]})"
+    else:
+        ok = len(res.finished) == len(requests) and not res.rejected
+        line = f"{len(res.finished)}/{len(requests)} sampled requests completed: {str(ok).lower()}"
+    for _, why in res.rejected:
+        print(f"[serve] {why}")
+
+    steps = max(res.steps, 1)
+    host_ms = sorted(h * 1e3 for h in res.host_s)
+    metrics = {
+        "throughput_tok_s": res.generated / res.wall_s, "requests_s": len(res.finished) / res.wall_s,
+        "steps": res.steps, "verify_ok": int(ok), "slot_util": res.active_slot_steps / (steps * B),
+        "prefill_tokens": res.prefill_rows, "generated_tokens": res.generated, "wall_s": res.wall_s,
+        "step_ms_mean": res.wall_s / steps * 1e3, "host_ms_p50": host_ms[len(host_ms) // 2] if host_ms else 0.0,
+        "d2h_bytes_per_step": res.d2h_bytes / steps, "kv_pool_mb": kv.nbytes / 2**20, "rejected": len(res.rejected),
+        "preemptions": sum(r.preemptions for r in res.finished), "pinned_prefix_tokens": pinned,
+    }
+    metrics["per_stream_tok_s"] = metrics["throughput_tok_s"] / B
+    if bm is not None:
+        metrics.update(kv_blocks=bm.num_blocks, peak_blocks=bm.peak_used, peak_block_frac=bm.peak_used / (bm.num_blocks - 1))
+    perf = (f"[perf] {sc.mode} B={B}, {len(requests)} requests, {kvc.layout} KV"
+            f"{f' ({bm.num_blocks - 1} blocks, peak {bm.peak_used})' if bm else ''}, prefix {kvc.prefix}: "
+            f"{res.steps} steps, {metrics['throughput_tok_s']:,.1f} gen tok/s, {metrics['requests_s']:.1f} req/s, "
+            f"slot util {metrics['slot_util']:.1%}, prefill tokens {res.prefill_rows}, host {metrics['host_ms_p50']:.2f} "
+            f"ms/step (p50), D2H {metrics['d2h_bytes_per_step']:,.0f} B/step")
+    samples = "\n".join(f"request {r.rid} ({len(r.output)} tokens): {r.output}" for r in res.finished[:4]) + "\n"
+    return metrics, {"samples.txt": samples}, line, perf  # metrics, artifacts, [verify] line, [perf] line
+
