@@ -49,7 +49,8 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         raise ConfigError(f"kv_cache.layout={kvc.layout!r}; choose contiguous or paged")
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
     sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids)
-    engine = ServingEngine(model, kv, sched, sampling, cfg.sampling.on_device)
+    engine = ServingEngine(model, kv, sched, sampling, cfg.sampling.on_device,
+                           use_graphs=cfg.engine.cuda_graphs and dev.type == "cuda")
     pinned = engine.pin_prefix(ids) if kvc.prefix == "pinned" else 0
     requests = make_requests(ids, w)
     res = engine.run(requests, progress=cfg.progress)

@@ -118,3 +118,28 @@ def test_bad_scheduler_config_is_named():
         Scheduler(4, mode="fifo")
     with pytest.raises(ConfigError, match="token_budget"):
         Scheduler(8, prefill="chunked", token_budget=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_gpu_slot_row_graphs_reproduce_single_stream(tiny_ggufs, layout):
+    """Triton kernels + CUDA graphs on fixed slot rows: same tokens as the single-stream Triton run."""
+    from engine.runner import GraphStepper
+    from engine.static_batch import run_static
+
+    cfg, w, _ = load_gguf(tiny_ggufs["qwen3"], dtype=torch.bfloat16, device="cuda", progress=False)
+    fused = FusedDecoder(cfg, w, get_step_kernels("triton"), max_pos=CTX + 1)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 14))] for _ in range(10)]
+    max_new = [rng.randrange(2, 12) for _ in prompts]
+    refs = {}
+    for i, (p, n) in enumerate(zip(prompts, max_new)):
+        kv = ContiguousKVCache(cfg, 2, CTX, torch.bfloat16, "cuda")
+        refs[i] = run_static(GraphStepper(fused, kv, 1, SamplingParams()), [p], n, prefill="token", ctx=CTX).outputs[0]
+    bm = BlockManager(40, BS, prefix_caching=True) if layout == "paged" else None
+    kv = (PagedKVCache(cfg, 40, BS, 4, CTX, torch.bfloat16, "cuda") if bm
+          else ContiguousKVCache(cfg, 5, CTX, torch.bfloat16, "cuda"))
+    eng = ServingEngine(fused, kv, Scheduler(4, "continuous", "token", 16, bm, CTX), SamplingParams())
+    assert eng.slot_rows.layers_graph is not None
+    res = eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
+    assert outputs(res) == refs
