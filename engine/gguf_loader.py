@@ -1,6 +1,22 @@
-"""Load a llama / qwen3 GGUF file: typed config plus dequantized weights in torch (out, in) layout.
+"""Load a llama / qwen3 / qwen35 GGUF file: typed config plus dequantized weights in torch (out, in) layout.
 
-q/k projections come back in Hugging Face's rotate-half (NEOX) layout for both architectures.
+q/k projections come back in Hugging Face's rotate-half (NEOX) layout for every architecture.
+
+qwen35 (Qwen3.5/3.6/3.8 hybrid: Gated DeltaNet + gated attention) weights keep their GGUF names and
+values with one exception. The conventions, all decided here and read by engine/models/qwen35.py:
+  * Norms: every norm weight is the plain multiplier `rms_norm(x) * w`. llama.cpp's converter baked
+    HF's zero-centred `1 + w` into every `*norm.weight` except `ssm_norm` (the GDN gated norm, plain
+    in HF too), so the GGUF values are used as they are -- no +1 anywhere at run time.
+  * `ssm_a` (no `.weight` suffix) is already -exp(A_log); `ssm_dt.bias` is dt_bias; `ssm_conv1d.weight`
+    is the squeezed [conv_dim, K] depthwise kernel (cross-correlation, newest input in column K-1).
+  * `attn_gate` is the GDN z projection (input of the SiLU-gated norm); the attention output gate
+    lives in `attn_q`, whose rows are per head [q (head_dim) | gate (head_dim)].
+  * V heads: when ssm.time_step_rank (Hv) != ssm.group_count (Hk) the converter reorders value heads
+    from HF's grouped order (v head h reads k head h // (Hv/Hk)) to a tiled order (GGUF head
+    rho*Hk + g == HF head g*(Hv/Hk) + rho). The loader undoes it, so weights, the recurrent state and
+    every downstream kernel use HF's grouped order (the pairing FLA / vLLM kernels assume).
+  * MTP blocks (`nextn_predict_layers`, counted in block_count) are loaded and kept under their GGUF
+    names (blk.{n_layers + j}.*); cfg.n_layers counts trunk layers only, cfg.mtp_layers the rest.
 """
 from __future__ import annotations
 
@@ -19,7 +35,7 @@ from engine.errors import GGUFError
 from engine.gguf_meta import open_reader, read_metadata
 from engine.quant import SUPPORTED_TYPES, dequantize
 
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen3", "qwen35")
 ROPE_FREQS = "rope_freqs.weight"
 _SUPPORTED_NAMES = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
 
@@ -43,6 +59,128 @@ def qk_heads(cfg: ModelConfig, name: str) -> int | None:
     return {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(name.split(".")[-2])
 
 
+def _v_head_order(n_k_heads: int, n_v_heads: int, tiled_from_grouped: bool) -> torch.Tensor:
+    """Index list over value heads: out[j] = in[perm[j]]. Grouped (HF) head g*r + rho sits at tiled
+    (GGUF) position rho*Hk + g, with r = Hv/Hk."""
+    r = n_v_heads // n_k_heads
+    grouped = torch.arange(n_v_heads).view(n_k_heads, r)  # [g, rho] -> grouped index
+    if tiled_from_grouped:
+        return grouped.t().reshape(-1)  # tiled position j = rho*Hk + g holds grouped head g*r + rho
+    return torch.argsort(grouped.t().reshape(-1))
+
+
+def reorder_v_heads(w: torch.Tensor, dim: int, n_k_heads: int, n_v_heads: int, head_dim: int,
+                    to_gguf: bool) -> torch.Tensor:
+    """Permute value heads (blocks of head_dim along `dim`) between HF grouped order and llama.cpp's
+    tiled order: to_gguf=True is the converter's reorder, False its inverse (what the loader applies)."""
+    perm = _v_head_order(n_k_heads, n_v_heads, to_gguf)
+    idx = (perm.view(-1, 1) * head_dim + torch.arange(head_dim)).reshape(-1).to(w.device)
+    return w.index_select(dim, idx)
+
+
+def gdn_v_reorder(cfg: ModelConfig, name: str, w: torch.Tensor, to_gguf: bool) -> torch.Tensor:
+    """Apply (to_gguf) or undo the converter's V-head reorder to one qwen35 tensor; other tensors,
+    and every tensor when Hv == Hk, come back unchanged."""
+    if cfg.arch != "qwen35" or cfg.gdn_v_heads == cfg.gdn_k_heads or name.count(".") < 2:
+        return w
+    kind = name.split(".", 2)[2]
+    hk, hv, dv, kd = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_v_dim, 2 * cfg.gdn_key_dim
+    if kind in ("attn_qkv.weight", "ssm_conv1d.weight"):  # only the V rows / channels after [q | k]
+        return torch.cat([w[:kd], reorder_v_heads(w[kd:], 0, hk, hv, dv, to_gguf)])
+    if kind == "attn_gate.weight":
+        return reorder_v_heads(w, 0, hk, hv, dv, to_gguf)
+    if kind in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias"):
+        return reorder_v_heads(w, 0, hk, hv, 1, to_gguf)
+    if kind == "ssm_out.weight":  # columns
+        return reorder_v_heads(w, 1, hk, hv, dv, to_gguf)
+    return w
+
+
+_REQUIRED = object()
+
+
+def _qwen35_config(meta: dict[str, Any], path: str, shapes: dict[str, tuple[int, ...]], vocab: Any) -> ModelConfig:
+    """qwen35 metadata -> ModelConfig, read as llama.cpp's loader reads it (same keys, same defaults),
+    with every value checked: a missing, mistyped or inconsistent key is a GGUFError naming it."""
+    arch = "qwen35"
+
+    def bad(key: str, why: str) -> GGUFError:
+        return GGUFError(f"{path}: metadata key {arch}.{key} {why}")
+
+    def num(key: str, default: Any = _REQUIRED, kind: type = int, minimum: float | None = 1) -> Any:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            if default is _REQUIRED:
+                raise bad(key, "is missing")
+            return default
+        if isinstance(value, list):
+            raise bad(key, f"is per-layer ({value[:4]}...), which is not supported")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise bad(key, f"has value {value!r}; expected {'an integer' if kind is int else 'a number'}")
+        value = kind(value)
+        if minimum is not None and value < minimum:
+            raise bad(key, f"is {value}; must be >= {minimum}")
+        return value
+
+    block_count = num("block_count")
+    nextn = num("nextn_predict_layers", 0, minimum=0)
+    if nextn >= block_count:
+        raise bad("nextn_predict_layers", f"is {nextn} but block_count is {block_count}: no trunk layers left")
+    n_layers = block_count - nextn
+    dim, n_heads = num("embedding_length"), num("attention.head_count")
+    n_kv = num("attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise bad("attention.head_count_kv", f"is {n_kv}, which does not divide head_count {n_heads}")
+    interval = num("full_attention_interval", 4)  # llama.cpp's default
+    first_attn = next((i for i in range(n_layers) if (i + 1) % interval == 0), None)
+    q_norm = shapes.get(f"blk.{first_attn}.attn_q_norm.weight") if first_attn is not None else None
+    head_dim = num("attention.key_length", q_norm[0] if q_norm else dim // n_heads)
+    if num("attention.value_length", head_dim) != head_dim:
+        raise bad("attention.value_length", f"differs from key_length {head_dim}; not supported")
+    rope_dim = num("rope.dimension_count", head_dim)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise bad("rope.dimension_count", f"is {rope_dim}; must be even and <= head_dim {head_dim}")
+    sections = meta.get(f"{arch}.rope.dimension_sections", [])
+    if (not isinstance(sections, list) or len(sections) > 4
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in sections)):
+        raise bad("rope.dimension_sections", f"is {sections!r}; expected up to 4 non-negative integers")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise bad("rope.scaling.type", f"is {scaling!r}; only 'none' is supported")
+
+    k_heads, v_heads = num("ssm.group_count"), num("ssm.time_step_rank")
+    if v_heads % k_heads:
+        raise bad("ssm.time_step_rank", f"({v_heads} value heads) is not a multiple of ssm.group_count ({k_heads})")
+    inner = num("ssm.inner_size")
+    if inner % v_heads:
+        raise bad("ssm.inner_size", f"({inner}) is not a multiple of ssm.time_step_rank ({v_heads})")
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")  # llama.cpp's optional explicit pattern
+    if recurrent is not None:
+        expected = [(i < n_layers) and (i + 1) % interval != 0 for i in range(block_count)]
+        if not isinstance(recurrent, list) or [bool(x) for x in recurrent] != expected:
+            raise bad("attention.recurrent_layers", f"is {recurrent!r}; only the full_attention_interval "
+                      f"pattern (every {interval}th layer full attention) is supported")
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    fields = dict(
+        arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        ffn_dim=num("feed_forward_length"), vocab_size=int(vocab),
+        norm_eps=num("attention.layer_norm_rms_epsilon", kind=float, minimum=0.0),
+        rope_theta=num("rope.freq_base", 10000.0, kind=float, minimum=1.0),
+        context_length=num("context_length"), tie_embeddings="output.weight" not in shapes, qk_norm=True,
+        name=str(meta.get("general.name", "")), bos_id=None if bos is None else int(bos),
+        eos_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        full_attention_interval=interval, rotary_dim=rope_dim, rope_sections=tuple(sections),
+        attn_output_gate=True, gdn_k_heads=k_heads, gdn_v_heads=v_heads, gdn_k_dim=num("ssm.state_size"),
+        gdn_v_dim=inner // v_heads, gdn_conv_kernel=num("ssm.conv_kernel"), mtp_layers=nextn,
+    )
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:  # ModelConfig's own consistency checks
+        raise GGUFError(f"{path}: inconsistent qwen35 metadata: {e}") from None
+
+
 def config_from_metadata(
     meta: dict[str, Any], path: str, tensor_shapes: dict[str, tuple[int, ...]] | None = None
 ) -> ModelConfig:
@@ -53,6 +191,8 @@ def config_from_metadata(
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     shapes = tensor_shapes or {}
+    if arch == "qwen35":
+        return _qwen35_config(meta, path, shapes, _vocab_size(meta, path, arch, shapes))
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -72,14 +212,7 @@ def config_from_metadata(
     if get("rope.scaling.type", "none") != "none":
         raise GGUFError(f"{path}: rope scaling type {get('rope.scaling.type')!r} is not supported")
 
-    vocab = meta.get(f"{arch}.vocab_size")
-    if vocab is None and "tokenizer.ggml.tokens" in meta:
-        vocab = len(meta["tokenizer.ggml.tokens"])
-    if vocab is None and "token_embd.weight" in shapes:
-        vocab = shapes["token_embd.weight"][0]
-    if vocab is None:
-        raise GGUFError(f"{path}: cannot tell the vocabulary size "
-                        f"(no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight)")
+    vocab = _vocab_size(meta, path, arch, shapes)
 
     # llama.cpp stops on any end-of-generation id: eos, end-of-turn, end-of-message
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -102,6 +235,18 @@ def config_from_metadata(
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
     )
+
+
+def _vocab_size(meta: dict[str, Any], path: str, arch: str, shapes: dict[str, tuple[int, ...]]) -> int:
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None and "tokenizer.ggml.tokens" in meta:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    if vocab is None and "token_embd.weight" in shapes:
+        vocab = shapes["token_embd.weight"][0]
+    if vocab is None:
+        raise GGUFError(f"{path}: cannot tell the vocabulary size "
+                        f"(no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight)")
+    return vocab
 
 
 class _Truncated(Exception):
@@ -144,15 +289,27 @@ def _open(path: str) -> gguf.GGUFReader:
             gc.enable()
 
 
+def _needed_by(cfg: ModelConfig, name: str) -> str:
+    what = f"{cfg.arch} with {cfg.n_layers} layers"
+    if cfg.arch != "qwen35" or not name.startswith("blk."):
+        return what
+    i = int(name.split(".")[1])
+    if i >= cfg.n_layers:
+        return f"{what}: MTP block {i - cfg.n_layers} of {cfg.mtp_layers}"
+    kind = "full-attention" if cfg.layer_kinds[i] == "attention" else "Gated DeltaNet"
+    return f"{what}: layer {i} is a {kind} layer (full_attention_interval {cfg.full_attention_interval})"
+
+
 def _check_tensors(path: str, cfg: ModelConfig, found: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs: present, right shape, decodable type. Returns name -> shape."""
     wanted = cfg.tensor_shapes()
     if ROPE_FREQS in found:
-        wanted[ROPE_FREQS] = (cfg.head_dim // 2,)
+        wanted[ROPE_FREQS] = (cfg.rope_dim // 2,)
+    wanted.update({n: s for n, s in cfg.optional_tensor_shapes().items() if n in found})
     for name, shape in wanted.items():
         t = found.get(name)
         if t is None:
-            raise GGUFError(f"{path}: tensor {name} is missing (needed by {cfg.arch} with {cfg.n_layers} layers)")
+            raise GGUFError(f"{path}: tensor {name} is missing (needed by {_needed_by(cfg, name)})")
         got = tuple(int(d) for d in reversed(t.shape.tolist()))
         if got != shape:
             raise GGUFError(f"{path}: tensor {name} has shape {got}, expected {shape}")
@@ -185,5 +342,6 @@ def load_gguf(
         n_head = qk_heads(cfg, name)
         if n_head is not None:
             w = unpermute_qk(w, n_head)
+        w = gdn_v_reorder(cfg, name, w, to_gguf=False)
         weights[name] = w if name == ROPE_FREQS else w.to(dtype)
     return cfg, weights, meta

@@ -136,8 +136,8 @@ def test_gpu_slot_row_graphs_reproduce_single_stream(tiny_ggufs, layout):
     for i, (p, n) in enumerate(zip(prompts, max_new)):
         kv = ContiguousKVCache(cfg, 2, CTX, torch.bfloat16, "cuda")
         refs[i] = run_static(GraphStepper(fused, kv, 1, SamplingParams()), [p], n, prefill="token", ctx=CTX).outputs[0]
-    bm = BlockManager(40, BS, prefix_caching=True) if layout == "paged" else None
-    kv = (PagedKVCache(cfg, 40, BS, 4, CTX, torch.bfloat16, "cuda") if bm
+    bm = BlockManager(20, 16, prefix_caching=True) if layout == "paged" else None  # the Triton kernels page by >= 16
+    kv = (PagedKVCache(cfg, 20, 16, 4, CTX, torch.bfloat16, "cuda") if bm
           else ContiguousKVCache(cfg, 5, CTX, torch.bfloat16, "cuda"))
     eng = ServingEngine(fused, kv, Scheduler(4, "continuous", "token", 16, bm, CTX), SamplingParams())
     assert eng.slot_rows.layers_graph is not None

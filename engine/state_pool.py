@@ -1,0 +1,136 @@
+"""Per-slot recurrent state of hybrid models (qwen35's Gated DeltaNet layers), beside the KV cache.
+
+A GDN layer keeps, per slot, no KV but two fixed-size tensors:
+  ssm[j]  [slots, Hv, Dk, Dv]        the delta-rule state S (fp32 by default; bf16 optional), HF/FLA layout
+                                     (V fastest), value heads in HF grouped order (v head h reads k head
+                                     h // (Hv/Hk); the loader un-permutes llama.cpp's tiled order)
+  conv[j] [slots, conv_dim, K-1]     the last K-1 *pre-conv* qkv rows, oldest first (a shift ring)
+where j indexes the GDN layers in order (`layers[j]` is the trunk layer index).
+
+The pool also counts the tokens each slot has absorbed, because a recurrence cannot skip or rewind:
+a forward whose row starts at position 0 begins a new sequence (the slot's state is zeroed first, the
+same way a KV slot is simply overwritten from position 0), and any other row must continue exactly
+where its slot stopped. `reset(slots)` zeroes slots explicitly (e.g. when a scheduler frees them).
+
+`HybridCache` bundles a KV cache (for the attention layers) with a StatePool and stands wherever a
+model takes `kv`, so the existing steppers drive qwen35 unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+
+
+def _slot_list(slots) -> list[int]:
+    if isinstance(slots, torch.Tensor):
+        return [int(s) for s in slots.reshape(-1).tolist()]
+    if isinstance(slots, int):
+        return [slots]
+    return [int(s) for s in slots]
+
+
+class StatePool:
+    def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device | str = "cpu",
+                 state_dtype: torch.dtype = torch.float32, conv_dtype: torch.dtype = torch.float32):
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"recurrent state dtype {state_dtype} not supported (float32 or bfloat16)")
+        self.cfg, self.num_slots = cfg, num_slots
+        self.layers = cfg.gdn_layers
+        self.index = {layer: j for j, layer in enumerate(self.layers)}
+        ring = max(cfg.gdn_conv_kernel - 1, 0)
+        self.ssm = [torch.zeros(num_slots, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim, dtype=state_dtype, device=device)
+                    for _ in self.layers]
+        self.conv = [torch.zeros(num_slots, cfg.gdn_conv_dim, ring, dtype=conv_dtype, device=device)
+                     for _ in self.layers]
+        self.seen = [0] * num_slots  # tokens absorbed per slot (host side: checked once per forward)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return self.ssm[0].dtype if self.ssm else torch.float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.ssm + self.conv)
+
+    def reset(self, slots) -> None:
+        """Zero the state and conv ring of the given slots (ids: tensor, list or int)."""
+        ids = _slot_list(slots)
+        if not ids:
+            return
+        self._check_ids(ids)
+        idx = torch.tensor(ids, dtype=torch.long, device=self.ssm[0].device if self.ssm else "cpu")
+        for s, c in zip(self.ssm, self.conv):
+            s[idx] = 0
+            c[idx] = 0
+        for i in ids:
+            self.seen[i] = 0
+
+    def _check_ids(self, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.num_slots]
+        if bad:
+            raise ConfigError(f"slot ids {bad} outside the state pool's {self.num_slots} slots")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"a forward names slot(s) {sorted({i for i in ids if ids.count(i) > 1})} twice; "
+                              "a recurrent slot takes one row per step")
+
+    def begin(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Before a forward over positions [B, T] of slots [B]: zero the slots that start at position 0,
+        and check every other row continues its slot's sequence with consecutive positions."""
+        ids = _slot_list(slots)
+        self._check_ids(ids)
+        T = positions.shape[1]
+        steps = torch.arange(T, device=positions.device)
+        if not bool((positions - positions[:, :1] == steps).all()):
+            raise ConfigError("recurrent layers need consecutive positions within each row of a forward")
+        starts = [int(p) for p in positions[:, 0].tolist()]
+        wrong = [(s, p, self.seen[s]) for s, p in zip(ids, starts) if p != 0 and p != self.seen[s]]
+        if wrong:
+            s, p, n = wrong[0]
+            raise ConfigError(f"slot {s}: a forward starts at position {p} but the slot's recurrent state holds "
+                              f"{n} tokens; GDN state cannot skip or rewind (start a sequence at position 0 or "
+                              "continue at the next position)")
+        self.reset([s for s, p in zip(ids, starts) if p == 0])
+
+    def advance(self, slots: torch.Tensor, tokens: int) -> None:
+        for s in _slot_list(slots):
+            self.seen[s] += tokens
+
+
+class HybridCache:
+    """KV cache of the attention layers + StatePool of the GDN layers, passed as a model's `kv`.
+    Reads and writes go to the KV cache (indexed by trunk layer); `state` holds the recurrent part."""
+
+    def __init__(self, kv, state: StatePool):
+        if state.num_slots < kv.num_slots:
+            raise ConfigError(f"state pool has {state.num_slots} slots but the KV cache has {kv.num_slots}")
+        self.kv, self.state = kv, state
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_slots: int, ctx: int, dtype: torch.dtype, device: torch.device | str,
+               state_dtype: torch.dtype = torch.float32) -> HybridCache:
+        from engine.kv_cache import ContiguousKVCache
+
+        return cls(ContiguousKVCache(cfg, num_slots, ctx, dtype, device), StatePool(cfg, num_slots, device, state_dtype))
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.num_slots
+
+    @property
+    def ctx(self) -> int:
+        return self.kv.ctx
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.state.nbytes
+
+    def write(self, layer, slots, positions, k, v) -> None:
+        self.kv.write(layer, slots, positions, k, v)
+
+    def read(self, layer, slots, length):
+        return self.kv.read(layer, slots, length)
+
+    def reset(self, slots) -> None:
+        self.state.reset(slots)
