@@ -1,5 +1,12 @@
 """Synthetic GGUF files with a model's exact tensor shapes and llama.cpp's metadata (tests, benchmarks).
 
+qwen35 files carry what llama.cpp's converter (conversion/qwen.py, Qwen3_5TextModel) writes: the ssm.*
+keys, full_attention_interval, the partial rope.dimension_count and rope.dimension_sections, a
+block_count that includes the MTP blocks plus nextn_predict_layers, tensors named and shaped as in
+ModelConfig.tensor_shapes(), value heads reordered to the converter's tiled order when Hv != Hk, and
+ssm_conv1d / 1-D / non-".weight" tensors (ssm_a, ssm_dt.bias) kept in F32 as the converter keeps them.
+Weights are given in the loader's convention (GGUF values, HF grouped V-head order).
+
 K-quant types (q4_k, q5_k, q6_k) have no quantizer in gguf-py, so their matrices are written as
 random-but-valid blocks whose spread roughly matches the given weight: the stored values are NOT
 the given weights (compare against gguf.quants.dequantize of the written bytes instead).
@@ -15,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, LlamaFileType as FT
 
 from engine.config import ModelConfig, llama3_rope_factors
-from engine.gguf_loader import ROPE_FREQS, permute_qk, qk_heads
+from engine.gguf_loader import ROPE_FREQS, gdn_v_reorder, permute_qk, qk_heads
 from engine.quant import dequantize, nbytes_for
 
 WEIGHT_TYPES: dict[str, tuple[QT, FT]] = {
@@ -31,6 +38,8 @@ _K_Q_MEAN = {QT.Q4_K: 7.5, QT.Q5_K: 15.5}  # dmin = d * mean code keeps the valu
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """float32 weights of the exact shapes: matrices N(0, 0.02), norm gains 1 + N(0, 0.02);
     plus `rope_freqs.weight` when cfg.rope_scaling is set."""
+    if cfg.arch == "qwen35":
+        return _random_qwen35_weights(cfg, seed)
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in cfg.tensor_shapes().items():
@@ -41,9 +50,30 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def _random_qwen35_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """float32 qwen35 weights in the loader's convention, scaled so every layer matters: matrices
+    N(0, 1/fan_in), embeddings N(0, 0.5), norm gains (GGUF's baked 1 + w) 1 + N(0, 0.1), conv taps
+    N(0, 0.5), ssm_a = -A with A ~ U(0.05, 1) (slow-to-moderate decay), dt bias N(0, 0.5)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in cfg.tensor_shapes().items():
+        noise = torch.randn(shape, generator=g)
+        if name.endswith("ssm_a"):
+            out[name] = -(torch.rand(shape, generator=g) * 0.95 + 0.05)
+        elif name.endswith(("ssm_dt.bias", "ssm_conv1d.weight")) or name in ("token_embd.weight",):
+            out[name] = noise.mul_(0.5)
+        elif len(shape) == 1:
+            out[name] = noise.mul_(0.1).add_(1.0)
+        else:
+            out[name] = noise.mul_(shape[1] ** -0.5)
+    return out
+
+
 def _tensor_type(name: str, shape: tuple[int, ...], qtype: QT) -> QT:
     if len(shape) == 1:  # norms and rope_freqs
         return QT.F32
+    if name.endswith("ssm_conv1d.weight") or not name.endswith(".weight"):
+        return QT.F32  # the converter keeps the conv taps (K-wide rows) and non-weights in F32
     block, _ = GGML_QUANT_SIZES[qtype]
     if shape[-1] % block == 0:
         return qtype
@@ -88,15 +118,17 @@ def _add_metadata(wr: gguf.GGUFWriter, cfg: ModelConfig, ftype: FT, quantized: b
     wr.add_name(cfg.name)
     wr.add_context_length(cfg.context_length)
     wr.add_embedding_length(cfg.dim)
-    wr.add_block_count(cfg.n_layers)
+    wr.add_block_count(cfg.n_layers + cfg.mtp_layers)  # llama.cpp counts MTP blocks in block_count
     wr.add_feed_forward_length(cfg.ffn_dim)
     wr.add_head_count(cfg.n_heads)
     wr.add_head_count_kv(cfg.n_kv_heads)
     wr.add_key_length(cfg.head_dim)
     wr.add_value_length(cfg.head_dim)
-    wr.add_rope_dimension_count(cfg.head_dim)
+    wr.add_rope_dimension_count(cfg.rope_dim)
     wr.add_rope_freq_base(cfg.rope_theta)
     wr.add_layer_norm_rms_eps(cfg.norm_eps)
+    if cfg.arch == "qwen35":
+        _add_qwen35_metadata(wr, cfg)
     wr.add_vocab_size(cfg.vocab_size)  # files without a tokenizer have no other record of it
     wr.add_file_type(ftype)
     if quantized:
@@ -128,12 +160,26 @@ def _add_metadata(wr: gguf.GGUFWriter, cfg: ModelConfig, ftype: FT, quantized: b
             wr.add_array(key, list(value))
 
 
+def _add_qwen35_metadata(wr: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """The keys Qwen3NextModel / _Qwen35MRopeMixin / _Qwen35MtpMixin add (conversion/qwen.py)."""
+    wr.add_ssm_conv_kernel(cfg.gdn_conv_kernel)
+    wr.add_ssm_state_size(cfg.gdn_k_dim)
+    wr.add_ssm_group_count(cfg.gdn_k_heads)
+    wr.add_ssm_time_step_rank(cfg.gdn_v_heads)
+    wr.add_ssm_inner_size(cfg.gdn_value_dim)
+    wr.add_full_attention_interval(cfg.full_attention_interval)
+    # the converter's default when the checkpoint's rope parameters carry no mrope_section
+    wr.add_rope_dimension_sections(list(cfg.rope_sections) or [11, 11, 10, 0])
+    if cfg.mtp_layers:
+        wr.add_nextn_predict_layers(cfg.mtp_layers)
+
+
 def write_gguf(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                weight_type: str = "bf16", tokenizer_meta: dict[str, Any] | None = None,
                seed: int = 0) -> None:
     """Write `weights` (torch layout, keyed by GGUF name, written in dict order) as a GGUF file for
     cfg.arch. 1-D tensors and rope_freqs are F32, matrices `weight_type`. llama q/k rows get the
-    converter's permutation. Tensors are encoded one at a time (no second full copy in memory).
+    converter's permutation; qwen35 value heads its grouped -> tiled reorder (when Hv != Hk). Tensors are encoded one at a time (no second full copy in memory).
     Weights are written as given: wrong shapes or missing tensors make deliberately broken files
     (q/k are permuted only when their shape is the expected one). `seed` drives K-quant blocks."""
     if weight_type not in WEIGHT_TYPES:
@@ -157,5 +203,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, tor
         n_head = qk_heads(cfg, name)
         if n_head is not None and tuple(w.shape) == expected.get(name):
             w = permute_qk(w, n_head)
+        if tuple(w.shape) == expected.get(name):
+            w = gdn_v_reorder(cfg, name, w, to_gguf=True)
         wr.write_tensor_data(_encode(w, types[name], g))
     wr.close()

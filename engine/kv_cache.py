@@ -58,8 +58,7 @@ class PagedKVCache:
         """Rewrite the block-table rows of the given slots (one small host-to-device copy)."""
         if not tables:
             return
-        rows = torch.zeros(len(tables), self.max_blocks, dtype=torch.int32)
-        for i, blocks in enumerate(tables.values()):
-            rows[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        rows = torch.tensor([blocks + [0] * (self.max_blocks - len(blocks)) for blocks in tables.values()],
+                            dtype=torch.int32)
         idx = torch.tensor(list(tables), dtype=torch.long)
         self.block_table[idx.to(self.block_table.device)] = rows.to(self.block_table.device, non_blocking=True)

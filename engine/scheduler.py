@@ -154,8 +154,10 @@ class Scheduler:
                 raise ConfigError(f"request {req.rid} cannot grow to {new_len} positions even alone: "
                                   f"the KV pool of {self.bm.num_blocks - 1} blocks is too small")
             self._preempt(max(victims, key=lambda r: (r.admitted_step, r.rid)))
+        before = self.bm.blocks_for(req.computed) if req.computed else -1
         self.bm.append(req.rid, new_len)
-        self.dirty_tables[req.slot] = self.bm.table(req.rid)
+        if before != self.bm.blocks_for(new_len):  # a block was added: the slot's table row changes
+            self.dirty_tables[req.slot] = self.bm.table(req.rid)
         return True
 
     def _preempt(self, req: Request) -> None:

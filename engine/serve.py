@@ -30,7 +30,7 @@ class ServeResult:
     rows: int = 0  # token rows computed (prompt + fed outputs)
     prefill_rows: int = 0  # of which prompt positions
     active_slot_steps: int = 0
-    host_s: list[float] = field(default_factory=list)  # host time per step (scheduling, tables, bookkeeping)
+    host_s: list[float] = field(default_factory=list)  # host time per step: all but waiting for the device
     d2h_bytes: int = 0
     pinned_prefix: int = 0
 
@@ -154,7 +154,7 @@ class ServingEngine:
             p = self.sampling
             ids = k.sample(logits, torch.full((n,), p.temperature, device=dev), torch.full((n,), p.top_k, device=dev),
                            torch.full((n,), p.top_p, device=dev), t(seeds), t(steps))
-        return ids.tolist(), n * 8
+        return ids, n * 8
 
     def pin_prefix(self, tokens: list[int]) -> int:
         """The seed's prefix mode: fill the block-aligned shared prefix's KV once into pinned blocks."""
@@ -188,11 +188,12 @@ class ServingEngine:
             if self.paged:
                 self.kv.set_tables(sched.dirty_tables)
             sched.dirty_tables = {}
-            res.host_s.append(time.perf_counter() - t0)
-            sampled, d2h = self._forward_slot_rows(plan) if self.slot_rows else self._forward(*self._rows(plan))
-            t1 = time.perf_counter()
+            ids, d2h = self._forward_slot_rows(plan) if self.slot_rows else self._forward(*self._rows(plan))
+            t_wait = time.perf_counter()
+            sampled = ids.tolist() if isinstance(ids, torch.Tensor) else ids  # waits for the device
+            wait = time.perf_counter() - t_wait
             done = sched.finish_step(plan, sampled)
-            res.host_s[-1] += time.perf_counter() - t1
+            res.host_s.append(time.perf_counter() - t0 - wait)  # everything but waiting for the device
             res.steps += 1
             res.rows += plan.num_rows
             res.prefill_rows += prompt_rows
@@ -207,21 +208,20 @@ class ServingEngine:
 
     def _forward_slot_rows(self, plan: Plan) -> tuple[list[int], int]:
         R = self.slot_rows.rows
-        tokens = torch.zeros(R, dtype=torch.long)
-        positions = torch.zeros(R, dtype=torch.long)
-        slots = torch.full((R,), self.scratch, dtype=torch.long)
+        tokens, positions, slots = [0] * R, [0] * R, [self.scratch] * R
         sample_idx, seeds, steps = [], [], []
         for s in plan.items:  # token mode: one row per scheduled request, at row = its slot
             req = s.request
-            tokens[req.slot] = req.tokens[req.computed]
+            n_prompt = len(req.prompt)
+            tokens[req.slot] = req.prompt[req.computed] if req.computed < n_prompt else req.output[req.computed - n_prompt]
             positions[req.slot] = req.computed
             slots[req.slot] = req.slot
             if s.samples:
                 sample_idx.append(req.slot)
                 seeds.append(self.sampling.seed * 1_000_003 + req.rid)
                 steps.append(len(req.output))
-        ids = self.slot_rows.run(tokens, positions, slots, sample_idx, seeds, steps)
-        return ids.tolist(), 8 * len(sample_idx)
+        ids = self.slot_rows.run(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), sample_idx, seeds, steps)
+        return ids, 8 * len(sample_idx)
 
     def _rows(self, plan: Plan):
         tokens, positions, slots, sample_idx, seeds, steps = [], [], [], [], [], []

@@ -7,12 +7,13 @@ from engine.config import ModelConfig
 from engine.errors import GGUFError
 from engine.models.llama import LlamaModel
 from engine.models.qwen3 import Qwen3Model
+from engine.models.qwen35 import Qwen35Model
 from kernels.ops import Ops
 
-MODELS = {"llama": LlamaModel, "qwen3": Qwen3Model}
+MODELS = {"llama": LlamaModel, "qwen3": Qwen3Model, "qwen35": Qwen35Model}
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops) -> LlamaModel:
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops) -> LlamaModel | Qwen35Model:
     if cfg.arch not in MODELS:
         raise GGUFError(f"no model for architecture {cfg.arch!r}; supported: {sorted(MODELS)}")
     return MODELS[cfg.arch](cfg, weights, ops)
