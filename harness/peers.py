@@ -68,3 +68,35 @@ def hf_static_generate_rate(model, prompt: list[int], batch: int, new_tokens: in
     rate = batch * (new_tokens - 1) / max(t_full - t_one, 1e-9)
     return {"peer_tok_s": rate, "peer_step_ms": (t_full - t_one) / (new_tokens - 1) * 1e3, "peer_warmup_s": compile_s,
             "peer_tokens": out[0, len(prompt):].tolist()}
+
+
+@torch.inference_mode()
+def hf_serving_rate(model, requests: list[tuple[list[int], int]], warmup: int = 8) -> dict:
+    """HF transformers continuous batching (`init_continuous_batching`, paged attention): every request
+    with its own max_new_tokens, greedy; generated tokens over the wall time from first submission
+    to last result, after a short warm-up batch."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gc)
+    manager.start()
+    try:
+        def serve(reqs, tag: str) -> tuple[float, dict[str, list[int]]]:
+            t0 = time.perf_counter()
+            ids = [manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=n) for i, (p, n) in enumerate(reqs)]
+            out = {}
+            while len(out) < len(ids):
+                r = manager.get_result(timeout=120)
+                if r is None:
+                    raise RuntimeError(f"HF continuous batching returned {len(out)} of {len(ids)} requests")
+                if r.request_id.startswith(tag):
+                    out[r.request_id] = list(r.generated_tokens)
+            return time.perf_counter() - t0, out
+
+        serve(requests[:warmup], "warm")
+        wall, out = serve(requests, "r")
+    finally:
+        manager.stop(block=True)
+    generated = sum(len(v) for v in out.values())
+    return {"peer_tok_s": generated / wall, "peer_requests_s": len(out) / wall, "peer_wall_s": wall,
+            "peer_outputs": [out[f"r{i}"] for i in range(len(requests))]}

@@ -221,6 +221,27 @@ def serving_prefix(df: pd.DataFrame):
     return d.to_markdown(index=False, floatfmt=("",) + SERVING_FMT).replace("nan", "—"), None
 
 
+@table("serving_sampling")
+def serving_sampling(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "sampling": df["params.sampling.on_device"].map({"True": "on-device", "False": "host"}),
+        "D2H per step (B)": num(df, "metrics.d2h_bytes_per_step"),
+        "wall (s)": num(df, "metrics.wall_s"),
+        "gen tok/s": num(df, "metrics.throughput_tok_s"),
+        "host ms/step": num(df, "metrics.host_ms_p50"),
+        "HF continuous tok/s": _opt(df, "metrics.peer_tok_s"),
+        "vs HF": _opt(df, "metrics.speedup_vs_peer"),
+        "correct": check(num(df, "metrics.verify_ok")),
+    })
+    return d.to_markdown(index=False, floatfmt=("", ",.0f", ".2f", ",.1f", ".2f", ",.0f", ".1f", "")).replace("nan", "—"), None
+
+
+@table("serving_qwen3")
+def serving_qwen3(df: pd.DataFrame):
+    d = _serving(df, {"Qwen3-1.7B": "paged, prefix " + df["params.kv_cache.prefix"]})
+    return d.to_markdown(index=False, floatfmt=("",) + SERVING_FMT).replace("nan", "—"), None
+
+
 def _plot(x, y, xlabel: str, ylabel: str, title: str):
     import matplotlib
 

@@ -72,6 +72,19 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
     for _, why in res.rejected:
         print(f"[serve] {why}")
 
+    peer = {}
+    if cfg.peer.enabled:
+        from harness.peers import hf_model, hf_serving_rate
+
+        hf = hf_model(built.cfg, built.weights, dev, dt)
+        peer = hf_serving_rate(hf, [(r.prompt, r.max_new_tokens) for r in requests])
+        mine = {r.rid: r.output for r in res.finished}
+        agree = sum(mine.get(i) == o for i, o in enumerate(peer.pop("peer_outputs"))) / len(requests)
+        peer.update(peer_agreement=agree)
+        print(f"[peer] HF transformers continuous batching: {peer['peer_tok_s']:,.1f} gen tok/s, "
+              f"{peer['peer_requests_s']:.1f} req/s; same tokens on {agree:.0%} of requests")
+        del hf
+
     steps = max(res.steps, 1)
     host_ms = sorted(h * 1e3 for h in res.host_s)
     metrics = {
@@ -83,6 +96,8 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         "preemptions": sum(r.preemptions for r in res.finished), "pinned_prefix_tokens": pinned,
     }
     metrics["per_stream_tok_s"] = metrics["throughput_tok_s"] / B
+    if peer:
+        metrics.update(peer, speedup_vs_peer=metrics["throughput_tok_s"] / peer["peer_tok_s"])
     if bm is not None:
         metrics.update(kv_blocks=bm.num_blocks, peak_blocks=bm.peak_used, peak_block_frac=bm.peak_used / (bm.num_blocks - 1))
     perf = (f"[perf] {sc.mode} B={B}, {len(requests)} requests, {kvc.layout} KV"

@@ -288,7 +288,7 @@ def test_extra_tensors_ignored(tmp_path: Path):
 def test_unknown_architecture(tmp_path: Path):
     cfg = dataclasses.replace(CONFIGS["llama-tied"], arch="mamba")
     write_gguf(tmp_path / "a.gguf", cfg, random_weights(cfg), "f32")
-    with pytest.raises(GGUFError, match=r"a\.gguf: architecture 'mamba' is not supported \(supported: llama, qwen3\)"):
+    with pytest.raises(GGUFError, match=r"a\.gguf: architecture 'mamba' is not supported \(supported: llama, qwen3"):
         load_gguf(tmp_path / "a.gguf", progress=False)
 
 
@@ -340,7 +340,7 @@ def smollm2() -> dict:
 @pytest.mark.slow
 def test_smollm2_load_time_and_types(smollm2):
     print(f"SmolLM2-135M Q4_1 load_gguf: {smollm2['seconds']:.2f} s")
-    assert smollm2["seconds"] < 20
+    assert smollm2["seconds"] < 60  # ~2 s on an idle 2-core machine; generous for a loaded CI host
     types = {t.tensor_type for t in gguf.GGUFReader(smollm2["path"]).tensors}
     assert types == {QT.Q4_1, QT.Q8_0, QT.F32}
     cfg = smollm2["cfg"]
