@@ -35,7 +35,8 @@ from engine.errors import GGUFError
 from engine.gguf_meta import open_reader, read_metadata
 from engine.quant import SUPPORTED_TYPES, dequantize
 
-SUPPORTED_ARCHS = ("llama", "qwen3", "qwen35")
+SUPPORTED_ARCHS = ("llama", "qwen3")  # plain decoders
+HYBRID_ARCHS = ("qwen35",)  # Gated DeltaNet + attention: per-slot recurrent state (engine/state_pool.py)
 ROPE_FREQS = "rope_freqs.weight"
 _SUPPORTED_NAMES = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
 
@@ -188,8 +189,9 @@ def config_from_metadata(
     what metadata cannot: whether output.weight exists (untied head) and a vocab-size fallback;
     without it the head is taken as untied."""
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if arch not in SUPPORTED_ARCHS + HYBRID_ARCHS:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(SUPPORTED_ARCHS + HYBRID_ARCHS)})")
     shapes = tensor_shapes or {}
     if arch == "qwen35":
         return _qwen35_config(meta, path, shapes, _vocab_size(meta, path, arch, shapes))

@@ -17,6 +17,7 @@ from engine.gguf_loader import load_gguf
 from engine.kv_cache import ContiguousKVCache
 from engine.models import build_model
 from engine.sampler import SamplingParams
+from engine.state_pool import HybridCache
 from engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits, run_static
 from engine.tokenizer import Tokenizer
 from engine.verify import verify_greedy, verify_sampled
@@ -47,7 +48,10 @@ class Built:
     def stepper(self, batch: int, sampling: SamplingParams, ctx: int, max_len: int | None = None):
         """A fresh KV cache and stepper for `batch` slots whose positions stay below max_len (<= ctx)."""
         if self.backend == "torch":
-            kv = ContiguousKVCache(self.cfg, batch, ctx, self.dtype, self.device)
+            if self.cfg.arch == "qwen35":  # KV for the attention layers plus each slot's recurrent state
+                kv = HybridCache.create(self.cfg, batch, ctx, self.dtype, self.device)
+            else:
+                kv = ContiguousKVCache(self.cfg, batch, ctx, self.dtype, self.device)
             return ReferenceStepper(self.model, kv, sampling, batch), kv
         from engine.runner import GraphStepper
         from kernels.decode_attention import make_workspace
@@ -90,6 +94,9 @@ def build(cfg) -> Built:
     mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress)
     if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
         mcfg = _with_scaling(mcfg)  # the file keeps only rope_freqs; the peer wants the parameters
+    if mcfg.arch == "qwen35" and (backend != "torch" or cfg.scheduler.mode != "static"):
+        raise ConfigError("qwen35 (hybrid) models run static batching on the torch reference backend so far: "
+                          "use engine.backend=torch scheduler=static")
     b = Built(mcfg, weights, Tokenizer.from_gguf(gguf_path), dev, dtype, backend, gguf_path, 0.0, cfg.engine)
     if backend == "torch":
         b.model = build_model(mcfg, weights, get_ops("torch"))
