@@ -154,7 +154,7 @@ class ModelConfig:
         s: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.vocab_size, d), "output_norm.weight": (d,)}
         if not self.tie_embeddings:
             s["output.weight"] = (self.vocab_size, d)
-        blocks = [(i, k) for i, k in enumerate(self.layer_kinds)]
+        blocks = list(enumerate(self.layer_kinds))
         blocks += [(self.n_layers + j, "mtp") for j in range(self.mtp_layers)]
         for i, kind in blocks:
             p = f"blk.{i}."

@@ -60,7 +60,7 @@ def _random_qwen35_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tenso
         noise = torch.randn(shape, generator=g)
         if name.endswith("ssm_a"):
             out[name] = -(torch.rand(shape, generator=g) * 0.95 + 0.05)
-        elif name.endswith(("ssm_dt.bias", "ssm_conv1d.weight")) or name in ("token_embd.weight",):
+        elif name.endswith(("ssm_dt.bias", "ssm_conv1d.weight")) or name == "token_embd.weight":
             out[name] = noise.mul_(0.5)
         elif len(shape) == 1:
             out[name] = noise.mul_(0.1).add_(1.0)
@@ -179,7 +179,8 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, tor
                seed: int = 0) -> None:
     """Write `weights` (torch layout, keyed by GGUF name, written in dict order) as a GGUF file for
     cfg.arch. 1-D tensors and rope_freqs are F32, matrices `weight_type`. llama q/k rows get the
-    converter's permutation; qwen35 value heads its grouped -> tiled reorder (when Hv != Hk). Tensors are encoded one at a time (no second full copy in memory).
+    converter's permutation, qwen35 value heads its grouped -> tiled reorder (when Hv != Hk). Tensors
+    are encoded one at a time (no second full copy in memory).
     Weights are written as given: wrong shapes or missing tensors make deliberately broken files
     (q/k are permuted only when their shape is the expected one). `seed` drives K-quant blocks."""
     if weight_type not in WEIGHT_TYPES:
