@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.workspace import SplitKWorkspace
+
 NUM_SMS = 132                 # H200; a constant so the config rule is machine-independent
 BLOCK_K_DEFAULT = 64
 MAX_SPLIT_K = 8
@@ -274,20 +276,8 @@ def gemm_config(M: int, N: int, K: int) -> dict:
 # --------------------------------------------------------------------------------------------------
 # split-K workspace (one per device, grows, never freed while a graph may use it)
 
-_WORKSPACE: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.empty(numel, dtype=torch.float32, device=device)
-    ws = _WORKSPACE.get(device)
-    if ws is None or ws.numel() < numel:
-        if ws is not None:
-            _RETIRED.append(ws)   # a captured graph may still point at it
-        ws = torch.empty(numel, dtype=torch.float32, device=device)
-        _WORKSPACE[device] = ws
-    return ws
+_SPLITK = SplitKWorkspace()
+_workspace = _SPLITK.get
 
 
 def workspace_numel(M: int, N: int, K: int) -> int:
