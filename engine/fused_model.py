@@ -12,16 +12,15 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
+from engine.models.base import DecoderBase
 from kernels.backend import StepKernels
 from kernels.rope import rope_cache, rope_inv_freq
 
 
-class FusedDecoder:
+class FusedDecoder(DecoderBase):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int):
         self.cfg, self.k = cfg, kernels
-        self.embed = weights["token_embd.weight"]
-        self.lm_head = weights.get("output.weight", self.embed)
-        self.out_norm = weights["output_norm.weight"]
+        self._init_head(weights)
         self.rope = rope_cache(rope_inv_freq(cfg.head_dim, cfg.rope_theta, weights.get("rope_freqs.weight")), max_pos)
         self.rope = self.rope.to(self.embed.device)
         self.layers = []
@@ -34,14 +33,6 @@ class FusedDecoder:
                 "gate_up": torch.cat([w("ffn_gate"), w("ffn_up")]).contiguous(),
                 "q_norm": weights.get(f"blk.{i}.attn_q_norm.weight"), "k_norm": weights.get(f"blk.{i}.attn_k_norm.weight"),
             })
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
 
     def weight_bytes(self) -> int:
         """Bytes one step reads from weights (embedding rows are a gather: not counted)."""

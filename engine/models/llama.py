@@ -10,27 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.models.base import DecoderBase
 from kernels.ops import Ops
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
 
-class LlamaModel:
+class LlamaModel(DecoderBase):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops):
         self.cfg, self.ops = cfg, ops
         self.w = weights
-        self.embed = weights["token_embd.weight"]
-        self.out_norm = weights["output_norm.weight"]
-        self.lm_head = weights.get("output.weight", self.embed)  # tied when the file has no output.weight
+        self._init_head(weights)
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, weights.get("rope_freqs.weight"))
         self.layers = [self._layer(i) for i in range(cfg.n_layers)]
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
 
     def _layer(self, i: int) -> dict[str, torch.Tensor]:
         p = f"blk.{i}."

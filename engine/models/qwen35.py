@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from engine.config import LAYER_ATTENTION, ModelConfig
 from engine.errors import ConfigError
+from engine.models.base import DecoderBase
 from kernels.ops import Ops
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -44,26 +45,16 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-class Qwen35Model:
+class Qwen35Model(DecoderBase):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops):
         self.cfg, self.ops = cfg, ops
         self.w = weights
-        self.embed = weights["token_embd.weight"]
-        self.out_norm = weights["output_norm.weight"]
-        self.lm_head = weights.get("output.weight", self.embed)  # tied when the file has no output.weight
+        self._init_head(weights)
         self.inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, weights.get("rope_freqs.weight"))
         self.layers = [self._layer(i, kind) for i, kind in enumerate(cfg.layer_kinds)]
         # MTP blocks (blk.{n_layers + j}.*): loaded and kept for a draft head, never run by forward()
         self.mtp_weights = {n: t for n, t in weights.items()
                             if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layers}
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
 
     def _layer(self, i: int, kind: str) -> dict:
         p = f"blk.{i}."
