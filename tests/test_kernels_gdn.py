@@ -1,0 +1,331 @@
+"""GDN decode kernels (kernels/gdn.py) against their torch references (which call Qwen35Model's own
+causal_conv / delta_rule) and against the model's multi-token recurrence.
+
+Where the kernels run (same scheme as tests/test_kernels_decode_attention.py):
+* CUDA available: every test runs on the GPU.
+* CPU only with TRITON_INTERPRET=1 already set: the kernel tests run in-process.
+* CPU only otherwise: they are skipped in-process and `test_cpu_kernels_in_interpreter_subprocess`
+  reruns this file in a child pytest with TRITON_INTERPRET=1 and fails with its output on any failure.
+
+Inputs are fresh random each run: the seed comes from os.urandom (set GDN_SEED to replay one) and is
+printed in every failure message.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.qwen35 import Qwen35Model, l2norm
+from kernels.gdn import conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref, gdn_step_triton
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+SEED = int(os.environ.get("GDN_SEED") or int.from_bytes(os.urandom(4), "little"))
+ROOT = Path(__file__).resolve().parent.parent
+
+needs_kernel = pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRET),
+    reason="CPU without TRITON_INTERPRET=1: run by test_cpu_kernels_in_interpreter_subprocess in a child process")
+
+TOL = 1e-5
+N_SLOTS = 5
+SLOTS = [3, 0, 4]  # R = 3 rows at distinct slots of a 5-slot pool (1 and 2 must stay untouched)
+CONV_K = 4
+
+
+def _gen(salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED * 1000 + salt)
+
+
+def _msg(what: str) -> str:
+    return f"{what} (seed {SEED}; rerun with GDN_SEED={SEED})"
+
+
+def _randn(g, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+def _close(out, ref, what, tol=TOL):
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol), _msg(f"{what}: max abs err {err:.3g} > {tol}")
+
+
+def _bitwise(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
+
+
+def _slots(ids):
+    return torch.tensor(ids, dtype=torch.int32, device=DEV)
+
+
+def _untouched(new, old, used, what):
+    for s in range(old.shape[0]):
+        if s not in used:
+            assert _bitwise(new[s], old[s]), _msg(f"{what}: slot {s} (no row) was modified")
+
+
+def _gdn_case(salt, R, hk, hv, dk, dv, n_slots=N_SLOTS, state_dtype=torch.float32):
+    g = _gen(salt)
+    return dict(
+        q=_randn(g, R, hk, dk), k=_randn(g, R, hk, dk), v=_randn(g, R, hv, dv),
+        a=_randn(g, R, hv), b=_randn(g, R, hv),
+        A=-torch.exp(_randn(g, hv) * 0.5), dt_bias=_randn(g, hv) * 0.5,
+        state=(_randn(g, n_slots, hv, dk, dv) * 0.3).to(state_dtype))
+
+
+def _gdn_args(c, state):
+    return (c["q"], c["k"], c["v"], c["a"], c["b"], c["A"], c["dt_bias"], state)
+
+
+GDN_SHAPES = [(2, 2, 16, 16), (2, 6, 16, 16), (2, 2, 32, 32), (2, 6, 32, 16)]  # (Hk, Hv, Dk, Dv)
+
+
+# ------------------------------------------------------------------------------------------------
+# conv ring
+
+@needs_kernel
+@pytest.mark.parametrize("C", [160, 100])  # 2*2*16 + 6*16, and a non-power-of-two channel count
+def test_conv_ring_matches_ref(C):
+    g = _gen(1)
+    x = _randn(g, len(SLOTS), C)
+    w = _randn(g, C, CONV_K) * 0.5
+    ring = _randn(g, N_SLOTS, C, CONV_K - 1)
+    ring0 = ring.clone()
+    slots = _slots(SLOTS)
+    ring_ref = ring.clone()
+    ref = conv_ring_update_ref(x, ring_ref, w, slots)
+    out = conv_ring_update_triton(x, ring, w, slots, block_c=64)
+    _close(out, ref, f"conv out C={C}")
+    assert _bitwise(ring, ring_ref), _msg("conv ring after the step differs from the reference")
+    for r, s in enumerate(SLOTS):  # the shift itself: oldest dropped, x appended
+        assert torch.equal(ring[s, :, :-1], ring0[s, :, 1:]) and torch.equal(ring[s, :, -1], x[r]), _msg("ring shift")
+    _untouched(ring, ring0, SLOTS, "conv ring")
+
+
+# ------------------------------------------------------------------------------------------------
+# one delta-rule step
+
+@needs_kernel
+@pytest.mark.parametrize("shape", GDN_SHAPES, ids=lambda s: "hk%d-hv%d-dk%d-dv%d" % s)
+def test_gdn_step_matches_ref(shape):
+    hk, hv, dk, dv = shape
+    c = _gdn_case(2, len(SLOTS), hk, hv, dk, dv)
+    slots = _slots(SLOTS)
+    st0 = c["state"].clone()
+    st_ref = c["state"].clone()
+    ref = gdn_step_ref(*_gdn_args(c, st_ref), slots)
+    out = gdn_step_triton(*_gdn_args(c, c["state"]), slots, block_v=8)
+    _close(out, ref, f"gdn o {shape}")
+    _close(c["state"], st_ref, f"gdn state {shape}")
+    _untouched(c["state"], st0, SLOTS, "gdn state")
+
+
+@needs_kernel
+def test_gdn_padding_rows_skipped():
+    hk, hv, dk, dv = 2, 6, 16, 16
+    c = _gdn_case(3, 3, hk, hv, dk, dv)
+    slots = _slots([2, -1, 4])
+    st0 = c["state"].clone()
+    st_ref = c["state"].clone()
+    ref = gdn_step_ref(*_gdn_args(c, st_ref), slots)
+    out = torch.full((3, hv, dv), float("nan"), device=DEV)
+    gdn_step_triton(*_gdn_args(c, c["state"]), slots, out=out)
+    _close(out[[0, 2]], ref[[0, 2]], "gdn o with a padding row")
+    assert torch.isnan(out[1]).all(), _msg("padding row's output was written")
+    _close(c["state"], st_ref, "gdn state with a padding row")
+    _untouched(c["state"], st0, [2, 4], "gdn state (padding row)")
+    ring = _randn(_gen(4), N_SLOTS, 40, CONV_K - 1)
+    ring0 = ring.clone()
+    conv_ring_update_triton(_randn(_gen(5), 3, 40), ring, _randn(_gen(6), 40, CONV_K), slots)
+    _untouched(ring, ring0, [2, 4], "conv ring (padding row)")
+
+
+@needs_kernel
+def test_gdn_batch_invariance():
+    """A row alone gives bitwise the output and state it gets inside the batch."""
+    hk, hv, dk, dv = 2, 6, 32, 32
+    c = _gdn_case(7, len(SLOTS), hk, hv, dk, dv)
+    st_batch = c["state"].clone()
+    full = gdn_step_triton(*_gdn_args(c, st_batch), _slots(SLOTS))
+    for r, s in enumerate(SLOTS):
+        st = c["state"].clone()
+        one = {n: (t[r:r + 1].clone() if n in ("q", "k", "v", "a", "b") else t) for n, t in c.items()}
+        o = gdn_step_triton(*_gdn_args(one, st), _slots([s]))
+        assert _bitwise(o[0], full[r]), _msg(f"row {r} alone: output differs from the batch")
+        assert _bitwise(st[s], st_batch[s]), _msg(f"row {r} alone: state differs from the batch")
+
+
+# ------------------------------------------------------------------------------------------------
+# several tokens: kernels step by step == the model's own multi-token recurrence
+
+def _model_tokens(qkv, a_in, b_in, w, A, dt, ring, pool, slots, hk, hv, dk, dv):
+    """Qwen35Model.gated_delta_net's recurrence part over T tokens at once (its own functions)."""
+    B, T, _ = qkv.shape
+    beta = torch.sigmoid(b_in.float())
+    g = A.float() * F.softplus(a_in.float() + dt.float())
+    c = Qwen35Model.causal_conv(qkv, w, ring, slots)
+    q, k, v = c.split((hk * dk, hk * dk, hv * dv), dim=-1)
+    q = l2norm(q.reshape(B, T, hk, dk)) * dk ** -0.5
+    k = l2norm(k.reshape(B, T, hk, dk))
+    rep = hv // hk
+    q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return Qwen35Model.delta_rule(q, k, v.reshape(B, T, hv, dv), g, beta, pool, slots)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hv", [2, 6])
+def test_steps_match_model_recurrence(hv):
+    hk, dk, dv, T = 2, 16, 16, 4
+    R = len(SLOTS)
+    C = 2 * hk * dk + hv * dv
+    g = _gen(8 + hv)
+    qkv = _randn(g, R, T, C)
+    a_in, b_in = _randn(g, R, T, hv), _randn(g, R, T, hv)
+    w = _randn(g, C, CONV_K) * 0.5
+    A, dt = -torch.exp(_randn(g, hv) * 0.5), _randn(g, hv) * 0.5
+    ring0 = _randn(g, N_SLOTS, C, CONV_K - 1)
+    pool0 = _randn(g, N_SLOTS, hv, dk, dv) * 0.3
+    slots = _slots(SLOTS)
+
+    ring_m, pool_m = ring0.clone(), pool0.clone()
+    o_model = _model_tokens(qkv, a_in, b_in, w, A, dt, ring_m, pool_m, slots.long(), hk, hv, dk, dv)
+
+    ring, pool = ring0.clone(), pool0.clone()
+    for t in range(T):
+        x = conv_ring_update_triton(qkv[:, t], ring, w, slots)
+        q, k, v = x.split((hk * dk, hk * dk, hv * dv), dim=-1)  # strided views, not copied
+        o = gdn_step_triton(q.view(R, hk, dk), k.view(R, hk, dk), v.view(R, hv, dv),
+                            a_in[:, t], b_in[:, t], A, dt, pool, slots)
+        _close(o, o_model[:, t], f"token {t} output vs model recurrence (hv={hv})", tol=2e-5)
+    _close(ring, ring_m, "conv ring after T tokens vs model")
+    _close(pool, pool_m, "state after T tokens vs model", tol=2e-5)
+    _untouched(pool, pool0, SLOTS, "state after T tokens")
+    _untouched(ring, ring0, SLOTS, "conv ring after T tokens")
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU-only: the kernel tests above, in a child process under the Triton interpreter
+
+@pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+def test_cpu_kernels_in_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1", GDN_SEED=str(SEED))
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
+                           "-m", "not gpu", "-k", "not subprocess"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, _msg(f"interpreter run failed:\n{tail}")
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, tail
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: Qwen3.5/3.6-27B GDN shapes (16 key heads, 48 value heads, 128 x 128, conv 4)
+
+HK27, HV27, D27 = 16, 48, 128
+C27 = 2 * HK27 * D27 + HV27 * D27  # 10240
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 32, 128])
+def test_gpu_27b_shapes(B):
+    n_slots = B + 3
+    slots = torch.randperm(n_slots, generator=_gen(20 + B))[:B].to(torch.int32).to(DEV)
+    used = slots.tolist()
+    c = _gdn_case(21 + B, B, HK27, HV27, D27, D27, n_slots=n_slots)
+    st0, st_ref = c["state"].clone(), c["state"].clone()
+    ref = gdn_step_ref(*_gdn_args(c, st_ref), slots)
+    out = gdn_step_triton(*_gdn_args(c, c["state"]), slots)
+    torch.cuda.synchronize()
+    _close(out, ref, f"27B gdn o B={B}", tol=1e-4)
+    _close(c["state"], st_ref, f"27B gdn state B={B}", tol=1e-4)
+    _untouched(c["state"], st0, used, "27B gdn state")
+
+    g = _gen(22 + B)
+    x, w = _randn(g, B, C27, dtype=torch.bfloat16), (_randn(g, C27, CONV_K) * 0.5).to(torch.bfloat16)
+    ring = _randn(g, n_slots, C27, CONV_K - 1, dtype=torch.bfloat16)
+    ring0, ring_ref = ring.clone(), ring.clone()
+    ref = conv_ring_update_ref(x, ring_ref, w, slots)
+    out = conv_ring_update_triton(x, ring, w, slots)
+    torch.cuda.synchronize()
+    _close(out, ref, f"27B conv out B={B}", tol=1e-4)
+    assert _bitwise(ring, ring_ref), _msg("27B conv ring differs from the reference")
+    _untouched(ring, ring0, used, "27B conv ring")
+
+
+@pytest.mark.gpu
+def test_gpu_27b_batch_invariance():
+    B = 128
+    slots = torch.arange(B, dtype=torch.int32, device=DEV)
+    c = _gdn_case(30, B, HK27, HV27, D27, D27, n_slots=B)
+    st_batch = c["state"].clone()
+    full = gdn_step_triton(*_gdn_args(c, st_batch), slots)
+    for r in range(0, B, 17):
+        st = c["state"].clone()
+        one = {n: (t[r:r + 1].clone() if n in ("q", "k", "v", "a", "b") else t) for n, t in c.items()}
+        o = gdn_step_triton(*_gdn_args(one, st), slots[r:r + 1].clone())
+        assert _bitwise(o[0], full[r]) and _bitwise(st[r], st_batch[r]), _msg(f"row {r} alone differs")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    """Capture conv + GDN step once; replay with new inputs and slots (incl. a padding row) written in place."""
+    B, n_slots = 32, 40
+    g = _gen(40)
+    x = _randn(g, B, C27, dtype=torch.bfloat16)
+    w = (_randn(g, C27, CONV_K) * 0.5).to(torch.bfloat16)
+    ring = _randn(g, n_slots, C27, CONV_K - 1, dtype=torch.bfloat16)
+    a, b = _randn(g, B, HV27), _randn(g, B, HV27)
+    A, dt = -torch.exp(_randn(g, HV27) * 0.5), _randn(g, HV27) * 0.5
+    pool = _randn(g, n_slots, HV27, D27, D27) * 0.3
+    slots = torch.arange(B, dtype=torch.int32, device=DEV)
+    conv_out = torch.empty(B, C27, device=DEV)
+    o = torch.empty(B, HV27, D27, device=DEV)
+    kd = HK27 * D27
+
+    def step():
+        conv_ring_update_triton(x, ring, w, slots, out=conv_out)
+        q, k, v = conv_out[:, :kd], conv_out[:, kd:2 * kd], conv_out[:, 2 * kd:]
+        gdn_step_triton(q.view(B, HK27, D27), k.view(B, HK27, D27), v.view(B, HV27, D27), a, b, A, dt, pool, slots,
+                        out=o)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for it in range(3):
+        g = _gen(41 + it)
+        new_slots = torch.randperm(n_slots, generator=g)[:B].to(torch.int32)
+        new_slots[5] = -1
+        slots.copy_(new_slots.to(DEV))
+        x.copy_(_randn(g, B, C27, dtype=torch.bfloat16))
+        a.copy_(_randn(g, B, HV27))
+        b.copy_(_randn(g, B, HV27))
+        ring_ref, pool_ref, pool0, ring0 = ring.clone(), pool.clone(), pool.clone(), ring.clone()
+        c_ref = conv_ring_update_ref(x, ring_ref, w, slots)
+        q, k, v = c_ref[:, :kd], c_ref[:, kd:2 * kd], c_ref[:, 2 * kd:]
+        o_ref = gdn_step_ref(q.reshape(B, HK27, D27), k.reshape(B, HK27, D27), v.reshape(B, HV27, D27),
+                             a, b, A, dt, pool_ref, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        live = slots >= 0
+        _close(conv_out[live], c_ref[live], f"graph replay {it}: conv", tol=1e-4)
+        _close(o[live], o_ref[live], f"graph replay {it}: gdn o", tol=1e-4)
+        _close(pool, pool_ref, f"graph replay {it}: state", tol=1e-4)
+        assert _bitwise(ring, ring_ref), _msg(f"graph replay {it}: conv ring")
+        used = [s_ for s_ in slots.tolist() if s_ >= 0]
+        _untouched(pool, pool0, used, f"graph replay {it}: state")
+        _untouched(ring, ring0, used, f"graph replay {it}: ring")
