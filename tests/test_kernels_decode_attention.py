@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,12 +34,12 @@ from kernels.decode_attention import (
     num_splits,
     paged_attention_ref,
 )
+from tests.interpreter import run_in_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 SEED = int(os.environ.get("DECODE_ATTN_SEED") or int.from_bytes(os.urandom(4), "little"))
-ROOT = Path(__file__).resolve().parent.parent
 
 needs_kernel = pytest.mark.skipif(
     not (HAS_CUDA or INTERPRET),
@@ -248,13 +245,7 @@ def test_row_ignores_other_slots_later_positions_and_stale_buffers(layout):
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", DECODE_ATTN_SEED=str(SEED))
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", "-k", "not subprocess"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, _msg(f"interpreter run failed:\n{tail}")
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, tail
+    run_in_interpreter(__file__, _msg(""), DECODE_ATTN_SEED=str(SEED))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,9 +26,6 @@ and is printed in every failure message.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,12 +35,12 @@ from kernels.rmsnorm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref,
 from kernels.rope import (apply_rope_ref, rope_cache, rope_cos_sin, rope_inv_freq, rope_kv_write_ref,
                           rope_kv_write_triton)
 from kernels.swiglu import swiglu_fused_ref, swiglu_ref, swiglu_triton
+from tests.interpreter import run_in_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
 SEED = int(os.environ.get("KERNEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-ROOT = Path(__file__).resolve().parent.parent
 BF16_EXACT = not INTERPRET
 
 needs_kernel = pytest.mark.skipif(
@@ -336,14 +333,7 @@ def test_rope_kv_write_int32_positions_and_strided_q_out():
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in this process")
 def test_cpu_kernels_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", KERNEL_TEST_SEED=str(SEED))
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", "-k", "not subprocess"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, _msg(f"interpreter run failed:\n{tail}")
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, tail
+    run_in_interpreter(__file__, _msg(""), KERNEL_TEST_SEED=str(SEED))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,12 +21,12 @@ import torch.nn.functional as F
 
 from engine.models.qwen35 import Qwen35Model, l2norm
 from kernels.gdn import conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref, gdn_step_triton
+from tests.interpreter import run_in_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 SEED = int(os.environ.get("GDN_SEED") or int.from_bytes(os.urandom(4), "little"))
-ROOT = Path(__file__).resolve().parent.parent
 
 needs_kernel = pytest.mark.skipif(
     not (HAS_CUDA or INTERPRET),
@@ -218,14 +215,7 @@ def test_steps_match_model_recurrence(hv):
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", GDN_SEED=str(SEED))
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", "-k", "not subprocess"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, _msg(f"interpreter run failed:\n{tail}")
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, tail
+    run_in_interpreter(__file__, _msg(""), GDN_SEED=str(SEED))
 
 
 # ------------------------------------------------------------------------------------------------

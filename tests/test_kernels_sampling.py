@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,12 +37,12 @@ import kernels.sampling as KS
 from engine.sampler import SamplingParams, filter_logits
 from kernels.sampling import (argmax_ref, argmax_triton, keep_threshold_ref, make_workspace, philox4x32_ref,
                               philox_uniform_ref, sample_ref, sample_triton, uniform_triton)
+from tests.interpreter import run_in_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
 SEED = int(os.environ.get("KERNEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-ROOT = Path(__file__).resolve().parent.parent
 
 needs_kernel = pytest.mark.skipif(
     not (HAS_CUDA or INTERPRET),
@@ -353,14 +350,7 @@ def test_argument_checks():
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in this process")
 def test_cpu_kernels_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", KERNEL_TEST_SEED=str(SEED))
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", "-k", "not subprocess and not test_reference_ and not philox"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, _msg(f"interpreter run failed:\n{tail}")
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, tail
+    run_in_interpreter(__file__, _msg(""), KERNEL_TEST_SEED=str(SEED))
 
 
 # ------------------------------------------------------------------------------------------------
