@@ -50,13 +50,12 @@ multiplies bf16 operands as their raw uint16 storage.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.workspace import SplitKWorkspace
+from kernels.workspace import SplitKWorkspace, block_m_from_env
 
 NUM_SMS = 132                 # H200; a constant so the config rule is machine-independent
 BLOCK_K_DEFAULT = 64
@@ -69,18 +68,10 @@ BLOCK_M_CHOICES = (16, 32, 64, 128)
 SMALL_M = 64                  # M <= SMALL_M -> BLOCK_M 64, else 128
 
 
-def _pin_from_env() -> int | None:
-    v = os.environ.get("ONEPASS_GEMM_BLOCK_M", "").strip()
-    if not v:
-        return None
-    if int(v) not in BLOCK_M_CHOICES:
-        raise ValueError(f"ONEPASS_GEMM_BLOCK_M={v!r}: choose one of {BLOCK_M_CHOICES}")
-    return int(v)
-
 
 # Set to one of BLOCK_M_CHOICES to use that BLOCK_M for every M (the fallback if the GPU test finds
 # rows differing across BLOCK_M). None: the M-dependent rule (64 for M <= 64, else 128).
-PIN_BLOCK_M: int | None = _pin_from_env()
+PIN_BLOCK_M: int | None = block_m_from_env("ONEPASS_GEMM_BLOCK_M", BLOCK_M_CHOICES)
 
 _DTYPES = (torch.bfloat16, torch.float16)
 

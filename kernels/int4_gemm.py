@@ -67,7 +67,7 @@ import torch
 
 from engine.quant_pack import GROUP, PackedWeight, unpack_ref
 from kernels.triton_compat import tl, triton
-from kernels.workspace import SplitKWorkspace
+from kernels.workspace import SplitKWorkspace, block_m_from_env
 
 NUM_SMS = 132                 # H200; a constant so the rule (and the bits) is machine-independent
 GPB_DEFAULT = 4               # groups per loop iteration: BLOCK_K = 128
@@ -79,17 +79,9 @@ FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q8_0": 3}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _pin_from_env() -> int | None:
-    v = os.environ.get("ONEPASS_INT4_BLOCK_M", "").strip()
-    if not v:
-        return None
-    if int(v) not in BLOCK_M_CHOICES:
-        raise ValueError(f"ONEPASS_INT4_BLOCK_M={v!r}: choose one of {BLOCK_M_CHOICES}")
-    return int(v)
-
 
 # One BLOCK_M for every M (fallback if the GPU test finds rows differing across BLOCK_M); None: the rule.
-PIN_BLOCK_M: int | None = _pin_from_env()
+PIN_BLOCK_M: int | None = block_m_from_env("ONEPASS_INT4_BLOCK_M", BLOCK_M_CHOICES)
 # Default dequantization of the 4-bit formats on the GPU: False = plain Triton shifts / masks / converts,
 # True = the inline-PTX magic-number conversion (_nibbles_asm). Both feed the same exact integers to the
 # same dot, so the results are bitwise equal (tests/test_int4_gemm.py checks it on the GPU); the choice is

@@ -1,6 +1,9 @@
-"""Scratch buffers for split-K partial sums: one per device, grown on demand, never freed while a
-captured CUDA graph may still point at an older one."""
+"""Shared by the GEMM kernels: scratch buffers for split-K partial sums (one per device, grown on demand,
+never freed while a captured CUDA graph may still point at an older one) and the BLOCK_M pin read from
+the environment."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -21,3 +24,13 @@ class SplitKWorkspace:
             ws = torch.empty(numel, dtype=torch.float32, device=device)
             self._buffers[device] = ws
         return ws
+
+
+def block_m_from_env(var: str, choices: tuple[int, ...]) -> int | None:
+    """A BLOCK_M pinned through the environment (None when unset), checked against the allowed tiles."""
+    v = os.environ.get(var, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) not in choices:
+        raise ValueError(f"{var}={v!r}: choose one of {choices}")
+    return int(v)
