@@ -40,14 +40,23 @@ def test_fused_torch_matches_reference_model(tiny_ggufs, arch, prefill):
 
 
 def test_padded_rows_write_only_the_scratch_slot(tiny_ggufs):
-    """B=3 runs in the 4-row bucket: the padding row must leave slots 0..2 as a B=3 reference leaves them."""
+    """B=3 runs in the 4-row bucket: the padding row must leave slots 0..2 as a B=3 reference leaves
+    them, and touch only position 0 of the scratch slot (padded rows never advance)."""
     cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 256, (6,), generator=g).tolist() for _ in range(3)]
     model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=128)
     kv = ContiguousKVCache(cfg, 4, 64, torch.float32, "cpu")
     stepper = GraphStepper(model, kv, 3, SamplingParams(), use_graphs=False)
     assert stepper.rows == 4 and stepper.slots.tolist() == [0, 1, 2, 3]
-    run_static(stepper, [[5, 6, 7]] * 3, 4, ctx=64)
-    assert stepper.positions[:3].tolist() == [6, 6, 6]
+    got = run_static(stepper, prompts, 5, ctx=64)
+    assert stepper.positions.tolist() == [10, 10, 10, 0]
+    ref_kv = ContiguousKVCache(cfg, 3, 64, torch.float32, "cpu")
+    ref = generate_static(build_model(cfg, w, get_ops("torch")), ref_kv, prompts, 5, SamplingParams())
+    assert got.outputs == ref.outputs
+    for layer in range(cfg.n_layers):
+        torch.testing.assert_close(kv.k[layer][:3, :10], ref_kv.k[layer][:, :10], rtol=1e-5, atol=1e-5)
+        assert kv.k[layer][3, 0].abs().sum() > 0 and not kv.k[layer][3, 1:].any()
 
 
 @pytest.mark.gpu
