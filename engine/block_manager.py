@@ -259,17 +259,18 @@ class BlockManager:
         self._len[seq_id] = max(self._len[seq_id], new_len)
         self._note_peak()
 
-    def commit(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """`tokens`: the sequence's tokens whose KV is written so far. Every block now full and not
-        yet hashed is registered in the prefix cache (only with prefix_caching)."""
+    def commit(self, seq_id: int, tokens: Sequence[int], length: int | None = None) -> None:
+        """The first `length` of `tokens` (default: all) have their KV written. Every block now full and
+        not yet hashed is registered in the prefix cache (only with prefix_caching)."""
         table = self._seq(seq_id)
-        if len(tokens) > len(table) * self.block_size:
-            raise ValueError(f"sequence {seq_id!r}: commit of {len(tokens)} tokens but the table covers "
-                             f"{len(table) * self.block_size} positions")
-        self._committed[seq_id] = max(self._committed[seq_id], len(tokens))
+        n = len(tokens) if length is None else length
+        if n > len(table) * self.block_size or n > len(tokens):
+            raise ValueError(f"sequence {seq_id!r}: commit of {n} tokens ({len(tokens)} known) but the table "
+                             f"covers {len(table) * self.block_size} positions")
+        self._committed[seq_id] = max(self._committed[seq_id], n)
         if not self.prefix_caching:
             return
-        full = len(tokens) // self.block_size
+        full = n // self.block_size
         key, reg = self._chain[seq_id]
         for i in range(self._hashed[seq_id], full):
             toks = self._block_tokens(tokens, i)

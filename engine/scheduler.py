@@ -11,6 +11,13 @@ request samples when its last fed row is its newest token, so prefill and decode
 With a block manager (paged KV) a request is admitted only when blocks for its uncached prompt can be
 had; when growth finds the pool empty the youngest other request is preempted (its blocks freed, its
 tokens recomputed later; greedy output is unchanged because every row's arithmetic is batch-invariant).
+
+A step's bookkeeping is split in two so the serving loop can prepare step t+1 while step t runs:
+`advance(plan)` right after the step is launched (positions written, one sampled token now in flight,
+requests that reach their max-gen retired, their slots and blocks freed), and `receive(plan, ids)` once
+the sampled ids arrive (appended; a stop token retires its request, and a token computed after that
+stop is dropped). A row whose token is still in flight reads it on the device (`Scheduled.feed_device`).
+`finish_step` does both at once (the synchronous loop).
 """
 from __future__ import annotations
 
@@ -36,14 +43,22 @@ class Request:
     admitted_step: int = -1
     finished_step: int = -1
     preemptions: int = 0
+    inflight: int = 0  # sampled tokens launched whose ids the host has not received yet
+    retired: bool = False  # slot and blocks given back (max-gen reached or stop token seen)
+    stopped: bool = False  # a stop token arrived: later in-flight tokens are dropped
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
     @property
+    def length(self) -> int:
+        """Tokens of the sequence so far, in-flight ones included."""
+        return len(self.prompt) + len(self.output) + self.inflight
+
+    @property
     def pending(self) -> int:
-        return len(self.prompt) + len(self.output) - self.computed
+        return self.length - self.computed
 
     @property
     def in_prefill(self) -> bool:
@@ -55,6 +70,7 @@ class Scheduled:
     request: Request
     rows: int  # tokens fed this step: positions computed .. computed + rows - 1
     samples: bool  # its last row is the newest token: sample the next one
+    feed_device: bool = False  # its last row's token is still in flight: read it on the device
 
 
 @dataclass
@@ -120,7 +136,8 @@ class Scheduler:
                 continue
             if budget is not None:
                 budget -= rows
-            items.append(Scheduled(req, rows, req.computed + rows == len(req.prompt) + len(req.output)))
+            last = req.computed + rows
+            items.append(Scheduled(req, rows, last == req.length, last > len(req.prompt) + len(req.output)))
         items = [s for s in items if s.request.slot >= 0]  # drop any preempted while growing others
         return Plan(items, admitted)
 
@@ -130,6 +147,8 @@ class Scheduler:
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting[0]
+            if req.inflight:  # preempted with a token in flight: readmit once it has arrived
+                break
             if self.bm is not None:
                 if not self.bm.can_allocate(req.tokens):
                     break  # admission control: wait for blocks
@@ -168,27 +187,55 @@ class Scheduler:
         req.preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish_step(self, plan: Plan, sampled: list[int]) -> list[Request]:
-        """Advance every scheduled request by its rows; append sampled tokens in plan order; retire the done."""
+    def advance(self, plan: Plan) -> None:
+        """The step is launched: its rows' positions are written; each sampling row puts one token in
+        flight. A request whose max-gen is now reached is retired at once (its last token still in flight),
+        so the next step can reuse its slot."""
+        for s in plan.items:
+            req = s.request
+            if req.retired:  # a stop token arrived after this step was launched
+                continue
+            req.computed += s.rows
+            if self.bm is not None:
+                self.bm.commit(req.rid, req.tokens, req.computed)
+            if s.samples:
+                req.inflight += 1
+                if len(req.output) + req.inflight >= req.max_new_tokens:
+                    self._retire(req)
+        self.step += 1
+
+    def receive(self, plan: Plan, sampled: list[int]) -> list[Request]:
+        """The sampled ids of `plan`, in plan order; returns the requests that completed."""
         it = iter(sampled)
         done = []
         for s in plan.items:
-            req = s.request
-            req.computed += s.rows
-            if self.bm is not None:
-                self.bm.commit(req.rid, req.tokens[:req.computed])
             if not s.samples:
                 continue
-            tok = next(it)
-            req.output.append(tok)
-            if tok in self.stop_ids or len(req.output) >= req.max_new_tokens:
+            req, tok = s.request, next(it)
+            req.inflight -= 1
+            if not req.stopped:
+                req.output.append(tok)
+                if tok in self.stop_ids:
+                    req.stopped = True
+                    if not req.retired:
+                        self._retire(req)
+            if req.retired and not req.inflight and req.finished_step < 0:
+                req.finished_step = self.step - 1
+                self.finished.append(req)
                 done.append(req)
-        for req in done:
-            req.finished_step = self.step
-            if self.bm is not None:
-                self.bm.free(req.rid)
-            del self.running[req.slot]
-            self.free_slots.append(req.slot)
-            self.finished.append(req)
-        self.step += 1
         return done
+
+    def finish_step(self, plan: Plan, sampled: list[int]) -> list[Request]:
+        """Both halves of a step at once: advance every scheduled request, then take its sampled ids."""
+        self.advance(plan)
+        return self.receive(plan, sampled)
+
+    def _retire(self, req: Request) -> None:
+        req.retired = True
+        if req.slot < 0:  # preempted and waiting when its stop token arrived
+            self.waiting.remove(req)
+            return
+        if self.bm is not None:
+            self.bm.free(req.rid)
+        del self.running[req.slot]
+        self.free_slots.append(req.slot)

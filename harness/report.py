@@ -195,11 +195,12 @@ def _serving(df: pd.DataFrame, first: dict) -> pd.DataFrame:
         "peak KV blocks": _opt(df, "metrics.peak_blocks"),
         "KV pool MB": num(df, "metrics.kv_pool_mb"),
         "host ms/step": num(df, "metrics.host_ms_p50"),
+        "GPU ms/step": _opt(df, "metrics.gpu_step_ms"),
         "correct": check(num(df, "metrics.verify_ok")),
     })
 
 
-SERVING_FMT = (",.0f", ",.1f", ".1f", ".1%", ",.0f", ",.0f", ",.0f", ".2f", "")
+SERVING_FMT = (",.0f", ",.1f", ".1f", ".1%", ",.0f", ",.0f", ",.0f", ".2f", ".2f", "")
 
 
 @table("serving_schedule")
@@ -234,6 +235,45 @@ def serving_sampling(df: pd.DataFrame):
         "correct": check(num(df, "metrics.verify_ok")),
     })
     return d.to_markdown(index=False, floatfmt=("", ",.0f", ".2f", ",.1f", ".2f", ",.0f", ".1f", "")).replace("nan", "—"), None
+
+
+@table("serving_full")
+def serving_full(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "prefill": df["params.scheduler.prefill"],
+        "steps": num(df, "metrics.steps").astype(int),
+        "gen tok/s": num(df, "metrics.throughput_tok_s"),
+        "requests/s": num(df, "metrics.requests_s"),
+        "GPU ms/step": _opt(df, "metrics.gpu_step_ms"),
+        "host ms/step (mean)": _opt(df, "metrics.host_ms_mean"),
+        "host / GPU": _opt(df, "metrics.host_over_gpu"),
+        "GPU busy": _opt(df, "metrics.gpu_busy_frac"),
+        "HF continuous tok/s": _opt(df, "metrics.peer_tok_s"),
+        "vs HF": _opt(df, "metrics.speedup_vs_peer"),
+        "correct": check(num(df, "metrics.verify_ok")),
+    })
+    fmt = ("", ",.0f", ",.0f", ".1f", ".2f", ".2f", ".0%", ".0%", ",.0f", ".1f", "")
+    return d.to_markdown(index=False, floatfmt=fmt).replace("nan", "—"), None
+
+
+@table("verified_fresh")
+def verified_fresh(df: pd.DataFrame):
+    serving = df["params.scheduler.mode"] != "static"
+    mode = ("static B=" + df["params.batch.size"]).where(
+        ~serving, "continuous B=" + df["params.batch.size"] + ", R=" + df.get("params.workload.num_requests", "")
+        + ", " + df["params.kv_cache.layout"] + "+prefix " + df["params.kv_cache.prefix"])
+    d = pd.DataFrame({
+        "model": df["params.model.name"],
+        "mode": mode,
+        "B": num(df, "params.batch.size").astype(int),
+        "tok/s": num(df, "metrics.throughput_tok_s"),
+        "per-stream tok/s": _opt(df, "metrics.per_stream_tok_s"),
+        "requests/s": _opt(df, "metrics.requests_s"),
+        "slot utilization": _opt(df, "metrics.slot_util"),
+        "correct": check(num(df, "metrics.verify_ok")),
+    }).sort_values(["model", "mode", "B"]).drop(columns="B")
+    fmt = ("", "", ",.0f", ",.1f", ".1f", ".1%", "")
+    return d.to_markdown(index=False, floatfmt=fmt).replace("nan", "—"), None
 
 
 @table("serving_qwen3")

@@ -50,6 +50,7 @@ class KVCacheCfg:
     block_size: int = 16
     num_blocks: int = 0  # paged pool size incl. the scratch block; 0 = slots * ctx / block_size + 1
     prefix: str = "off"  # off | pinned (the seed: the shared prefix prefilled once) | auto (hash-chain caching)
+    pool_vs_peak: float = 0.0  # > 0: size the paged pool at this multiple of the peak block demand (host dry run)
 
 
 @dataclass

@@ -2,12 +2,16 @@
 on-device or host sampling; verified against the single-stream greedy output of each prompt."""
 from __future__ import annotations
 
+import math
 import random
+
+import torch
 
 from engine.block_manager import BlockManager
 from engine.errors import ConfigError
 from engine.fused_model import FusedDecoder
 from engine.kv_cache import ContiguousKVCache, PagedKVCache
+from engine.runner import bucket_for
 from engine.sampler import SamplingParams
 from engine.scheduler import Request, Scheduler
 from engine.serve import PREFIX_MODES, ServingEngine
@@ -28,6 +32,22 @@ def fused_model(built, ctx: int) -> FusedDecoder:
     return FusedDecoder(built.cfg, built.weights, get_step_kernels("torch"), ctx + 1)
 
 
+def peak_blocks(requests: list[Request], B: int, sc, kvc, pin: list[int] | None) -> int:
+    """Peak block demand of this schedule, from a host-only dry run of the scheduler over an ample pool.
+    Sampled tokens are stand-ins (0), so this is exact for fixed-length outputs (ignore_eos)."""
+    bm = BlockManager(B * (kvc.ctx // kvc.block_size + 1) + 2, kvc.block_size, prefix_caching=kvc.prefix == "auto")
+    if pin:
+        bm.pin_prefix(pin)
+    mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
+    sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, ())
+    for r in requests:
+        sched.add(Request(r.rid, list(r.prompt), r.max_new_tokens))
+    while not sched.done:
+        plan = sched.schedule()
+        sched.finish_step(plan, [0] * sum(s.samples for s in plan.items))
+    return bm.peak_used
+
+
 def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling: SamplingParams) -> tuple[dict, dict, str, str]:
     kvc, sc, w, B = cfg.kv_cache, cfg.scheduler, cfg.workload, cfg.batch.size
     if kvc.prefix not in PREFIX_MODES:
@@ -38,9 +58,16 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         raise ConfigError("a serving job (scheduler.mode=wave|continuous) needs workload.num_requests >= 1")
     model = fused_model(built, kvc.ctx)
     dev, dt = built.device, built.dtype
+    requests = make_requests(ids, w)
     bm = None
     if kvc.layout == "paged":
         blocks = kvc.num_blocks or B * kvc.ctx // kvc.block_size + 1
+        if kvc.pool_vs_peak > 0:
+            if not w.ignore_eos:
+                raise ConfigError("kv_cache.pool_vs_peak sizes the pool from a dry run with fixed output lengths; "
+                                  "set workload.ignore_eos=true or give kv_cache.num_blocks")
+            peak = peak_blocks(requests, B, sc, kvc, ids if kvc.prefix == "pinned" else None)
+            blocks = math.ceil(kvc.pool_vs_peak * peak) + 1  # + the scratch block
         bm = BlockManager(blocks, kvc.block_size, prefix_caching=kvc.prefix == "auto")
         kv = PagedKVCache(built.cfg, blocks, kvc.block_size, B, kvc.ctx, dt, dev)
     elif kvc.layout == "contiguous":
@@ -49,10 +76,20 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         raise ConfigError(f"kv_cache.layout={kvc.layout!r}; choose contiguous or paged")
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
     sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids)
+    # every position stays below the longest request's length: the attention grid is sized for it
+    max_len = min(kv.ctx, len(ids) + max((r.max_new_tokens for r in requests), default=1))
+    ws = None
+    if dev.type == "cuda" and built.backend == "triton":
+        from kernels.decode_attention import make_workspace
+
+        rows = B if sc.prefill == "token" else sc.token_budget
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        ws = make_workspace(bucket_for(rows), built.cfg.n_heads, built.cfg.head_dim, max_len, sms, dev,
+                            kv_heads=built.cfg.n_kv_heads)
     engine = ServingEngine(model, kv, sched, sampling, cfg.sampling.on_device,
-                           use_graphs=cfg.engine.cuda_graphs and dev.type == "cuda")
+                           use_graphs=cfg.engine.cuda_graphs and dev.type == "cuda", attn_workspace=ws,
+                           max_len=max_len, time_steps=dev.type == "cuda")
     pinned = engine.pin_prefix(ids) if kvc.prefix == "pinned" else 0
-    requests = make_requests(ids, w)
     res = engine.run(requests, progress=cfg.progress)
 
     # verify: greedy outputs equal the single-stream greedy output of the prompt, truncated to each length
@@ -92,10 +129,15 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         "steps": res.steps, "verify_ok": int(ok), "slot_util": res.active_slot_steps / (steps * B),
         "prefill_tokens": res.prefill_rows, "generated_tokens": res.generated, "wall_s": res.wall_s,
         "step_ms_mean": res.wall_s / steps * 1e3, "host_ms_p50": host_ms[len(host_ms) // 2] if host_ms else 0.0,
+        "host_ms_mean": sum(host_ms) / max(len(host_ms), 1),
         "d2h_bytes_per_step": res.d2h_bytes / steps, "kv_pool_mb": kv.nbytes / 2**20, "rejected": len(res.rejected),
         "preemptions": sum(r.preemptions for r in res.finished), "pinned_prefix_tokens": pinned,
     }
     metrics["per_stream_tok_s"] = metrics["throughput_tok_s"] / B
+    if res.gpu_ms:  # device time per step from CUDA events; the rest of the wall time the GPU sat idle
+        gpu = sum(res.gpu_ms) / len(res.gpu_ms)
+        metrics.update(gpu_step_ms=gpu, host_over_gpu=metrics["host_ms_mean"] / gpu,
+                       gpu_busy_frac=sum(res.gpu_ms) / 1e3 / res.wall_s)
     if peer:
         metrics.update(peer, speedup_vs_peer=metrics["throughput_tok_s"] / peer["peer_tok_s"])
     if bm is not None:
@@ -105,6 +147,9 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
             f"{res.steps} steps, {metrics['throughput_tok_s']:,.1f} gen tok/s, {metrics['requests_s']:.1f} req/s, "
             f"slot util {metrics['slot_util']:.1%}, prefill tokens {res.prefill_rows}, host {metrics['host_ms_p50']:.2f} "
             f"ms/step (p50), D2H {metrics['d2h_bytes_per_step']:,.0f} B/step")
+    if res.gpu_ms:
+        perf += (f", GPU {metrics['gpu_step_ms']:.2f} ms/step, host/GPU {metrics['host_over_gpu']:.0%}, "
+                 f"GPU busy {metrics['gpu_busy_frac']:.0%}")
     samples = "\n".join(f"request {r.rid} ({len(r.output)} tokens): {r.output}" for r in res.finished[:4]) + "\n"
     return metrics, {"samples.txt": samples}, line, perf  # metrics, artifacts, [verify] line, [perf] line
 

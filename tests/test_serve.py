@@ -113,6 +113,34 @@ def test_host_sampling_matches_device_sampling_and_moves_more_bytes(setup):
     assert host.d2h_bytes > 100 * dev.d2h_bytes
 
 
+@pytest.mark.parametrize("on_device", [True, False])
+@pytest.mark.parametrize("prefill", ["token", "chunked"])
+def test_stop_token_ends_a_request_even_one_step_ahead(setup, on_device, prefill):
+    """A stop token is seen a step late when the loop runs ahead: the extra row is dropped, the output
+    ends at the stop token, and the freed slot and blocks serve the next requests correctly."""
+    cfg, fused, prompts, max_new, refs = setup
+    stop = refs[0][1]  # the second token of request 0: it must stop there
+    bm = BlockManager(64, BS, prefix_caching=True)
+    kv = PagedKVCache(cfg, 64, BS, 3, CTX, torch.float32, "cpu")
+    eng = ServingEngine(fused, kv, Scheduler(3, "continuous", prefill, 16, bm, CTX, stop_ids=(stop,)),
+                        SamplingParams(), on_device)
+    res = eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
+    for r in res.finished:
+        ref = refs[r.rid]
+        want = ref[:ref.index(stop) + 1] if stop in ref else ref
+        assert r.output == want, r.rid
+    assert len(res.finished) == len(prompts)
+    bm.check_invariants()
+    assert bm.num_used == 0
+
+
+def test_host_sampling_with_temperature_is_refused(setup):
+    cfg, fused, *_ = setup
+    kv = ContiguousKVCache(cfg, 3, CTX, torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="on_device"):
+        ServingEngine(fused, kv, Scheduler(2, ctx=CTX), SamplingParams(temperature=0.7), sample_on_device=False)
+
+
 def test_bad_scheduler_config_is_named():
     with pytest.raises(ConfigError, match="scheduler.mode"):
         Scheduler(4, mode="fifo")
@@ -121,9 +149,10 @@ def test_bad_scheduler_config_is_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_gpu_slot_row_graphs_reproduce_single_stream(tiny_ggufs, layout):
-    """Triton kernels + CUDA graphs on fixed slot rows: same tokens as the single-stream Triton run."""
+@pytest.mark.parametrize("layout,prefill", [("contiguous", "token"), ("paged", "token"), ("paged", "chunked")])
+def test_gpu_row_graphs_reproduce_single_stream(tiny_ggufs, layout, prefill):
+    """Triton kernels + CUDA graphs per row bucket, one step ahead of the host: same tokens as the
+    single-stream Triton run."""
     from engine.runner import GraphStepper
     from engine.static_batch import run_static
 
@@ -139,7 +168,8 @@ def test_gpu_slot_row_graphs_reproduce_single_stream(tiny_ggufs, layout):
     bm = BlockManager(20, 16, prefix_caching=True) if layout == "paged" else None  # the Triton kernels page by >= 16
     kv = (PagedKVCache(cfg, 20, 16, 4, CTX, torch.bfloat16, "cuda") if bm
           else ContiguousKVCache(cfg, 5, CTX, torch.bfloat16, "cuda"))
-    eng = ServingEngine(fused, kv, Scheduler(4, "continuous", "token", 16, bm, CTX), SamplingParams())
-    assert eng.slot_rows.layers_graph is not None
+    eng = ServingEngine(fused, kv, Scheduler(4, "continuous", prefill, 16, bm, CTX), SamplingParams(), time_steps=True)
+    assert eng.step.layer_graphs and eng.step.head_graphs
     res = eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
     assert outputs(res) == refs
+    assert len(res.gpu_ms) == res.steps and min(res.gpu_ms) > 0
