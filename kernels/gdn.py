@@ -4,21 +4,33 @@ A *row* r is one decode token of slot ``slots[r]``; ``slots[r] < 0`` marks a pad
 batches): its pools are not touched and its output rows are left as they are. The rows of one call must
 name distinct slots (a decode step does): two rows of one slot would race on the slot's state.
 
-conv_ring_update_{ref,triton}(x, conv_state, conv_weight, slots) -> [R, conv_dim] fp32
+Runs (``seq_len`` = T >= 1): rows are grouped slot-major into R / T runs of T consecutive tokens of one
+slot (rows n*T .. n*T + T-1; a static batch's prefill). Run n uses ``slots[n*T]`` and
+``positions[n*T]``; one program walks its run's tokens in order, so a slot's state is read once and
+written once per call whatever T is. T = 1 is the decode step.
+
+Sequence start (``positions`` given): a run whose first position is 0 starts a new sequence in its
+slot: the kernel ignores what the pools hold and starts from a zero conv history and a zero state
+(both are overwritten by the call). So a refilled slot needs no separate reset, on the device and
+inside a CUDA graph alike (nothing is read on the host). Without ``positions`` the pools are always
+continued (the kernels' original contract).
+
+conv_ring_update_{ref,triton}(x, conv_state, conv_weight, slots, positions=None, seq_len=1) -> [R, conv_dim] fp32
     x [R, C] pre-conv qkv of the token, conv_state [slots, C, K-1] (oldest first), conv_weight [C, K].
     out[r, c] = silu(sum_j w[c, j] * win[c, j]),  win = ring[slot] ++ x[r]  (tap K-1 = the new input);
     the ring is shifted in place to the newest K-1 inputs. Same math as Qwen35Model.causal_conv (T = 1).
-    Kernel grid (R, cdiv(C, BLOCK_C)).
+    Kernel grid (R / T, cdiv(C, BLOCK_C)); tap j of token t reads x[run, t - (K-1) + j] when that index
+    is >= 0 and the ring otherwise, so nothing is shifted in registers.
 
-gdn_step_{ref,triton}(q, k, v, a, b, A, dt_bias, state, slots) -> o [R, Hv, Dv] fp32
+gdn_step_{ref,triton}(q, k, v, a, b, A, dt_bias, state, slots, positions=None, seq_len=1) -> o [R, Hv, Dv] fp32
     q, k [R, Hk, Dk] post-conv (not yet normalised), v [R, Hv, Dv], a (ssm_alpha(x)) and b (ssm_beta(x))
     [R, Hv], A = ssm_a = -exp(A_log) [Hv], dt_bias = ssm_dt [Hv], state pool [slots, Hv, Dk, Dv] (fp32, or
     bf16 rounded once per step). Exactly Qwen35Model.gated_delta_net's recurrence, fp32:
         q = l2norm(q) * Dk**-0.5, k = l2norm(k)        (value head h reads key head h // (Hv / Hk))
         g = A * softplus(a + dt_bias), beta = sigmoid(b)
         S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q     (o read after the update)
-    Kernel grid (R, Hv, cdiv(Dv, BV)): each program holds one [Dk, BV] fp32 tile of S, reads it once and
-    writes it once; q/k normalisation and the gates are recomputed per program (a few hundred FLOPs).
+    Kernel grid (R / T, Hv, cdiv(Dv, BV)): each program holds one [Dk, BV] fp32 tile of S, reads it once,
+    applies its run's T tokens in order and writes it once; q/k normalisation and the gates are recomputed per program (a few hundred FLOPs).
     Every program depends only on its own row, so results are batch invariant (bitwise).
 
 Both Triton entry points take an optional ``out`` and allocate nothing else, read nothing on the host,
@@ -41,50 +53,86 @@ def _next_pow2(n: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# torch references (the model's own functions)
+# torch references (the model's own functions; host reads allowed, as in every reference)
+
+def _runs(R: int, seq_len: int, slots: torch.Tensor, positions: torch.Tensor | None):
+    """(slot of each run [n], live-run mask [n], starts-a-sequence mask [n]) for R rows in runs of seq_len."""
+    if seq_len < 1 or R % seq_len:
+        raise ValueError(f"{R} rows do not split into runs of seq_len={seq_len}")
+    run_slots = slots.reshape(-1)[::seq_len].to(torch.long)
+    live = run_slots >= 0
+    if positions is None:
+        fresh = torch.zeros_like(live)
+    else:
+        fresh = positions.reshape(-1)[::seq_len] == 0
+    return run_slots, live, fresh
+
+
+def _zero_fresh(pool: torch.Tensor, run_slots: torch.Tensor, live: torch.Tensor, fresh: torch.Tensor) -> None:
+    ids = run_slots[live & fresh]
+    if ids.numel():
+        pool[ids] = 0
+
 
 def conv_ring_update_ref(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                         slots: torch.Tensor) -> torch.Tensor:
-    """Qwen35Model.causal_conv for one token per row; rows with slot < 0 are skipped (output 0)."""
-    slots = slots.to(torch.long)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    live = slots >= 0
+                         slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1) -> torch.Tensor:
+    """Qwen35Model.causal_conv over runs of seq_len rows; rows of runs with slot < 0 are skipped (output 0).
+    Runs starting at position 0 start from a zero ring."""
+    R, C = x.shape
+    run_slots, live, fresh = _runs(R, seq_len, slots, positions)
+    _zero_fresh(conv_state, run_slots, live, fresh)
+    out = torch.zeros(R // seq_len, seq_len, C, dtype=torch.float32, device=x.device)
     if bool(live.any()):
-        out[live] = Qwen35Model.causal_conv(x[live][:, None], conv_weight, conv_state, slots[live])[:, 0]
-    return out
+        xs = x.reshape(R // seq_len, seq_len, C)
+        out[live] = Qwen35Model.causal_conv(xs[live], conv_weight, conv_state, run_slots[live])
+    return out.reshape(R, C)
 
 
-def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One token of Qwen35Model.gated_delta_net's recurrence per row (see module doc); rows with slot < 0
-    are skipped (output 0). Returns o [R, Hv, Dv] fp32; `state` is updated in place."""
+def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor | None = None, seq_len: int = 1) -> torch.Tensor:
+    """Qwen35Model.gated_delta_net's recurrence over runs of seq_len rows (see module doc); rows of runs
+    with slot < 0 are skipped (output 0); runs starting at position 0 start from a zero state.
+    Returns o [R, Hv, Dv] fp32; `state` is updated in place."""
     R, hk, dk = q.shape
-    hv = v.shape[1]
-    slots = slots.to(torch.long)
+    hv, dv = v.shape[1], v.shape[2]
+    run_slots, live, fresh = _runs(R, seq_len, slots, positions)
+    _zero_fresh(state, run_slots, live, fresh)
+    n, T = R // seq_len, seq_len
     qn = l2norm(q.float()) * dk ** -0.5
     kn = l2norm(k.float())
     r = hv // hk
     qn, kn = qn.repeat_interleave(r, dim=1), kn.repeat_interleave(r, dim=1)
     beta = torch.sigmoid(b.float())
     g = A.float() * F.softplus(a.float() + dt_bias.float())
-    out = torch.zeros(R, hv, v.shape[2], dtype=torch.float32, device=v.device)
-    live = slots >= 0
+    out = torch.zeros(n, T, hv, dv, dtype=torch.float32, device=v.device)
     if bool(live.any()):
-        o = Qwen35Model.delta_rule(qn[live][:, None], kn[live][:, None], v.float()[live][:, None],
-                                   g[live][:, None], beta[live][:, None], state, slots[live])
-        out[live] = o[:, 0]
-    return out
+        rs = lambda t: t.reshape(n, T, *t.shape[1:])[live]  # noqa: E731
+        out[live] = Qwen35Model.delta_rule(rs(qn), rs(kn), rs(v.float()), rs(g), rs(beta), state, run_slots[live])
+    return out.reshape(R, hv, dv)
 
 
 # --------------------------------------------------------------------------------------------------
 # Triton kernels
 
 @triton.jit
-def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr,
-                      C, stride_xr, stride_or,
-                      K: tl.constexpr, BK: tl.constexpr, BLOCK_C: tl.constexpr):
-    r = tl.program_id(0)
+def _ring_tap(old, idx, BK: tl.constexpr):
+    """old[c, idx[0, j]] for each column j (idx < 0 or >= K-1 never selected by the caller): a select over
+    the BK ring columns held in registers."""
+    out = tl.zeros_like(old)
+    for i in tl.static_range(BK):
+        col = tl.sum(tl.where(tl.arange(0, BK)[None, :] == i, old, 0.0), axis=1)  # old[:, i]
+        out = tl.where(idx == i, col[:, None], out)
+    return out
+
+
+@triton.jit
+def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr,
+                      C, T, stride_xr, stride_or,
+                      K: tl.constexpr, BK: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr):
+    n = tl.program_id(0)
     cb = tl.program_id(1)
-    slot = tl.load(slots_ptr + r).to(tl.int64)
+    r0 = n.to(tl.int64) * T
+    slot = tl.load(slots_ptr + r0).to(tl.int64)
     if slot >= 0:
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         j = tl.arange(0, BK)
@@ -92,101 +140,175 @@ def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr,
         c2 = c[:, None]
         j2 = j[None, :]
         m2 = cm[:, None]
-        x = tl.load(x_ptr + r * stride_xr + c, mask=cm, other=0.0).to(tl.float32)
         ring = ring_ptr + slot * C * (K - 1) + c2 * (K - 1)
-        # window [BLOCK_C, BK]: taps 0..K-2 from the ring, tap K-1 = x, padding taps 0
-        win = tl.load(ring + j2, mask=m2 & (j2 < K - 1), other=0.0).to(tl.float32)
-        win = tl.where(j2 == K - 1, x[:, None], win)
         w = tl.load(w_ptr + c2 * K + j2, mask=m2 & (j2 < K), other=0.0).to(tl.float32)
-        acc = tl.sum(win * w, axis=1)
-        y = acc / (1.0 + tl.exp(-acc))  # SiLU
-        tl.store(out_ptr + r * stride_or + c, y, mask=cm)
-        # shifted ring: new[j] = win[j + 1] (ring[j + 1] for j < K-2, x for j = K-2); loaded before the store
-        nxt = tl.load(ring + j2 + 1, mask=m2 & (j2 < K - 2), other=0.0).to(tl.float32)
-        nxt = tl.where(j2 == K - 2, x[:, None], nxt)
-        tl.store(ring + j2, nxt.to(ring_ptr.dtype.element_ty), mask=m2 & (j2 < K - 1))
+        # the old ring, read once before anything is stored: [BLOCK_C, BK], taps 0..K-2
+        old_mask = m2 & (j2 < K - 1)
+        if HAS_POS:  # a run at position 0 starts a sequence: its old ring counts as zeros, whatever the pool holds
+            old_mask = old_mask & ((tl.zeros([BLOCK_C, BK], tl.int32) + tl.load(pos_ptr + r0)) != 0)
+        old = tl.load(ring + j2, mask=old_mask, other=0.0).to(tl.float32)
+        for t in range(0, T):
+            # tap j of token t is input index s = t - (K-1) + j of the run: x when s >= 0, else old ring[K-1+s]
+            s = t - (K - 1) + j2
+            from_x = tl.load(x_ptr + (r0 + s) * stride_xr + c2, mask=m2 & (s >= 0) & (j2 < K), other=0.0).to(tl.float32)
+            win = tl.where(s >= 0, from_x, _ring_tap(old, K - 1 + s, BK))
+            acc = tl.sum(win * w, axis=1)
+            y = acc / (1.0 + tl.exp(-acc))  # SiLU
+            tl.store(out_ptr + (r0 + t) * stride_or + c, y, mask=cm)
+        # new ring = the last K-1 inputs of (old ring ++ the run's T inputs), oldest first
+        s = T - (K - 1) + j2
+        from_x = tl.load(x_ptr + (r0 + s) * stride_xr + c2, mask=m2 & (s >= 0) & (j2 < K - 1), other=0.0).to(tl.float32)
+        new = tl.where(s >= 0, from_x, _ring_tap(old, K - 1 + s, BK))
+        tl.store(ring + j2, new.to(ring_ptr.dtype.element_ty), mask=m2 & (j2 < K - 1))
 
 
 def conv_ring_update_triton(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                            slots: torch.Tensor, out: torch.Tensor | None = None,
-                            block_c: int = 256) -> torch.Tensor:
+                            slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1,
+                            out: torch.Tensor | None = None, block_c: int = 256) -> torch.Tensor:
     R, C = x.shape
     K = conv_weight.shape[1]
     assert K >= 2, "conv kernel needs K >= 2"
     assert conv_state.shape[1:] == (C, K - 1) and conv_state.is_contiguous(), conv_state.shape
     assert conv_weight.shape == (C, K) and conv_weight.is_contiguous()
-    assert x.stride(1) == 1 and slots.shape == (R,)
+    assert x.stride(1) == 1 and slots.shape == (R,) and slots.is_contiguous()
+    assert positions is None or (positions.shape == (R,) and positions.is_contiguous())
+    assert seq_len >= 1 and R % seq_len == 0, f"{R} rows do not split into runs of {seq_len}"
     if out is None:
         out = torch.empty(R, C, dtype=torch.float32, device=x.device)
     assert out.shape == (R, C) and out.stride(1) == 1
     if R == 0:
         return out
     BLOCK_C = min(block_c, _next_pow2(C))
-    grid = (R, triton.cdiv(C, BLOCK_C))
-    _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, C, x.stride(0), out.stride(0),
-                            K=K, BK=_next_pow2(K), BLOCK_C=BLOCK_C, num_warps=4)
+    grid = (R // seq_len, triton.cdiv(C, BLOCK_C))
+    _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, positions if positions is not None else slots,
+                            C, seq_len, x.stride(0), out.stride(0),
+                            K=K, BK=_next_pow2(K), BLOCK_C=BLOCK_C, HAS_POS=positions is not None, num_warps=4)
     return out
 
 
 @triton.jit
-def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr,
-                     stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr, pos_ptr,
+                     T, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                      stride_ar, stride_br, stride_or, stride_oh,
                      HV, DK, DV, scale, eps,
-                     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr):
-    r = tl.program_id(0)
+                     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
+                     HAS_POS: tl.constexpr):
+    n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    slot = tl.load(slots_ptr + r).to(tl.int64)
+    r0 = n.to(tl.int64) * T
+    slot = tl.load(slots_ptr + r0).to(tl.int64)
     if slot >= 0:
         hk = h // GROUP
         kk = tl.arange(0, BK)
         vv = vb * BV + tl.arange(0, BV)
         km = kk < DK
         vm = vv < DV
-        q = tl.load(q_ptr + r * stride_qr + hk * stride_qh + kk, mask=km, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + r * stride_kr + hk * stride_kh + kk, mask=km, other=0.0).to(tl.float32)
-        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
-        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
-        v = tl.load(v_ptr + r * stride_vr + h * stride_vh + vv, mask=vm, other=0.0).to(tl.float32)
-        x = tl.load(a_ptr + r * stride_ar + h).to(tl.float32) + tl.load(dt_ptr + h).to(tl.float32)
-        sp = tl.where(x > SP_THRESH, x, tl.log(1.0 + tl.exp(tl.minimum(x, SP_THRESH))))
-        g = tl.load(A_ptr + h).to(tl.float32) * sp
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + r * stride_br + h).to(tl.float32)))
-
         sm = km[:, None] & vm[None, :]
+        A = tl.load(A_ptr + h).to(tl.float32)
+        dt = tl.load(dt_ptr + h).to(tl.float32)
         sp_ptrs = s_ptr + ((slot * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
-        S = tl.load(sp_ptrs, mask=sm, other=0.0).to(tl.float32)       # [BK, BV]
-        S = S * tl.exp(g)
-        recall = tl.sum(S * k[:, None], axis=0)                           # S^T k  [BV]
-        delta = beta * (v - recall)
-        S = S + k[:, None] * delta[None, :]
-        S = S.to(s_ptr.dtype.element_ty)                                  # bf16 pools: round, then read
-        tl.store(sp_ptrs, S, mask=sm)
-        o = tl.sum(S.to(tl.float32) * q[:, None], axis=0)                 # S^T q after the update
-        tl.store(o_ptr + r * stride_or + h * stride_oh + vv, o.to(o_ptr.dtype.element_ty), mask=vm)
+        if HAS_POS:  # a run at position 0 starts a sequence: zero state, the pool's old contents not read
+            sm_old = sm & ((tl.zeros([BK, BV], tl.int32) + tl.load(pos_ptr + r0)) != 0)
+        else:
+            sm_old = sm
+        S = tl.load(sp_ptrs, mask=sm_old, other=0.0).to(tl.float32)  # [BK, BV], read once
+        for t in range(0, T):
+            r = r0 + t
+            q = tl.load(q_ptr + r * stride_qr + hk * stride_qh + kk, mask=km, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + r * stride_kr + hk * stride_kh + kk, mask=km, other=0.0).to(tl.float32)
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
+            v = tl.load(v_ptr + r * stride_vr + h * stride_vh + vv, mask=vm, other=0.0).to(tl.float32)
+            x = tl.load(a_ptr + r * stride_ar + h).to(tl.float32) + dt
+            sp = tl.where(x > SP_THRESH, x, tl.log(1.0 + tl.exp(tl.minimum(x, SP_THRESH))))
+            g = A * sp
+            beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + r * stride_br + h).to(tl.float32)))
+            S = S * tl.exp(g)
+            recall = tl.sum(S * k[:, None], axis=0)                       # S^T k  [BV]
+            delta = beta * (v - recall)
+            S = S + k[:, None] * delta[None, :]
+            S = S.to(s_ptr.dtype.element_ty).to(tl.float32)               # bf16 pools: round every token
+            o = tl.sum(S * q[:, None], axis=0)                            # S^T q after the update
+            tl.store(o_ptr + r * stride_or + h * stride_oh + vv, o.to(o_ptr.dtype.element_ty), mask=vm)
+        tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm)          # written once
 
 
 def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
-                    out: torch.Tensor | None = None, block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
+                    positions: torch.Tensor | None = None, seq_len: int = 1,
+                    out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
     R, hk, dk = q.shape
     _, hv, dv = v.shape
     assert k.shape == q.shape and hv % hk == 0
     assert state.shape[1:] == (hv, dk, dv) and state.is_contiguous(), state.shape
     assert a.shape == (R, hv) and b.shape == (R, hv) and A.shape == (hv,) and dt_bias.shape == (hv,)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1
-    assert slots.shape == (R,)
+    assert slots.shape == (R,) and slots.is_contiguous()
+    assert positions is None or (positions.shape == (R,) and positions.is_contiguous())
+    assert seq_len >= 1 and R % seq_len == 0, f"{R} rows do not split into runs of {seq_len}"
     if out is None:
         out = torch.empty(R, hv, dv, dtype=torch.float32, device=v.device)
     assert out.shape == (R, hv, dv) and out.stride(2) == 1
     if R == 0:
         return out
-    BV = min(block_v, _next_pow2(dv))
-    grid = (R, hv, triton.cdiv(dv, BV))
-    _gdn_step_kernel[grid](q, k, v, a, b, A, dt_bias, state, out, slots,
-                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    BV = min(block_v or default_block_v(R // seq_len, hv, dv), _next_pow2(dv))
+    grid = (R // seq_len, hv, triton.cdiv(dv, BV))
+    _gdn_step_kernel[grid](q, k, v, a, b, A, dt_bias, state, out, slots, positions if positions is not None else slots,
+                           seq_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            a.stride(0), b.stride(0), out.stride(0), out.stride(1),
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
-                           num_warps=num_warps)
+                           HAS_POS=positions is not None, num_warps=num_warps)
+    return out
+
+
+def default_block_v(runs: int, hv: int, dv: int, sms: int = 132) -> int:
+    """State columns per program: 32, or 16 when fewer than ~2 waves of programs would fill the SMs (small
+    batches: more, smaller programs to spread the state stream). Depends on the run count only, never on
+    the data: a row's arithmetic (one column of S is one independent dot product) does not change with BV."""
+    return 16 if runs * hv * triton.cdiv(dv, 32) < 2 * sms else 32
+
+
+# --------------------------------------------------------------------------------------------------
+# the GDN layer's output: gated RMSNorm (norm first, then the SiLU gate), as Qwen35Model.gated_delta_net
+
+def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """o [R, Hv, Dv] fp32 (the delta rule's output), z [R, Hv, Dv] (the attn_gate projection, any row
+    stride): rms_norm(o) * weight * silu(z) per head in fp32, rounded once to z's dtype. Returns
+    [R, Hv * Dv] (into `out` when given)."""
+    from kernels.rmsnorm import rms_norm_ref
+
+    y = (rms_norm_ref(o.float(), weight, eps) * F.silu(z.float())).to(z.dtype).flatten(1)
+    return y if out is None else out.copy_(y)
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0,
+                       BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < DV
+    o = tl.load(o_ptr + r * s_o0 + h * s_o1 + offs, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + r * s_z0 + h * s_z1 + offs, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)
+    y = ((o * rstd) * w) * (z / (1.0 + tl.exp(-z)))
+    tl.store(y_ptr + r * s_y0 + h * DV + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    R, hv, dv = o.shape
+    assert z.shape == o.shape and o.stride(2) == 1 and z.stride(2) == 1, (tuple(o.shape), tuple(z.shape))
+    assert weight.shape == (dv,) and weight.is_contiguous()
+    if out is None:
+        out = torch.empty(R, hv * dv, dtype=z.dtype, device=z.device)
+    assert out.shape == (R, hv * dv) and out.stride(1) == 1
+    if R == 0:
+        return out
+    BLOCK = _next_pow2(dv)
+    _gated_norm_kernel[(R, hv)](o, z, weight, out, dv, float(eps), o.stride(0), o.stride(1), z.stride(0),
+                                z.stride(1), out.stride(0), BLOCK=BLOCK, num_warps=1 if BLOCK <= 128 else 2)
     return out

@@ -210,6 +210,90 @@ def test_steps_match_model_recurrence(hv):
 
 
 # ------------------------------------------------------------------------------------------------
+# sequence starts (position 0) and runs of several tokens per slot
+
+@needs_kernel
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_position_zero_starts_from_zero_state(state_dtype):
+    """Rows at position 0 ignore whatever their slot holds (even NaN) and start from zero conv history and
+    zero state; rows at other positions continue. Kernel == reference with positions; a fresh row equals
+    the same row run on a zeroed pool."""
+    hk, hv, dk, dv = 2, 6, 16, 16
+    C = 2 * hk * dk + hv * dv
+    c = _gdn_case(50, len(SLOTS), hk, hv, dk, dv, state_dtype=state_dtype)
+    slots, pos = _slots(SLOTS), torch.tensor([0, 7, 0], dtype=torch.long, device=DEV)
+    fresh = [SLOTS[0], SLOTS[2]]
+    c["state"][fresh] = float("nan")  # a previous sequence's leftovers may be anything
+    st_ref = c["state"].clone()
+    ref = gdn_step_ref(*_gdn_args(c, st_ref), slots, pos)
+    out = gdn_step_triton(*_gdn_args(c, c["state"]), slots, pos, block_v=8)
+    tol = 1e-2 if state_dtype == torch.bfloat16 else TOL  # bf16: an fp32 ulp apart may round to 1 bf16 ulp apart
+    _close(out, ref, "gdn o with position-0 rows", tol=tol)
+    _close(c["state"], st_ref, "gdn state with position-0 rows", tol=tol)
+    zeroed = c["state"].clone()
+    zeroed[fresh] = 0
+    z_ref = gdn_step_ref(*_gdn_args(c, zeroed.clone()), slots)  # continue from an explicit zero state
+    _close(out[[0, 2]], z_ref[[0, 2]], "fresh rows vs an explicitly zeroed pool", tol=tol)
+
+    g = _gen(51)
+    x, w = _randn(g, len(SLOTS), C), _randn(g, C, CONV_K) * 0.5
+    ring = _randn(g, N_SLOTS, C, CONV_K - 1)
+    ring[fresh] = float("nan")
+    ring_ref = ring.clone()
+    ref = conv_ring_update_ref(x, ring_ref, w, slots, pos)
+    out = conv_ring_update_triton(x, ring, w, slots, pos, block_c=64)
+    _close(out, ref, "conv out with position-0 rows")
+    assert _bitwise(ring, ring_ref), _msg("conv ring with position-0 rows")
+    for s in fresh:
+        assert not ring[s, :, :-1].any(), _msg("a fresh ring keeps only the new input")
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [2, 5])
+def test_runs_match_token_by_token(T):
+    """seq_len = T runs (slot-major, one program walks a run in order) == T single-token calls, both for a
+    run continuing its slot and for one starting at position 0; the reference agrees."""
+    hk, hv, dk, dv = 2, 6, 16, 16
+    C = 2 * hk * dk + hv * dv
+    n = len(SLOTS)
+    g = _gen(60 + T)
+    qkv = _randn(g, n, T, C)
+    a_in, b_in = _randn(g, n, T, hv), _randn(g, n, T, hv)
+    w = _randn(g, C, CONV_K) * 0.5
+    A, dt = -torch.exp(_randn(g, hv) * 0.5), _randn(g, hv) * 0.5
+    ring0, pool0 = _randn(g, N_SLOTS, C, CONV_K - 1), _randn(g, N_SLOTS, hv, dk, dv) * 0.3
+    start = torch.tensor([0, 3, 0], device=DEV)  # runs 0 and 2 start sequences
+    pos = (start[:, None] + torch.arange(T, device=DEV)).reshape(-1)
+    slots_rows = _slots(SLOTS).repeat_interleave(T)
+
+    def split(x):
+        q, k, v = x.split((hk * dk, hk * dk, hv * dv), dim=-1)
+        R = x.shape[0]
+        return q.view(R, hk, dk), k.view(R, hk, dk), v.view(R, hv, dv)
+
+    ring, pool = ring0.clone(), pool0.clone()  # one call over the runs
+    x = conv_ring_update_triton(qkv.reshape(n * T, C), ring, w, slots_rows, pos, seq_len=T)
+    o = gdn_step_triton(*split(x), a_in.reshape(n * T, hv), b_in.reshape(n * T, hv), A, dt, pool, slots_rows, pos,
+                        seq_len=T)
+    ring1, pool1 = ring0.clone(), pool0.clone()  # token by token
+    for t in range(T):
+        x1 = conv_ring_update_triton(qkv[:, t], ring1, w, _slots(SLOTS), start + t)
+        o1 = gdn_step_triton(*split(x1), a_in[:, t], b_in[:, t], A, dt, pool1, _slots(SLOTS), start + t)
+        _close(x.view(n, T, C)[:, t], x1, f"conv of token {t} in runs vs alone")
+        _close(o.view(n, T, hv, dv)[:, t], o1, f"gdn o of token {t} in runs vs alone", tol=2e-5)
+    assert _bitwise(ring, ring1), _msg("conv ring after runs vs token by token")
+    _close(pool, pool1, "state after runs vs token by token", tol=2e-5)
+    ring2, pool2 = ring0.clone(), pool0.clone()  # the references over runs
+    x2 = conv_ring_update_ref(qkv.reshape(n * T, C), ring2, w, slots_rows, pos, seq_len=T)
+    o2 = gdn_step_ref(*split(x2), a_in.reshape(n * T, hv), b_in.reshape(n * T, hv), A, dt, pool2, slots_rows, pos,
+                      seq_len=T)
+    _close(x, x2, "conv runs vs reference")
+    _close(o, o2, "gdn runs vs reference", tol=2e-5)
+    _close(pool, pool2, "state runs vs reference", tol=2e-5)
+    _untouched(pool, pool0, SLOTS, "state after runs")
+
+
+# ------------------------------------------------------------------------------------------------
 # CPU-only: the kernel tests above, in a child process under the Triton interpreter
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
