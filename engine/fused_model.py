@@ -13,8 +13,23 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.base import DecoderBase
+from engine.quant_pack import PackedWeight, cat_rows, unpack_ref
 from kernels.backend import StepKernels
 from kernels.rope import rope_cache, rope_inv_freq
+
+
+def fuse_rows(parts: list, dtype: torch.dtype) -> torch.Tensor | PackedWeight:
+    """Row concatenation of projections sharing an input (q|k|v, gate|up): dense tensors or, when the
+    weights are kept quantized, PackedWeights of one format (quant_pack.cat_rows). A mix (e.g. Q4_K q|k with
+    a Q8_0 or Q6_K v, as Q4_K_M files have) has no common layout: it is dequantized to `dtype`."""
+    if all(isinstance(p, PackedWeight) for p in parts) and len({(p.fmt, p.K) for p in parts}) == 1:
+        return cat_rows(parts)
+    parts = [unpack_ref(p).to(dtype) if isinstance(p, PackedWeight) else p for p in parts]
+    return torch.cat(parts).contiguous()
+
+
+def tensor_bytes(t) -> int:
+    return t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
 
 
 class FusedDecoder(DecoderBase):
@@ -28,18 +43,24 @@ class FusedDecoder(DecoderBase):
             w = lambda n: weights[f"blk.{i}.{n}.weight"]  # noqa: E731
             self.layers.append({
                 "attn_norm": w("attn_norm"), "ffn_norm": w("ffn_norm"),
-                "qkv": torch.cat([w("attn_q"), w("attn_k"), w("attn_v")]).contiguous(),
+                "qkv": fuse_rows([w("attn_q"), w("attn_k"), w("attn_v")], self.dtype),
                 "o": w("attn_output"), "down": w("ffn_down"),
-                "gate_up": torch.cat([w("ffn_gate"), w("ffn_up")]).contiguous(),
+                "gate_up": fuse_rows([w("ffn_gate"), w("ffn_up")], self.dtype),
                 "q_norm": weights.get(f"blk.{i}.attn_q_norm.weight"), "k_norm": weights.get(f"blk.{i}.attn_k_norm.weight"),
             })
 
     def weight_bytes(self) -> int:
-        """Bytes one step reads from weights (embedding rows are a gather: not counted)."""
-        n = self.lm_head.numel() * self.lm_head.element_size() + self.out_norm.numel() * self.out_norm.element_size()
+        """Bytes one step reads from weights (embedding rows are a gather: not counted); packed weights
+        count their packed bytes (quantized values + scales)."""
+        n = tensor_bytes(self.lm_head) + tensor_bytes(self.out_norm)
         for layer in self.layers:
-            n += sum(t.numel() * t.element_size() for t in layer.values() if t is not None)
+            n += sum(tensor_bytes(t) for t in layer.values() if t is not None)
         return n
+
+    def packed_weights(self) -> list[PackedWeight]:
+        """The projections kept quantized (for sizing the int4 workspaces before CUDA-graph capture)."""
+        ws = [t for layer in self.layers for t in layer.values() if isinstance(t, PackedWeight)]
+        return ws + ([self.lm_head] if isinstance(self.lm_head, PackedWeight) else [])
 
     def buffers(self, rows: int) -> dict[str, torch.Tensor]:
         """Every activation of a step with `rows` rows, allocated once (a CUDA graph replays on them)."""

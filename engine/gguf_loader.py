@@ -321,12 +321,33 @@ def _check_tensors(path: str, cfg: ModelConfig, found: dict[str, Any]) -> dict[s
     return wanted
 
 
+# the projections keep_quantized may leave packed (llama / qwen3 names); everything else is dequantized
+PACKABLE_PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                        "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def keeps_packed(cfg: ModelConfig, name: str, qtype: Any) -> bool:
+    """Whether keep_quantized leaves this tensor packed: a llama / qwen3 projection (or an untied
+    output.weight) stored as Q4_0 / Q4_1 / Q4_K / Q8_0. The token embedding is a gather and stays dense."""
+    from engine.quant_pack import packable
+
+    if cfg.arch not in SUPPORTED_ARCHS or not packable(qtype):
+        return False
+    return name == "output.weight" or (name.startswith("blk.") and name.split(".", 2)[-1] in PACKABLE_PROJECTIONS)
+
+
 def load_gguf(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    progress: bool = True,
+    progress: bool = True, keep_quantized: bool = False,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, weights by GGUF name in torch (out, in) layout as `dtype` on `device`, raw metadata).
-    `rope_freqs.weight` (Llama 3 RoPE divisors), when present, is included as float32."""
+    `rope_freqs.weight` (Llama 3 RoPE divisors), when present, is included as float32.
+
+    keep_quantized: every projection `keeps_packed` names comes back as an engine.quant_pack.PackedWeight
+    on `device` (the file's bits repacked once, on the device: memory ~ the file's size) instead of a
+    dequantized tensor; llama's q/k rows are un-permuted by an exact row gather. A tied LM head whose
+    token_embd is packable is also added as a packed `output.weight` (the embedding gather keeps the dense
+    table; the logits GEMM, 20% of a 1B model's bytes, reads the packed one). Other tensors as before."""
     path = os.fspath(path)
     reader = _open(path)
     meta = read_metadata(reader)
@@ -340,6 +361,12 @@ def load_gguf(
         t = found[name]
         # copy out of the read-only memmap so torch owns writable bytes; decode on the target device
         raw = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8)).to(device)
+        if keep_quantized and keeps_packed(cfg, name, t.tensor_type):
+            weights[name] = _load_packed(cfg, name, raw, t.tensor_type, wanted[name])
+            continue
+        if keep_quantized and name == "token_embd.weight" and cfg.tie_embeddings and keeps_packed(cfg, "output.weight", t.tensor_type):
+            # tied LM head: the gather keeps a dense table, the head GEMM reads the packed bytes
+            weights["output.weight"] = _load_packed(cfg, "output.weight", raw, t.tensor_type, wanted[name])
         w = dequantize(raw, t.tensor_type, wanted[name])
         n_head = qk_heads(cfg, name)
         if n_head is not None:
@@ -347,3 +374,15 @@ def load_gguf(
         w = gdn_v_reorder(cfg, name, w, to_gguf=False)
         weights[name] = w if name == ROPE_FREQS else w.to(dtype)
     return cfg, weights, meta
+
+
+def _load_packed(cfg: ModelConfig, name: str, raw: torch.Tensor, qtype: Any, shape: tuple[int, ...]):
+    """One projection's raw bytes -> PackedWeight, with llama's q/k rows back in rotate-half order."""
+    from engine.quant_pack import pack
+
+    pw = pack(raw, qtype, shape)
+    n_head = qk_heads(cfg, name)
+    if n_head is not None:  # the same row permutation unpermute_qk applies, as an index list
+        idx = unpermute_qk(torch.arange(shape[0]).view(-1, 1), n_head).view(-1)
+        pw = pw.select_rows(idx)
+    return pw

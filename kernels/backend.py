@@ -1,5 +1,9 @@
 """The kernels of one decode step, bound to a backend: "torch" (the references; any device, eager)
-or "triton" (GPU kernels; no host sync, no allocation when outputs are given, CUDA-graph safe)."""
+or "triton" (GPU kernels; no host sync, no allocation when outputs are given, CUDA-graph safe).
+
+`linear(x, w, out)` takes a dense weight or a PackedWeight (weights kept quantized, engine/quant_pack.py):
+the torch backend then runs the reference (kernels.int4_gemm.w4a16_linear_ref), the triton backend the
+int4 dispatch (kernels/int4_dispatch.py: Triton or CUDA W4A16 kernel, or dequantize + cuBLAS)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -35,6 +39,30 @@ def _add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return residual.add_(x)
 
 
+def _packed_aware(dense: Callable, packed: Callable) -> Callable:
+    """linear(x, w, out): `packed` when w is a PackedWeight (weights kept quantized), else `dense`."""
+    from engine.quant_pack import PackedWeight
+
+    def linear(x, w, out=None):
+        if isinstance(w, PackedWeight):
+            return packed(x, w, out=out)
+        return dense(x, w, out=out)
+
+    return linear
+
+
+def _packed_ref(x, w, out=None):
+    from kernels.int4_gemm import w4a16_linear_ref
+
+    return _into(out, w4a16_linear_ref(x, w))
+
+
+def _packed_dispatch(x, w, out=None):
+    from kernels.int4_dispatch import w4a16
+
+    return w4a16(x, w, out=out)
+
+
 def torch_kernels() -> StepKernels:
     from kernels.attention import attention_ref
     from kernels.decode_attention import paged_attention_ref
@@ -63,7 +91,7 @@ def torch_kernels() -> StepKernels:
         rms_norm=lambda x, w, eps, out=None: _into(out, rms_norm_ref(x, w, eps)),
         add_rms_norm=add_rms_norm,
         add_residual=_add_residual,
-        linear=lambda x, w, out=None: _into(out, linear_ref(x, w)),
+        linear=_packed_aware(lambda x, w, out=None: _into(out, linear_ref(x, w)), _packed_ref),
         rope_kv_write=lambda *a, q_out=None, **kw: _into(q_out, rope_kv_write_ref(*a, **kw)),
         decode_attention=decode_attention,
         swiglu=lambda gu, out=None: _into(out, swiglu_fused_ref(gu)),
@@ -84,7 +112,8 @@ def triton_kernels() -> StepKernels:
     def add_rms_norm(x, residual, w, eps, out=None):
         return add_rms_norm_triton(x, residual, w, eps, out=out)[0]
 
-    return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, _add_residual, linear,
+    return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, _add_residual,
+                       _packed_aware(linear, _packed_dispatch),
                        rope_kv_write_triton, decode_attention, swiglu_triton, argmax_triton, sample_triton)
 
 
@@ -107,5 +136,5 @@ def get_step_kernels(backend: str, gemm: str = "triton") -> StepKernels:
     else:
         raise ConfigError(f"unknown step backend {backend!r}; choose one of {STEP_BACKENDS}")
     if gemm == "cublas":
-        kernels = replace(kernels, linear=_cublas_linear, name=kernels.name + "+cublas")
+        kernels = replace(kernels, linear=_packed_aware(_cublas_linear, kernels.linear), name=kernels.name + "+cublas")
     return kernels

@@ -1,0 +1,292 @@
+"""`w4a16(x, pw, out)`: the engine's projection for a weight kept quantized (a PackedWeight), choosing per
+shape among three variants:
+
+  "triton"          kernels/int4_gemm.py: tensor-core W4A16 kernel, any B, batch-invariant
+  "cuda"            kernels/int4_cuda.py: CUDA-core W4A16 kernel for small B (CuPy / NVRTC), batch-invariant
+  "dequant_cublas"  dequantize the packed weight into a reusable per-device workspace (one bf16/fp16 [N, K]
+                    buffer shared by every projection: memory = the largest single matrix, never a second
+                    copy of the model), then torch.matmul. Not batch-invariant (cuBLAS picks its algorithm
+                    by M). The workspace is rewritten at every call, so it is only worth it where the GEMM is
+                    compute-bound (large B, batched prefill); a cached dense copy per weight is deliberately
+                    not offered: it would undo the memory the packed weights save.
+
+Policies (``set_policy`` / ``engine.int4``):
+  "invariant" (default): one variant per (N, K, fmt) for every M, so B greedy streams stay bit-exact with
+              the single stream (the seed's verify); only "triton" and "cuda" qualify.
+  "fastest":  per (N, K, fmt, B bucket), any variant; like engine.gemm=cublas, B streams may then differ
+              from the single stream in the last bits.
+  "triton" | "cuda" | "dequant_cublas": force one variant (benchmarks, tests). ``ONEPASS_INT4_VARIANT``
+              does the same from the environment.
+
+The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4_gemm
+(``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db`` or ``--csv experiments/int4_gemm/runs.csv``
+prints the entries to paste). Until a shape is measured the rule decides:
+  invariant: "triton" (the CUDA kernel has not been measured yet, and Triton covers every B on tensor cores);
+  fastest:   "cuda" for M <= 4 when the CUDA kernel is available, "dequant_cublas" for M > 256 (compute-bound
+             GEMMs, batched prefill), else "triton".
+A variant that cannot run here (no CuPy / NVRTC, or the CPU) falls back to "triton" on the GPU and to the
+reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from engine.quant_pack import GROUP, PackedWeight
+from kernels import int4_cuda
+from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _expand, w4a16_linear, w4a16_linear_ref
+from kernels.triton_compat import tl, triton
+
+VARIANTS = ("triton", "cuda", "dequant_cublas")
+INVARIANT_VARIANTS = ("triton", "cuda")
+POLICIES = ("invariant", "fastest") + VARIANTS
+B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
+
+# (N, K, fmt) -> {"invariant": variant, B bucket: variant, ...}, from the int4_gemm experiment on the H200
+# (python -m kernels.int4_dispatch prints these lines from a recorded run). Empty until measured.
+MEASURED: dict[tuple[int, int, str], dict] = {}
+
+_policy = os.environ.get("ONEPASS_INT4_VARIANT", "").strip() or "invariant"
+if _policy not in POLICIES:
+    raise ValueError(f"ONEPASS_INT4_VARIANT={_policy!r}: choose one of {POLICIES}")
+
+
+def set_policy(policy: str) -> None:
+    global _policy
+    if policy not in POLICIES:
+        raise ValueError(f"int4 policy {policy!r}: choose one of {POLICIES}")
+    _policy = policy
+
+
+def get_policy() -> str:
+    return _policy
+
+
+def bucket(M: int) -> int:
+    return next((b for b in B_BUCKETS if M <= b), B_BUCKETS[-1])
+
+
+def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
+    """The documented rule for shapes MEASURED has no entry for."""
+    if policy == "invariant":
+        return "triton"
+    if M <= 4 and int4_cuda.available():
+        return "cuda"
+    if M > 256:
+        return "dequant_cublas"
+    return "triton"
+
+
+def choose(M: int, N: int, K: int, fmt: str, policy: str | None = None) -> str:
+    """The variant w4a16 runs for x [M, K] and a [N, K] weight of format fmt (before availability fallback)."""
+    policy = policy or _policy
+    if policy in VARIANTS:
+        return policy
+    entry = MEASURED.get((N, K, fmt), {})
+    if policy == "invariant":
+        v = entry.get("invariant")
+        return v if v in INVARIANT_VARIANTS else rule(M, N, K, fmt, policy)
+    v = entry.get(bucket(M))
+    return v if v in VARIANTS else rule(M, N, K, fmt, policy)
+
+
+def runnable(variant: str, x: torch.Tensor) -> str:
+    """variant, or what runs instead where it cannot: cuda -> triton without CuPy/NVRTC; on the CPU
+    everything -> "ref" unless Triton's interpreter is on (then triton; dequant_cublas runs anywhere)."""
+    if not x.is_cuda:
+        if variant == "dequant_cublas":
+            return variant
+        return "triton" if _INTERPRETED else "ref"
+    if variant == "cuda" and not int4_cuda.available():
+        return "triton"
+    return variant
+
+
+# --------------------------------------------------------------------------------------------------
+# dequantize into a workspace (the dequant_cublas variant)
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, c_ptr, sub_ptr, w_ptr, N, G, stride_wn,
+                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """w[n, 32g + k] = the packed weight's value (unpack_ref's fp32 arithmetic), rounded to w's dtype."""
+    WPG: tl.constexpr = 8 if FMT == 3 else 4
+    g = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    r64 = tl.where(ok, rows, 0).to(tl.int64)
+    N64 = tl.cast(N, tl.int64)
+    w = tl.load(qw_ptr + (g * N64 + r64)[:, None] * WPG + tl.arange(0, WPG)[None, :])
+    q = _expand(w, FMT, BLOCK_N).to(tl.float32)
+    if FMT == 0:
+        q = q - 8.0
+    if FMT == 2:
+        d = tl.load(s_ptr + (g // 8) * N64 + r64).to(tl.float32)
+        sc = tl.load(sub_ptr + (g * N64 + r64) * 2).to(tl.float32)
+        mn = tl.load(sub_ptr + (g * N64 + r64) * 2 + 1).to(tl.float32)
+        dmin = tl.load(c_ptr + (g // 8) * N64 + r64).to(tl.float32)
+        val = (d * sc)[:, None] * q - (dmin * mn)[:, None]
+    elif FMT == 1:
+        d = tl.load(s_ptr + g * N64 + r64).to(tl.float32)
+        m = tl.load(c_ptr + g * N64 + r64).to(tl.float32)
+        val = d[:, None] * q + m[:, None]
+    else:
+        d = tl.load(s_ptr + g * N64 + r64).to(tl.float32)
+        val = d[:, None] * q
+    ptrs = w_ptr + r64[:, None] * stride_wn + g * 32 + tl.arange(0, 32)[None, :]
+    if UPCAST:   # interpreter: keep fp32 (the caller casts), its own bf16 cast truncates
+        tl.store(ptrs, val, mask=ok[:, None])
+    else:
+        tl.store(ptrs, val.to(w_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+class _DenseWorkspace:
+    """One grow-only buffer per (device, dtype); replaced buffers are kept for captured graphs."""
+
+    def __init__(self) -> None:
+        self._buf: dict[tuple, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        key = (device, dtype)
+        b = self._buf.get(key)
+        if b is None or b.numel() < numel:
+            if b is not None:
+                self._retired.append(b)
+            b = self._buf[key] = torch.empty(numel, dtype=dtype, device=device)
+        return b
+
+
+_DENSE = _DenseWorkspace()
+
+
+def dequantize_into(pw: PackedWeight, dst: torch.Tensor) -> torch.Tensor:
+    """dst [N, K] (row stride K) = the packed weight's values in dst's dtype. Triton on the GPU (or in the
+    interpreter); plain torch (unpack_ref) otherwise."""
+    N, K = pw.N, pw.K
+    if not (dst.is_cuda or _INTERPRETED):
+        return dst.copy_(w4a16_unpack(pw))
+    c = pw.mins if pw.mins is not None else pw.scales
+    sub = pw.sub if pw.sub is not None else pw.scales
+    block_n = 64
+    tgt = dst if not _INTERPRETED else torch.empty((N, K), dtype=torch.float32, device=dst.device)
+    _dequant_kernel[(K // GROUP, -(-N // block_n))](pw.qweight, pw.scales, c, sub, tgt, N, K // GROUP, tgt.stride(0),
+                                                   FMT=FMT_CODE[pw.fmt], BLOCK_N=block_n, UPCAST=_INTERPRETED)
+    if tgt is not dst:
+        dst.copy_(tgt)
+    return dst
+
+
+def w4a16_unpack(pw: PackedWeight) -> torch.Tensor:
+    from engine.quant_pack import unpack_ref
+
+    return unpack_ref(pw)
+
+
+def dequant_matmul(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequant_cublas variant: the weight decoded into the shared workspace, then torch.matmul."""
+    ws = _DENSE.get(x.device, x.dtype, pw.N * pw.K)[: pw.N * pw.K].view(pw.N, pw.K)
+    dequantize_into(pw, ws)
+    if out is not None and out.dtype != x.dtype:
+        return out.copy_(torch.matmul(x, ws.t()))
+    return torch.matmul(x, ws.t(), out=out)
+
+
+def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: int) -> None:
+    """Size every workspace the variants may need for these packed weights and up to max_rows rows, so a
+    CUDA graph captured later allocates nothing."""
+    from kernels.int4_gemm import reserve_workspace as triton_reserve
+
+    device = torch.device(device)
+    shapes = sorted({(w.N, w.K, w.fmt) for w in weights})
+    if not shapes or device.type != "cuda":
+        return
+    triton_reserve(device, shapes, max_rows)
+    if int4_cuda.available():
+        int4_cuda.reserve_workspace(device, shapes, max_rows)
+    if _policy in ("fastest", "dequant_cublas"):
+        _DENSE.get(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()),
+                   dtype, max(n * k for n, k, _ in shapes))
+
+
+# --------------------------------------------------------------------------------------------------
+# the entry point
+
+def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    v = runnable(variant, x)
+    if v == "ref":
+        y = w4a16_linear_ref(x, pw)
+        return y if out is None else out.copy_(y)
+    if v == "cuda":
+        return int4_cuda.w4a16_cuda(x, pw, out)
+    if v == "dequant_cublas":
+        return dequant_matmul(x, pw, out)
+    return w4a16_linear(x, pw, out)
+
+
+def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w^T for a packed weight, through the variant ``choose`` names for this shape and M."""
+    M, K = x.shape
+    return run_variant(choose(M, pw.N, K, pw.fmt), x, pw, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# filling MEASURED from a recorded int4_gemm run
+
+def table_entries(df) -> dict[tuple[int, int, str], dict]:
+    """Recorded int4_gemm runs (one per N, K, fmt, B; metrics *_us per variant) -> MEASURED entries:
+    per B bucket the fastest variant that verified, and "invariant": the batch-invariant variant with the
+    smallest total time over the measured B."""
+    import pandas as pd
+
+    def col(c):
+        return pd.to_numeric(df[c], errors="coerce") if c in df else pd.Series([float("nan")] * len(df), index=df.index)
+
+    d = pd.DataFrame({"N": col("params.micro.n"), "K": col("params.micro.k"), "fmt": df.get("params.micro.fmt"),
+                      "B": col("params.batch.size")})
+    for v in VARIANTS:
+        ok = col(f"metrics.{v}_ok")
+        d[v] = col(f"metrics.{v}_us").where(ok.fillna(1) == 1)
+    out: dict[tuple[int, int, str], dict] = {}
+    for (n, k, fmt), grp in d.dropna(subset=["N", "K", "B"]).groupby(["N", "K", "fmt"]):
+        entry: dict = {}
+        totals = {v: grp[v].sum(min_count=len(grp)) for v in INVARIANT_VARIANTS}
+        totals = {v: t for v, t in totals.items() if t == t}
+        if totals:
+            entry["invariant"] = min(totals, key=totals.get)
+        for _, r in grp.sort_values("B").iterrows():
+            times = {v: r[v] for v in VARIANTS if r[v] == r[v]}
+            if times:
+                entry[bucket(int(r["B"]))] = min(times, key=times.get)
+        out[(int(n), int(k), str(fmt))] = entry
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Print MEASURED entries for kernels/int4_dispatch.py from recorded "
+                                             "int4_gemm runs (the newest sweep in the store, or a runs.csv).")
+    ap.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    ap.add_argument("--csv", default=None, help="experiments/int4_gemm/runs.csv instead of the store")
+    args = ap.parse_args(argv)
+    if args.csv:
+        import pandas as pd
+
+        df = pd.read_csv(args.csv, dtype=str)
+    else:
+        from harness.report import runs_from_store
+
+        df = runs_from_store("int4_gemm", args.uri)
+    if df.empty:
+        print("no int4_gemm runs found", file=sys.stderr)
+        return 1
+    print("MEASURED = {")
+    for key, entry in sorted(table_entries(df).items()):
+        print(f"    {key!r}: {entry!r},")
+    print("}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Weights kept quantized, end to end on the CPU: the loader's keep_quantized, the fused decoder on packed
+weights, the int4 dispatch (table lookup, rule, fallbacks, the table printed from recorded runs) and the
+dequantize-into-workspace kernel (Triton's interpreter).
+
+GPU tests live in tests/test_int4_cuda.py (CUDA kernel vs reference) and tests/test_gpu_int4_smollm2.py.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.config import ModelConfig  # noqa: E402
+from engine.fused_model import FusedDecoder  # noqa: E402
+from engine.gguf_loader import load_gguf  # noqa: E402
+from engine.gguf_writer import random_weights, write_gguf  # noqa: E402
+from engine.kv_cache import ContiguousKVCache  # noqa: E402
+from engine.quant_pack import PackedWeight, pack, unpack_ref  # noqa: E402
+from engine.runner import GraphStepper  # noqa: E402
+from engine.sampler import SamplingParams  # noqa: E402
+from engine.static_batch import run_static  # noqa: E402
+from kernels import int4_dispatch as disp  # noqa: E402
+from kernels.backend import get_step_kernels  # noqa: E402
+from kernels.int4_gemm import _INTERPRETED, w4a16_linear_ref  # noqa: E402
+from tests.conftest import TINY_LLAMA, TINY_QWEN3  # noqa: E402
+from tests.interpreter import run_in_interpreter  # noqa: E402
+
+# Q4_K needs rows that are multiples of 256
+WIDE_LLAMA = ModelConfig(arch="llama", n_layers=1, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
+                         vocab_size=256, rope_theta=10000.0, name="wide-llama")
+CASES = {"q4_0": TINY_LLAMA, "q4_1": TINY_LLAMA, "q8_0": TINY_QWEN3, "q4_k": WIDE_LLAMA}
+
+
+@pytest.fixture(scope="module")
+def quant_ggufs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("int4")
+    out = {}
+    for fmt, cfg in CASES.items():
+        path = d / f"{cfg.name}-{fmt}.gguf"
+        write_gguf(path, cfg, random_weights(cfg, seed=3), weight_type=fmt)
+        out[fmt] = path
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(CASES))
+def test_keep_quantized_unpacks_to_the_dequantized_weights(quant_ggufs, fmt):
+    cfg, dense, _ = load_gguf(quant_ggufs[fmt], progress=False)
+    cfg2, packed, _ = load_gguf(quant_ggufs[fmt], progress=False, keep_quantized=True)
+    assert cfg2 == cfg and packed.keys() - {"output.weight"} == dense.keys() - {"output.weight"}
+    if cfg.tie_embeddings:   # the tied head is added packed, with the embedding's values
+        assert torch.equal(unpack_ref(packed.pop("output.weight")), dense["token_embd.weight"])
+    n_packed = 0
+    for name, w in packed.items():
+        if isinstance(w, PackedWeight):
+            n_packed += 1
+            assert w.fmt == fmt and w.shape == tuple(dense[name].shape), name
+            assert torch.equal(unpack_ref(w), dense[name]), f"{name}: unpack differs from the dequantized weight"
+        else:
+            assert torch.equal(w, dense[name]), name
+    assert not isinstance(packed["token_embd.weight"], PackedWeight)      # a gather: stays dense
+    assert n_packed == 7 * cfg.n_layers + (0 if cfg.tie_embeddings else 1)
+
+
+def _run(path, batch, prompt, new, packed):
+    cfg, w, _ = load_gguf(path, progress=False, keep_quantized=packed)
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=128)
+    kv = ContiguousKVCache(cfg, batch + 1, 64, torch.float32, "cpu")
+    return model, run_static(GraphStepper(model, kv, batch, SamplingParams(), use_graphs=False),
+                             [prompt] * batch, new, ctx=64)
+
+
+@pytest.mark.parametrize("fmt", list(CASES))
+def test_fused_decoder_packed_matches_dequantized(quant_ggufs, fmt):
+    prompt = torch.randint(3, 256, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    m_dense, dense = _run(quant_ggufs[fmt], 3, prompt, 10, packed=False)
+    m_packed, packed = _run(quant_ggufs[fmt], 3, prompt, 10, packed=True)
+    assert packed.outputs == dense.outputs
+    assert isinstance(m_packed.layers[0]["qkv"], PackedWeight) and isinstance(m_packed.layers[0]["gate_up"], PackedWeight)
+    assert torch.equal(unpack_ref(m_packed.layers[0]["qkv"]), m_dense.layers[0]["qkv"])
+    assert m_packed.weight_bytes() < m_dense.weight_bytes()
+    for name in ("qkv", "gate_up"):     # fp32 dense vs <= 8.5 bits per weight packed
+        pw, w = m_packed.layers[0][name], m_dense.layers[0][name]
+        assert pw.nbytes <= w.numel() * 8.5 / 8 * 1.03
+
+
+def test_fused_rows_of_mixed_formats_fall_back_to_dense():
+    from engine.fused_model import fuse_rows
+
+    g = torch.Generator().manual_seed(0)
+    a = pack(torch.randint(0, 256, (4, 18), generator=g, dtype=torch.uint8), "q4_0", (4, 32))
+    b = pack(torch.randint(0, 256, (2, 34), generator=g, dtype=torch.uint8), "q8_0", (2, 32))
+    a.scales.zero_()
+    b.scales.fill_(0.5)
+    fused = fuse_rows([a, b], torch.float32)
+    assert isinstance(fused, torch.Tensor) and fused.shape == (6, 32)
+    assert torch.equal(fused, torch.cat([unpack_ref(a), unpack_ref(b)]))
+    same = fuse_rows([a, a], torch.float32)
+    assert isinstance(same, PackedWeight) and same.N == 8
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch
+
+def test_choose_rule_table_and_policies(monkeypatch):
+    monkeypatch.setattr(disp, "MEASURED", {})
+    assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
+    monkeypatch.setattr(disp.int4_cuda, "available", lambda: True)
+    assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "cuda"
+    assert disp.choose(16, 5120, 17408, "q4_0", "fastest") == "triton"
+    assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
+    monkeypatch.setattr(disp.int4_cuda, "available", lambda: False)
+    assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "triton"
+    monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_0"): {"invariant": "cuda", 1: "cuda", 2: "cuda",
+                                                                   16: "dequant_cublas", 256: "triton"}})
+    assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "cuda"
+    assert disp.choose(100, 5120, 17408, "q4_0", "invariant") == "cuda"        # one variant for every M
+    assert disp.choose(2, 5120, 17408, "q4_0", "fastest") == "cuda"
+    assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"  # bucket 16
+    assert disp.choose(3000, 5120, 17408, "q4_0", "fastest") == "triton"      # beyond the last bucket
+    assert disp.choose(4, 5120, 17408, "q4_0", "fastest") == "triton"         # bucket 4 unmeasured: rule
+    assert disp.choose(4, 4096, 4096, "q4_0", "invariant") == "triton"        # other shape: rule
+    assert disp.choose(1, 5120, 17408, "q4_0", "dequant_cublas") == "dequant_cublas"
+    # an invariant entry never names a batch-dependent variant
+    monkeypatch.setattr(disp, "MEASURED", {(64, 64, "q4_0"): {"invariant": "dequant_cublas"}})
+    assert disp.choose(1, 64, 64, "q4_0", "invariant") == "triton"
+    with pytest.raises(ValueError):
+        disp.set_policy("fast")
+
+
+def test_runnable_fallbacks(monkeypatch):
+    x = torch.zeros(2, 32)
+    monkeypatch.setattr(disp, "_INTERPRETED", False)
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["ref", "ref", "dequant_cublas"]
+    monkeypatch.setattr(disp, "_INTERPRETED", True)
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["triton", "triton", "dequant_cublas"]
+
+
+@pytest.mark.parametrize("policy", ["invariant", "fastest", "dequant_cublas", "cuda"])
+def test_w4a16_on_cpu_matches_reference(policy, monkeypatch):
+    monkeypatch.setattr(disp, "_policy", policy)
+    monkeypatch.setattr(disp, "_INTERPRETED", False)   # the CPU path without the interpreter: the reference
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (40, 3 * 20), generator=g, dtype=torch.uint8)
+    pw = pack(raw, "q4_1", (40, 96))
+    pw.scales.copy_((torch.rand(pw.scales.shape, generator=g) * 0.1).half())
+    pw.mins.copy_((torch.randn(pw.mins.shape, generator=g) * 0.1).half())
+    x = torch.randn(5, 96, generator=g)
+    out = torch.empty(5, 40)
+    disp.w4a16(x, pw, out=out)
+    torch.testing.assert_close(out, w4a16_linear_ref(x, pw), rtol=1e-5, atol=1e-5)
+
+
+def test_backend_linear_takes_packed_weights():
+    g = torch.Generator().manual_seed(4)
+    pw = pack(torch.randint(0, 256, (8, 2 * 18), generator=g, dtype=torch.uint8), "q4_0", (8, 64))
+    pw.scales.fill_(0.25)
+    x = torch.randn(3, 64, generator=g)
+    k = get_step_kernels("torch")
+    assert torch.equal(k.linear(x, pw), w4a16_linear_ref(x, pw))
+    dense = unpack_ref(pw)
+    assert torch.equal(k.linear(x, dense), k.linear(x, pw))
+
+
+def test_table_entries_from_recorded_runs(tmp_path, capsys):
+    import pandas as pd
+
+    rows = []
+    for B, (t, c, d) in {1: (10.0, 6.0, 30.0), 16: (12.0, 20.0, 31.0), 128: (25.0, 90.0, 24.0)}.items():
+        rows.append({"params.micro.n": "5120", "params.micro.k": "17408", "params.micro.fmt": "q4_0",
+                     "params.batch.size": str(B), "metrics.triton_us": t, "metrics.cuda_us": c,
+                     "metrics.dequant_cublas_us": d, "metrics.triton_ok": 1, "metrics.cuda_ok": 1,
+                     "metrics.dequant_cublas_ok": 1})
+    rows.append({**rows[0], "params.micro.n": "2048", "params.micro.k": "8192", "metrics.cuda_ok": 0})
+    df = pd.DataFrame(rows)
+    entries = disp.table_entries(df)
+    assert entries[(5120, 17408, "q4_0")] == {"invariant": "triton", 1: "cuda", 16: "triton", 128: "dequant_cublas"}
+    assert entries[(2048, 8192, "q4_0")] == {"invariant": "triton", 1: "triton"}   # cuda failed verification
+    path = tmp_path / "runs.csv"
+    df.to_csv(path, index=False)
+    assert disp.main(["--csv", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "(5120, 17408, 'q4_0'): {'invariant': 'triton', 1: 'cuda'" in printed
+
+
+def test_cuda_module_imports_and_configures_without_cupy():
+    from kernels import int4_cuda
+
+    assert int4_cuda.available() is False or ON_GPU
+    S, gps = int4_cuda.split_rule(5120, 17408, "q4_0")
+    assert S * gps >= 17408 // 32 and (S - 1) * gps < 17408 // 32
+    assert int4_cuda.split_rule(17408, 5120, "q4_0")[0] == 1                  # 544 row tiles fill the SMs
+    c1, c9 = int4_cuda.cuda_config(1, 5120, 17408, "q4_0"), int4_cuda.cuda_config(9, 5120, 17408, "q4_0")
+    assert (c1["BT"], c9["BT"], c9["n_bt"]) == (1, 8, 2) and c1["SPLIT_K"] == c9["SPLIT_K"]
+    src = int4_cuda.source("q4_k", 8, False, True)
+    assert "#define FMT 2" in src and "#include" not in src
+
+
+# --------------------------------------------------------------------------------------------------
+# the dequantize-into-workspace kernel (interpreter on the CPU)
+
+def _interp_or_gpu() -> bool:
+    return ON_GPU or _INTERPRETED
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "q8_0"])
+def test_dequant_kernel_equals_unpack_ref(fmt):
+    if not _interp_or_gpu():
+        pytest.skip("triton imported without the interpreter; covered by test_in_interpreter_subprocess")
+    from tests.test_int4_gemm import QTYPE, random_raw
+
+    dev = "cuda" if ON_GPU else "cpu"
+    N, K = (40, 512) if fmt == "q4_k" else (40, 96)
+    pw = pack(random_raw(fmt, N, K, 7, device=dev), QTYPE[fmt], (N, K))
+    dst = torch.empty(N, K, dtype=torch.float32, device=dev)
+    disp.dequantize_into(pw, dst)
+    assert torch.equal(dst, unpack_ref(pw))
+    if ON_GPU:
+        d16 = torch.empty(N, K, dtype=torch.bfloat16, device=dev)
+        assert torch.equal(disp.dequantize_into(pw, d16), unpack_ref(pw).bfloat16())
+
+
+def test_in_interpreter_subprocess():
+    if ON_GPU or _INTERPRETED:
+        pytest.skip("runs in-process here")
+    run_in_interpreter(__file__, "(tests/test_int4_wiring.py)")
