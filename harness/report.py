@@ -185,6 +185,51 @@ def decode_attention(df: pd.DataFrame):
     return d.to_markdown(index=False, floatfmt=(".0f", ".1f", ".1f", ".1f", ".2f", ".1e", "")), None
 
 
+def _tag(df: pd.DataFrame, col: str) -> pd.Series:
+    return df[col].fillna("—") if col in df else pd.Series(["—"] * len(df), index=df.index)
+
+
+@table("int4_gemm")
+def int4_gemm(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "N x K": num(df, "params.micro.n").astype(int).astype(str) + " x " + num(df, "params.micro.k").astype(int).astype(str),
+        "format": df["params.micro.fmt"],
+        "B": num(df, "params.batch.size").astype(int),
+        "Triton (us)": _opt(df, "metrics.triton_us"),
+        "CUDA (us)": _opt(df, "metrics.cuda_us"),
+        "dequant + cuBLAS (us)": _opt(df, "metrics.dequant_cublas_us"),
+        "bf16 cuBLAS (us)": _opt(df, "metrics.bf16_us"),
+        "picked": _tag(df, "tags.int4_pick"),
+        "effective TB/s": _opt(df, "metrics.effective_tbps"),
+        "vs bf16": _opt(df, "metrics.speedup_vs_bf16"),
+        "fastest": _tag(df, "tags.int4_best"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    })
+    d["_n"] = num(df, "params.micro.n")
+    d["_k"] = num(df, "params.micro.k")
+    d = d.sort_values(["_n", "_k", "format", "B"], ascending=[False, True, True, True]).drop(columns=["_n", "_k"])
+    md = d.to_markdown(index=False, floatfmt=("", "", ".0f", ".1f", ".1f", ".1f", ".1f", "", ".2f", ".2f", "", ""))
+    return md.replace("nan", "—"), None
+
+
+@table("int4_e2e")
+def int4_e2e(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "model": df["params.model.name"],
+        "weights": df["params.engine.weights"] if "params.engine.weights" in df else "dequant",
+        "B": num(df, "params.batch.size").astype(int),
+        "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
+        "weights on GPU (MiB)": _opt(df, "metrics.weights_mb"),
+        "GGUF file (MiB)": _opt(df, "metrics.gguf_mb"),
+        "load (s)": num(df, "metrics.load_s"),
+        "floor reached": _opt(df, "metrics.floor_frac"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values(["model", "B", "weights"], ascending=[True, True, False])
+    md = d.to_markdown(index=False, floatfmt=("", "", ".0f", ",.0f", ".3f", ",.0f", ",.0f", ".1f", ".0%", ""))
+    return md.replace("nan%", "—").replace("nan", "—"), None
+
+
 def _serving(df: pd.DataFrame, first: dict) -> pd.DataFrame:
     return pd.DataFrame({**first,
         "steps": num(df, "metrics.steps").astype(int),

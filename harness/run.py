@@ -22,7 +22,7 @@ from engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits,
 from engine.tokenizer import Tokenizer
 from engine.verify import verify_greedy, verify_sampled
 from harness import tracking
-from harness.roofline import copy_bandwidth, decode_floor_bytes
+from harness.roofline import copy_bandwidth, decode_floor_bytes, weight_bytes_per_step
 from harness.synth import resolve_gguf
 from harness.workload import prompt_ids, workload_digest
 from kernels.ops import get_ops
@@ -82,6 +82,15 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
         raise ConfigError("engine.backend=triton needs a CUDA device; use engine.backend=torch on the CPU")
     if e.gemm not in ("triton", "cublas"):
         raise ConfigError(f"engine.gemm={e.gemm!r}; choose triton or cublas")
+    if e.weights not in ("dequant", "packed"):
+        raise ConfigError(f"engine.weights={e.weights!r}; choose dequant or packed")
+    if e.weights == "packed" and backend != "triton":
+        raise ConfigError("engine.weights=packed runs on the triton backend (the torch reference model reads dense "
+                          "weights); use engine.weights=dequant with engine.backend=torch")
+    from kernels.int4_dispatch import POLICIES
+
+    if e.int4 not in POLICIES:
+        raise ConfigError(f"engine.int4={e.int4!r}; choose one of {POLICIES}")
     if e.threads > 0:
         torch.set_num_threads(e.threads)
     return dev, dtype, backend
@@ -91,7 +100,12 @@ def build(cfg) -> Built:
     dev, dtype, backend = resolve_engine(cfg.engine)
     t0 = time.perf_counter()
     gguf_path = resolve_gguf(cfg.model, progress=cfg.progress)
-    mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress)
+    packed = cfg.engine.weights == "packed"
+    if packed:
+        from kernels.int4_dispatch import set_policy
+
+        set_policy(cfg.engine.int4)
+    mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress, keep_quantized=packed)
     if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
         mcfg = _with_scaling(mcfg)  # the file keeps only rope_freqs; the peer wants the parameters
     if mcfg.arch == "qwen35" and (backend != "torch" or cfg.scheduler.mode != "static"):
@@ -105,8 +119,17 @@ def build(cfg) -> Built:
         from kernels.backend import get_step_kernels
 
         b.model = FusedDecoder(mcfg, weights, get_step_kernels("triton", cfg.engine.gemm), cfg.kv_cache.ctx + 1)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     b.load_s = time.perf_counter() - t0
     return b
+
+
+def weights_mb(weights: dict) -> float:
+    """MiB the loaded weights hold on the device (packed projections: their packed bytes)."""
+    from engine.fused_model import tensor_bytes
+
+    return sum(tensor_bytes(t) for t in weights.values()) / 2**20
 
 
 def _with_scaling(mcfg: ModelConfig) -> ModelConfig:
@@ -142,6 +165,10 @@ def decode_rate(r: StaticBatchResult) -> float:
 
 
 def run_job(cfg, out_dir: Path) -> float:
+    if cfg.job == "int4_gemm":  # one job, one recorded run per (shape, format, B)
+        from harness.int4_bench import run_int4_gemm
+
+        return run_int4_gemm(cfg, out_dir)
     if cfg.job != "decode":
         from harness.micro import MICRO
 
@@ -164,7 +191,9 @@ def run_job(cfg, out_dir: Path) -> float:
     ctx = cfg.kv_cache.ctx
     print(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "
           f"{mcfg.vocab_size}; {built.gguf_path.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "
-          f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''})")
+          f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''}; "
+          f"weights {cfg.engine.weights}: {weights_mb(built.weights):,.0f} MiB on the device, file "
+          f"{built.gguf_path.stat().st_size / 2**20:,.0f} MiB)")
     print(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
           f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, prefill={cfg.scheduler.prefill}")
 
@@ -203,12 +232,15 @@ def run_job(cfg, out_dir: Path) -> float:
         "single_stream_tok_s": single_tput, "speedup_vs_single": tput / single_tput if single_tput else 0.0,
         "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
         "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),
-        "kv_cache_mb": kv.nbytes / 2**20, "load_s": built.load_s,
+        "kv_cache_mb": kv.nbytes / 2**20, "load_s": built.load_s, "weights_mb": weights_mb(built.weights),
+        "gguf_mb": built.gguf_path.stat().st_size / 2**20,
     }
     metrics.update({k: float(v) for k, v in verdict.detail.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     if dev.type == "cuda":
         bw = copy_bandwidth(dev)
         floor_bytes = decode_floor_bytes(mcfg, dtype.itemsize, B, len(ids), len(result.step_s))
+        if cfg.engine.weights == "packed" and hasattr(built.model, "weight_bytes"):  # the bytes the step reads
+            floor_bytes += built.model.weight_bytes() - weight_bytes_per_step(mcfg, dtype.itemsize)
         metrics.update(copy_bw_tbps=bw / 1e12, step_floor_ms=floor_bytes / bw * 1e3,
                        floor_frac=floor_bytes / bw / (metrics["step_ms_p50"] / 1e3))
     print(f"[verify] {verdict.line}")

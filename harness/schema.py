@@ -91,6 +91,8 @@ class EngineCfg:
     gemm: str = "triton"  # triton (batch-invariant) | cublas (torch.matmul), for the triton backend
     cuda_graphs: bool = True  # one CUDA graph per row bucket (triton backend)
     threads: int = 0  # CPU threads for torch; 0 = leave torch's default
+    weights: str = "dequant"  # dequant (GGUF -> dtype at load) | packed (Q4_0/Q4_1/Q4_K/Q8_0 projections stay quantized)
+    int4: str = "invariant"  # packed projections: invariant | fastest | triton | cuda | dequant_cublas (kernels/int4_dispatch.py)
 
 
 @dataclass
@@ -117,6 +119,11 @@ class MicroCfg:
     kv_heads: int = 8
     head_dim: int = 64
     ctx: int = 512
+    # job=int4_gemm (harness/int4_bench.py): one job sweeps these and records one run per (shape, fmt, B)
+    fmt: str = "q4_0"  # the run's format (set per recorded run)
+    shapes: list[str] = field(default_factory=lambda: ["5120x17408", "17408x5120", "5120x12288", "4096x4096", "2048x8192"])
+    fmts: list[str] = field(default_factory=lambda: ["q4_0"])
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
 
 
 @dataclass
@@ -138,7 +145,7 @@ class RunCfg:
     verify: VerifyCfg = field(default_factory=VerifyCfg)
     peer: PeerCfg = field(default_factory=PeerCfg)
     micro: MicroCfg = field(default_factory=MicroCfg)
-    job: str = "decode"  # decode | projection_crossover | decode_attention
+    job: str = "decode"  # decode | projection_crossover | decode_attention | int4_gemm
     table: str = "adhoc"  # the experiments/<table> this run belongs to
     progress: bool = True
 

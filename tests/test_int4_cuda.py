@@ -1,0 +1,158 @@
+"""kernels/int4_cuda.py (CUDA C++ W4A16 kernel through CuPy / NVRTC) and every variant of
+kernels/int4_dispatch.py against w4a16_linear_ref on the GPU.
+
+CPU: the module imports without CuPy and without a GPU, and its source compiles for sm_90 with nvcc when
+nvcc is on the PATH (a syntax / register check; nothing runs).
+GPU (`gpu` marker): every format, odd N (not a multiple of the 32-row tile), K not a multiple of the
+1024-weight chunk, the issue's shapes, B = 1..256; batch invariance (rows bitwise equal across M, so
+across batch tiles); CUDA-graph capture with out= allocating nothing; fp32 out; strided x; both NVRTC
+bindings when both exist. Tolerances as tests/test_int4_gemm.py (outputs ~N(0, 1); one bf16 ulp-ish).
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tests.test_int4_gemm import FMTS, _check, _weight, _x  # noqa: F401  (also sets the interpreter flag)
+from engine.quant_pack import unpack_ref
+from kernels import int4_cuda, int4_dispatch as disp
+
+ON_GPU = torch.cuda.is_available()
+needs_cuda_kernel = pytest.mark.skipif(ON_GPU and not int4_cuda.available(),
+                                       reason="no NVRTC binding (cupy or torch.cuda._compile_kernel)")
+
+
+@pytest.fixture
+def seed() -> int:
+    import os
+
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={s}")
+    return s
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on the PATH")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_source_compiles_for_sm90(tmp_path, fmt):
+    for bt, f16, o32 in ((1, False, False), (8, True, True), (4, False, True)):
+        src = tmp_path / f"{fmt}_{bt}.cu"
+        src.write_text(int4_cuda.source(fmt, bt, f16, o32))
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(src) + ".cubin", "--resource-usage",
+                            "-std=c++14", str(src)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "spill" not in r.stdout + r.stderr or " 0 bytes spill stores" in r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+
+def _ref(x, pw):
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return (x.float() @ unpack_ref(pw).T).to(x.dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+ODD = [(72, 160, "q4_0"), (72, 160, "q4_1"), (72, 160, "q8_0"), (72, 768, "q4_k"), (1000, 1088, "q4_0"),
+       (333, 2080, "q8_0"), (95, 1280, "q4_k"), (130, 96, "q4_1")]
+ISSUE = [(5120, 17408), (17408, 5120), (5120, 12288), (4096, 4096), (2048, 8192)]
+
+
+@pytest.mark.gpu
+@needs_cuda_kernel
+@pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in FMTS], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_cuda_matches_ref(seed, case):
+    N, K, fmt = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    Ms = (1, 2, 3, 4, 5, 8, 9, 16, 31, 64, 129, 256) if N * K < 1 << 24 else (1, 2, 4, 8, 17, 64, 256)
+    for M in Ms:
+        x = _x(seed + M, M, K, xs, device="cuda")
+        _check(int4_cuda.w4a16_cuda(x, pw), _ref(x, pw), seed,
+               f"cuda {fmt} N={N} K={K} M={M} cfg={int4_cuda.cuda_config(M, N, K, fmt)}")
+    x = _x(seed, 6, K, xs, torch.float16, device="cuda")
+    _check(int4_cuda.w4a16_cuda(x, pw), _ref(x, pw), seed, f"cuda {fmt} N={N} K={K} fp16")
+
+
+@pytest.mark.gpu
+@needs_cuda_kernel
+@pytest.mark.parametrize("case", [(72, 160, "q4_1"), (4096, 4096, "q4_0"), (2048, 8192, "q4_k"), (17408, 5120, "q8_0")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_cuda_batch_invariant_fp32(seed, case):
+    """Rows are bitwise equal whatever M (so whichever batch tile BT and tile index), fp32 out."""
+    N, K, fmt = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    x = _x(seed, 100, K, xs, device="cuda")
+    y_all = int4_cuda.w4a16_cuda(x, pw, torch.empty(100, N, device="cuda"))
+    for M in (1, 2, 3, 7, 8, 9, 33):
+        y = int4_cuda.w4a16_cuda(x[:M], pw, torch.empty(M, N, device="cuda"))
+        assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} N={N} K={K} M={M}: rows depend on M"
+    y16 = int4_cuda.w4a16_cuda(x, pw)
+    assert torch.equal(y16, y_all.to(x.dtype)), "bf16 output is not the fp32 result rounded once"
+
+
+@pytest.mark.gpu
+@needs_cuda_kernel
+def test_cuda_strided_and_graph_capture(seed):
+    N, K, fmt = 2048, 8192, "q4_0"                           # split-K: workspace + reduce kernel
+    assert int4_cuda.cuda_config(8, N, K, fmt)["SPLIT_K"] > 1
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    big = _x(seed, 8, 2 * K, xs, device="cuda")
+    x = big[:, ::2]                                          # non-unit column stride: copied
+    _check(int4_cuda.w4a16_cuda(x, pw), _ref(x, pw), seed, "strided x")
+    x = big[:, :K]                                           # row stride 2K
+    out_big = torch.empty(8, 2 * N, dtype=x.dtype, device="cuda")
+    out = out_big[:, N:]
+    int4_cuda.w4a16_cuda(x, pw, out)
+    _check(out, _ref(x, pw), seed, "row-strided x and out")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        int4_cuda.w4a16_cuda(x, pw, out)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        before = torch.cuda.memory_allocated()
+        int4_cuda.w4a16_cuda(x, pw, out)
+        after = torch.cuda.memory_allocated()
+    assert after == before, f"allocated {after - before} bytes during capture"
+    x.copy_(_x(seed + 1, 8, K, xs, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, int4_cuda.w4a16_cuda(x, pw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", disp.VARIANTS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dispatch_variants_match_ref(seed, variant, fmt):
+    N, K = (5120, 4096)
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    for M in (1, 4, 16, 128, 300):
+        x = _x(seed + M, M, K, xs, device="cuda")
+        y = disp.run_variant(variant, x, pw)
+        tol = 3 if variant == "dequant_cublas" else 1            # the weight rounded to bf16 first
+        ref = _ref(x, pw)
+        err = (y.float() - ref.float()).abs()
+        assert (err <= tol * 1e-2 * (1 + ref.float().abs())).all(), \
+            f"seed={seed} {variant} {fmt} M={M}: max err {err.max().item():.3g}"
+
+
+@pytest.mark.gpu
+def test_both_nvrtc_bindings_agree(seed, monkeypatch):
+    if int4_cuda._cupy is None or not hasattr(torch.cuda, "_compile_kernel"):
+        pytest.skip("needs both cupy and torch.cuda._compile_kernel")
+    pw, xs = _weight("q4_1", 1000, 1088, seed % 1000, device="cuda")
+    x = _x(seed, 5, 1088, xs, device="cuda")
+    ys = {}
+    for how in ("cupy", "torch"):
+        monkeypatch.setenv("ONEPASS_INT4_CUDA_COMPILER", how)
+        int4_cuda._kernel.cache_clear()
+        ys[how] = int4_cuda.w4a16_cuda(x, pw)
+    int4_cuda._kernel.cache_clear()
+    assert torch.equal(ys["cupy"], ys["torch"])
