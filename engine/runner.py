@@ -13,6 +13,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.fused_model import FusedDecoder
+from engine.fused_qwen35 import FusedQwen35Decoder
 from engine.sampler import SamplingParams
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -26,9 +27,12 @@ def bucket_for(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int:
 
 
 class GraphStepper:
-    def __init__(self, model: FusedDecoder, kv, batch: int, sampling: SamplingParams, use_graphs: bool = True,
-                 attn_workspace: Callable[[int, int], object] | None = None, max_len: int | None = None):
-        """`kv` must hold batch + 1 slots: the last one is the scratch slot that padded rows write to.
+    def __init__(self, model: FusedDecoder | FusedQwen35Decoder, kv, batch: int, sampling: SamplingParams,
+                 use_graphs: bool = True, attn_workspace: Callable[[int, int], object] | None = None,
+                 max_len: int | None = None):
+        """`kv` must hold batch + 1 slots: the last one is the scratch slot that padded rows write to (a
+        HybridCache for the hybrid decoder: padded rows sit at position 0, so they restart the scratch slot's
+        recurrent state every step and never read what other padded rows wrote).
         `max_len` bounds every position this stepper will feed (default: the cache's ctx); the decode
         attention grid is sized for it, so a shorter bound skips split-KV work no row can need."""
         if kv.num_slots < batch + 1:
@@ -113,8 +117,9 @@ class GraphStepper:
         rows = B * P
         slots = torch.arange(B, device=dev).repeat_interleave(P)
         positions = torch.arange(P, device=dev).repeat(B)
+        runs = {"seq_len": P} if getattr(m, "hybrid", False) else {}  # recurrent layers walk each slot's run in order
         hidden = m.hidden(prompts.reshape(-1), positions, slots, self.kv, m.buffers(rows), self.make_ws(rows, self.max_len),
-                          max_len=self.max_len)
+                          max_len=self.max_len, **runs)
         last = hidden.view(B, P, -1)[:, -1].contiguous()
         logits = m.logits(last)
         self.step_count.zero_()

@@ -25,12 +25,13 @@ conv_ring_update_{ref,triton}(x, conv_state, conv_weight, slots, positions=None,
 gdn_step_{ref,triton}(q, k, v, a, b, A, dt_bias, state, slots, positions=None, seq_len=1) -> o [R, Hv, Dv] fp32
     q, k [R, Hk, Dk] post-conv (not yet normalised), v [R, Hv, Dv], a (ssm_alpha(x)) and b (ssm_beta(x))
     [R, Hv], A = ssm_a = -exp(A_log) [Hv], dt_bias = ssm_dt [Hv], state pool [slots, Hv, Dk, Dv] (fp32, or
-    bf16 rounded once per step). Exactly Qwen35Model.gated_delta_net's recurrence, fp32:
+    bf16 rounded after every token). Exactly Qwen35Model.gated_delta_net's recurrence, fp32:
         q = l2norm(q) * Dk**-0.5, k = l2norm(k)        (value head h reads key head h // (Hv / Hk))
         g = A * softplus(a + dt_bias), beta = sigmoid(b)
         S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q     (o read after the update)
     Kernel grid (R / T, Hv, cdiv(Dv, BV)): each program holds one [Dk, BV] fp32 tile of S, reads it once,
-    applies its run's T tokens in order and writes it once; q/k normalisation and the gates are recomputed per program (a few hundred FLOPs).
+    applies its run's T tokens in order and writes it once; q/k normalisation and the gates are
+    recomputed per program (a few hundred FLOPs).
     Every program depends only on its own row, so results are batch invariant (bitwise).
 
 Both Triton entry points take an optional ``out`` and allocate nothing else, read nothing on the host,

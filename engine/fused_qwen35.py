@@ -1,0 +1,216 @@
+"""The hybrid (qwen35: Gated DeltaNet + gated attention) decode step as a flat kernel sequence over rows.
+
+Same math as engine/models/qwen35.py, arranged as engine/fused_model.py arranges llama/qwen3: row r is
+one token of slot `slots[r]` at position `positions[r]`, every activation lives in preallocated buffers,
+and the interface is FusedDecoder's (`buffers(rows)`, `hidden(...)`, `logits(...)`, `weight_bytes()`), so
+GraphStepper captures it in CUDA graphs unchanged. `kv` is a HybridCache (engine/state_pool.py): its KV
+cache (contiguous, or paged through `block_table`) serves the attention layers, its StatePool the GDN
+layers (state [slots, Hv, Dk, Dv] and conv ring [slots, conv_dim, K-1] per GDN layer).
+
+Per layer (h = the normed residual; every projection is `kernels.linear`, dense or packed int4):
+  GDN:        [qkv | z | beta | alpha] = h @ W_in   (one GEMM: attn_qkv, attn_gate, ssm_beta, ssm_alpha)
+              conv_ring_update(qkv)                  causal conv + SiLU over the slot's ring, ring shifted
+              gdn_step(q, k, v, alpha, beta)         l2norm, gates, delta rule in place in the pool (state
+                                                     read once, written once), o = S^T q
+              gated_rms_norm(o, z) -> ssm_out
+  attention:  [q|gate per head | k | v] = h @ W_in  (one GEMM: attn_q, attn_k, attn_v)
+              gated_rope_kv_write                    q/k RMSNorm, NEOX RoPE on rotary_dim dims, KV write
+              decode_attention (kernels/decode_attention.py, shared with the plain decoders)
+              sigmoid_gate_mul(o, gate) -> attn_output
+  FFN:        residual add fused into the pre-FFN RMSNorm; gate|up GEMM, SwiGLU, down.
+
+Sequences start at position 0: a row (run) at position 0 makes the GDN kernels start its slot from zero
+state and zero conv history, inside the kernels (no host sync, graph-safe); the attention layers simply
+overwrite KV from position 0. So static batching and continuous refill need no reset call. Nothing here
+keeps the StatePool's host-side token counts (`seen`): the reference model checks continuity, the fused
+step trusts its rows (each slot's rows must continue its sequence or restart it at position 0).
+
+Rows per slot: in token mode (decode, token prefill) each slot has at most one row per step. A step may
+also carry runs of `seq_len` consecutive tokens per slot, slot-major (rows n*T .. n*T+T-1 of one slot:
+GraphStepper's batched prefill of a static batch); the GDN kernels then walk each run in order. Ragged
+multi-row steps (a serving loop's chunked prefill with unequal chunks) are not supported: the harness
+refuses scheduler.prefill=chunked for hybrid models (engine/state_pool.check_hybrid_serving).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import LAYER_ATTENTION, ModelConfig
+from engine.errors import ConfigError, GGUFError
+from engine.models.base import DecoderBase
+from kernels.backend import StepKernels
+from kernels.gated_attention import gate_view
+from kernels.hybrid import HybridKernels, get_hybrid_kernels
+from kernels.rope import rope_cache, rope_inv_freq
+
+
+def _nbytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return int(w.nbytes)  # PackedWeight (engine/quant_pack.py)
+
+
+def _fuse(parts: list):
+    """Row concatenation of projection weights: torch tensors, or PackedWeights of one format; None when
+    they cannot be fused (packed parts of different formats or types mixed)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts).contiguous()
+    try:
+        from engine.quant_pack import PackedWeight, cat_rows
+    except ImportError:
+        return None
+    if all(isinstance(p, PackedWeight) for p in parts):
+        try:
+            return cat_rows(parts)
+        except GGUFError:
+            return None
+    return None
+
+
+class Projection:
+    """One GEMM over several weights' rows (fused when they can be), writing one [R, sum(N)] buffer."""
+
+    def __init__(self, parts: list):
+        self.width = sum(int(p.shape[0]) for p in parts)
+        fused = _fuse(parts)
+        self.weights = [fused] if fused is not None else list(parts)
+
+    def __call__(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if len(self.weights) == 1:
+            return k.linear(x, self.weights[0], out=out)
+        col = 0
+        for w in self.weights:  # unfusable parts: one GEMM each, into column slices of the same buffer
+            n = int(w.shape[0])
+            k.linear(x, w, out=out[:, col:col + n])
+            col += n
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(w) for w in self.weights)
+
+
+class FusedQwen35Decoder(DecoderBase):
+    hybrid = True  # GraphStepper passes seq_len to batched prefill; the cache must be a HybridCache
+
+    def __init__(self, cfg: ModelConfig, weights, kernels: StepKernels, max_pos: int,
+                 hybrid_kernels: HybridKernels | None = None):
+        if cfg.arch != "qwen35":
+            raise ConfigError(f"FusedQwen35Decoder runs arch qwen35, got {cfg.arch!r} (use FusedDecoder)")
+        self.cfg, self.k = cfg, kernels
+        self.hk = hybrid_kernels or get_hybrid_kernels(kernels.name)
+        self._init_head(weights)
+        inv = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, weights.get("rope_freqs.weight"))
+        self.rope = rope_cache(inv, max_pos).to(self.embed.device)  # [max_pos, rotary_dim] = cat(cos, sin)
+        self.layers = [self._layer(weights, i, kind) for i, kind in enumerate(cfg.layer_kinds)]
+        self.gdn_index = {i: j for j, i in enumerate(cfg.gdn_layers)}
+
+    @staticmethod
+    def _layer(weights, i: int, kind: str) -> dict:
+        w = lambda n: weights[f"blk.{i}.{n}"]  # noqa: E731
+        layer = {"kind": kind, "attn_norm": w("attn_norm.weight"), "ffn_norm": w("post_attention_norm.weight"),
+                 "gate_up": Projection([w("ffn_gate.weight"), w("ffn_up.weight")]),
+                 "down": Projection([w("ffn_down.weight")])}
+        if kind == LAYER_ATTENTION:
+            layer.update(in_proj=Projection([w("attn_q.weight"), w("attn_k.weight"), w("attn_v.weight")]),
+                         q_norm=w("attn_q_norm.weight").contiguous(), k_norm=w("attn_k_norm.weight").contiguous(),
+                         out=Projection([w("attn_output.weight")]))
+        else:
+            layer.update(in_proj=Projection([w("attn_qkv.weight"), w("attn_gate.weight"), w("ssm_beta.weight"),
+                                             w("ssm_alpha.weight")]),
+                         conv=w("ssm_conv1d.weight").contiguous(), A=w("ssm_a").contiguous(),
+                         dt=w("ssm_dt.bias").contiguous(), ssm_norm=w("ssm_norm.weight").contiguous(),
+                         out=Projection([w("ssm_out.weight")]))
+        return layer
+
+    def weight_bytes(self) -> int:
+        """Bytes one step reads from weights (embedding rows are a gather: not counted)."""
+        n = _nbytes(self.lm_head) + _nbytes(self.out_norm)
+        for layer in self.layers:
+            for v in layer.values():
+                if isinstance(v, Projection):
+                    n += v.nbytes
+                elif isinstance(v, torch.Tensor):
+                    n += _nbytes(v)
+        return n
+
+    def buffers(self, rows: int) -> dict[str, torch.Tensor]:
+        """Every activation of a step with `rows` rows, allocated once (a CUDA graph replays on them)."""
+        c, dev, dt = self.cfg, self.device, self.dtype
+        e = lambda *s, dtype=dt: torch.empty(*s, device=dev, dtype=dtype)  # noqa: E731
+        buf = {"residual": e(rows, c.dim), "h": e(rows, c.dim), "x": e(rows, c.dim),
+               "gate_up": e(rows, 2 * c.ffn_dim), "act": e(rows, c.ffn_dim)}
+        if c.gdn_layers:
+            buf.update(gdn_in=e(rows, c.gdn_conv_dim + c.gdn_value_dim + 2 * c.gdn_v_heads),
+                       conv=e(rows, c.gdn_conv_dim, dtype=torch.float32),
+                       gdn_o=e(rows, c.gdn_v_heads, c.gdn_v_dim, dtype=torch.float32),
+                       gdn_y=e(rows, c.gdn_value_dim))
+        if len(c.gdn_layers) < c.n_layers:
+            buf.update(attn_in=e(rows, 2 * c.q_dim + 2 * c.kv_dim), q=e(rows, c.n_heads, c.head_dim),
+                       attn=e(rows, c.n_heads, c.head_dim))
+        return buf
+
+    def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None,
+               seq_len: int = 1) -> torch.Tensor:
+        """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm).
+        Every position must be < max_len (default: the cache's ctx). seq_len > 1: the rows are slot-major
+        runs of seq_len consecutive positions of one slot (see the module docstring)."""
+        state = getattr(kv, "state", None)
+        if state is None:
+            raise ConfigError("the hybrid decoder keeps per-slot recurrent state: pass kv=HybridCache(kv_cache, "
+                              "StatePool(...)) (engine/state_pool.py)")
+        R = tokens.shape[0]
+        if seq_len < 1 or R % seq_len:
+            raise ConfigError(f"{R} rows do not split into runs of seq_len={seq_len}")
+        c, k, hk, eps = self.cfg, self.k, self.hk, self.cfg.norm_eps
+        cache = kv.kv
+        res, h, x = buf["residual"], buf["h"], buf["x"]
+        k.embedding(tokens, self.embed, out=res)
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                k.rms_norm(res, layer["attn_norm"], eps, out=h)
+            else:
+                k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h)  # res += x (the previous FFN output)
+            if layer["kind"] == LAYER_ATTENTION:
+                self._attention(i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len)
+            else:
+                self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len)
+            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
+            layer["gate_up"](k, h, buf["gate_up"])
+            k.swiglu(buf["gate_up"], out=buf["act"])
+            layer["down"](k, buf["act"], x)
+        k.add_residual(x, res)
+        return res
+
+    def _attention(self, i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len) -> None:
+        c, k, hk = self.cfg, self.k, self.hk
+        qkv = layer["in_proj"](k, h, buf["attn_in"])
+        hk.gated_rope_kv_write(qkv, positions, slots, self.rope, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads,
+                               c.head_dim, c.rope_dim, layer["q_norm"], layer["k_norm"], c.norm_eps,
+                               block_table=block_table, q_out=buf["q"])
+        k.decode_attention(buf["q"], cache.k[i], cache.v[i], slots, positions, block_table=block_table,
+                           out=buf["attn"], workspace=attn_ws, max_len=max_len or cache.ctx)
+        hk.sigmoid_gate_mul(buf["attn"], gate_view(qkv, c.n_heads, c.head_dim), out=buf["attn"])
+        layer["out"](k, buf["attn"].view(-1, c.q_dim), buf["x"])
+
+    def _gdn(self, j, layer, h, positions, slots, state, buf, seq_len: int) -> None:
+        c, k, hk = self.cfg, self.k, self.hk
+        R = h.shape[0]
+        C, V, Hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads
+        proj = layer["in_proj"](k, h, buf["gdn_in"])                  # [qkv (C) | z (V) | beta (Hv) | alpha (Hv)]
+        qkv, z = proj[:, :C], proj[:, C:C + V]
+        beta, alpha = proj[:, C + V:C + V + Hv], proj[:, C + V + Hv:C + V + 2 * Hv]
+        conv = hk.conv_ring_update(qkv, state.conv[j], layer["conv"], slots, positions, seq_len, out=buf["conv"])
+        kd = c.gdn_key_dim
+        q = conv[:, :kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
+        kk = conv[:, kd:2 * kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
+        v = conv[:, 2 * kd:].view(R, Hv, c.gdn_v_dim)
+        o = hk.gdn_step(q, kk, v, alpha, beta, layer["A"], layer["dt"], state.ssm[j], slots, positions, seq_len,
+                        out=buf["gdn_o"])
+        y = hk.gated_rms_norm(o, z.unflatten(1, (Hv, c.gdn_v_dim)), layer["ssm_norm"], c.norm_eps, out=buf["gdn_y"])
+        layer["out"](k, y, buf["x"])
+
+    def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None,
+               normed: torch.Tensor | None = None) -> torch.Tensor:
+        normed = self.k.rms_norm(hidden_rows, self.out_norm, self.cfg.norm_eps, out=normed)
+        return self.k.linear(normed, self.lm_head, out=out)
