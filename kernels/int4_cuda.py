@@ -78,6 +78,7 @@ typedef long long i64;
 #define VPG (WPG / 4)                   /* 16-byte vectors per (row, group) */
 #define UPW (CG / KW)                   /* groups per warp per chunk */
 
+#ifndef ONEPASS_HOST_EMU   /* tests/cuda_emu.py compiles this source for the CPU with its own helpers */
 __device__ __forceinline__ float x_to_f32(u16 v) {
 #if X_F16
     float f; asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(v)); return f;
@@ -106,6 +107,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {   // weights: read 
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
+#endif
 
 // nibble s (0..7) of w as a float q exactly: 2^23 + q - 2^23 (- 8 for q4_0)
 __device__ __forceinline__ float nib(u32 w, int s) {

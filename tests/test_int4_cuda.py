@@ -19,6 +19,7 @@ import torch
 from tests.test_int4_gemm import FMTS, _check, _weight, _x  # noqa: F401  (also sets the interpreter flag)
 from engine.quant_pack import unpack_ref
 from kernels import int4_cuda, int4_dispatch as disp
+from tests import cuda_emu
 
 ON_GPU = torch.cuda.is_available()
 needs_cuda_kernel = pytest.mark.skipif(ON_GPU and not int4_cuda.available(),
@@ -44,6 +45,59 @@ def test_source_compiles_for_sm90(tmp_path, fmt):
                             "-std=c++14", str(src)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "spill" not in r.stdout + r.stderr or " 0 bytes spill stores" in r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU: the kernel's source run by tests/cuda_emu.py (g++; blocks in turn, threads at real barriers)
+
+EMU = [(72, 160, "q4_0", (1, 3, 9)), (72, 160, "q4_1", (2, 8)), (72, 768, "q4_k", (1, 5)), (72, 160, "q8_0", (4, 11)),
+       (64, 1024, "q4_1", (3,)), (333, 2080, "q8_0", (2,)), (40, 1280, "q4_k", (9,)), (80, 1088, "q4_0", (3,), 1)]
+
+
+def _emu_rule(case, monkeypatch):
+    """A 5th entry pins TARGET_BLOCKS: 1 gives one split over several chunks on a small N (the rule gives
+    that only from N ~ 17k rows, too slow to emulate)."""
+    if len(case) > 4:
+        monkeypatch.setattr(int4_cuda, "TARGET_BLOCKS", case[4])
+    int4_cuda.split_rule.cache_clear()
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_cuda_source_emulated_matches_ref(seed, case, monkeypatch):
+    """Indexing, masks (N past the row tile, K past the chunk, M past the batch tile), split-K and the
+    warp / split reduction order, on the exact source text: fp32 output vs the fp32 reference, bf16 output
+    = the fp32 result rounded once, rows bitwise independent of M (batch invariance)."""
+    N, K, fmt, Ms = case[:4]
+    _emu_rule(case, monkeypatch)
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    cfg = int4_cuda.cuda_config(max(Ms), N, K, fmt)
+    x_all = _x(seed, max(Ms), K, xs, device="cpu")
+    y_all = cuda_emu.w4a16_emulated(x_all, pw, out32=True)
+    ref = x_all.float() @ unpack_ref(pw).T
+    err = (y_all - ref).abs().max().item()
+    assert err <= 1e-4 * (1 + ref.abs().max().item()), f"seed={seed} {fmt} {N}x{K} {cfg}: max err {err}"
+    for M in Ms:
+        y = cuda_emu.w4a16_emulated(x_all[:M], pw, out32=True)
+        assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} {N}x{K}: M={M} rows differ from M={max(Ms)}"
+    y16 = cuda_emu.w4a16_emulated(x_all, pw)
+    assert torch.equal(y16, y_all.to(torch.bfloat16)), "bf16 output is not the fp32 result rounded once"
+    x16 = x_all.half()
+    _check(cuda_emu.w4a16_emulated(x16, pw), (x16.float() @ unpack_ref(pw).T).half(), seed, f"{fmt} fp16")
+    int4_cuda.split_rule.cache_clear()
+
+
+def test_emulated_cases_cover_split_k_and_chunks(monkeypatch):
+    cfgs = []
+    for c in EMU:
+        with monkeypatch.context() as mp:
+            _emu_rule(c, mp)
+            cfgs += [int4_cuda.cuda_config(m, c[0], c[1], c[2]) for m in c[3]]
+    int4_cuda.split_rule.cache_clear()
+    assert any(c["SPLIT_K"] > 1 for c in cfgs) and any(c["SPLIT_K"] == 1 for c in cfgs)
+    assert any(c["groups_per_split"] > int4_cuda.CG for c in cfgs)            # several chunks per split
+    assert any(c["groups_per_split"] % int4_cuda.CG for c in cfgs)            # a partial chunk
+    assert {c["BT"] for c in cfgs} >= {1, 2, 4, 8}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""Run kernels/int4_cuda.py's CUDA source on the CPU: the same source text compiled by g++ with a shim
+(blocks one after another, each block's threads as std::threads meeting at a std::barrier for
+__syncthreads, __shared__ as function statics shared by the block's threads, the four inline-PTX helpers
+replaced by bit-exact C++). It checks the kernel's indexing, masking, staging, split-K and reduction order
+without a GPU; it says nothing about speed or about the PTX helpers themselves (the GPU tests do)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+#define ONEPASS_HOST_EMU 1
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct dim3e { unsigned x; };
+static thread_local dim3e threadIdx;
+static dim3e blockIdx;
+static std::barrier<>* g_bar;
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+using std::min;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(n)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+typedef unsigned short u16_;
+static inline float h2f(u16_ v) { _Float16 h; std::memcpy(&h, &v, 2); return (float)h; }
+static inline float x_to_f32(u16_ v) {
+#if X_F16
+    return h2f(v);
+#else
+    unsigned u = ((unsigned)v) << 16; return __int_as_float(u);
+#endif
+}
+static inline u16_ f32_to_x(float f) {
+#if X_F16
+    _Float16 h = (_Float16)f; u16_ r; std::memcpy(&r, &h, 2); return r;
+#else
+    unsigned u; std::memcpy(&u, &f, 4); u = u + 0x7FFFu + ((u >> 16) & 1u); return (u16_)(u >> 16);
+#endif
+}
+static inline uint4 ld_stream(const uint4* p) { return *p; }
+"""
+
+LAUNCH = r"""
+extern "C" void launch_main(int grid, int block, const u16* x, const uint4* qw, const u16* sc, const u16* mn,
+                            const u8* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
+                            int n_bt, int n_nt) {
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        std::barrier<> bar(block);
+        g_bar = &bar;
+        std::vector<std::thread> ts;
+        for (int t = 0; t < block; ++t)
+            ts.emplace_back([=] { threadIdx.x = t; w4a16_cuda(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
+        for (auto& t : ts) t.join();
+    }
+}
+extern "C" void launch_reduce(int grid, const float* ws, void* y, int sym, int M, int N, int S) {
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        for (int t = 0; t < 256; ++t) { threadIdx.x = t; w4a16_splitk_reduce(ws, y, sym, M, N, S); }
+    }
+}
+"""
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _lib(src: str) -> ctypes.CDLL:
+    d = Path(tempfile.gettempdir()) / "onepass_cuda_emu"
+    d.mkdir(exist_ok=True)
+    h = hashlib.sha256(src.encode()).hexdigest()[:16]
+    so = d / f"k{h}.so"
+    if not so.exists():
+        cpp = d / f"k{h}.cpp"
+        cpp.write_text(src)
+        r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread",
+                            "-o", str(so), str(cpp)], capture_output=True, text=True, timeout=300)
+        if r.returncode:
+            raise RuntimeError(f"g++ failed:\n{r.stderr[-4000:]}")
+    return ctypes.CDLL(str(so))
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False) -> torch.Tensor:
+    """kernels.int4_cuda.w4a16_cuda's launches (same config, same arguments) on the CPU."""
+    from engine.quant_pack import GROUP
+    from kernels import int4_cuda
+
+    x = x.contiguous()
+    M, K = x.shape
+    N = pw.N
+    cfg = int4_cuda.cuda_config(M, N, K, pw.fmt)
+    x_f16 = x.dtype == torch.float16
+    S = cfg["SPLIT_K"]
+    y = torch.zeros((M, N), dtype=torch.float32 if out32 else x.dtype)
+    c = pw.mins if pw.mins is not None else pw.scales
+    sub = pw.sub if pw.sub is not None else pw.scales
+    head = lambda o32: int4_cuda.source(pw.fmt, cfg["BT"], x_f16, o32).split("\n", 6)  # noqa: E731
+    xv, qw, sc, cc, sb = x.view(torch.int16), pw.qweight, pw.scales, c, sub
+    ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
+
+    def src(o32: bool) -> str:
+        h = head(o32)
+        return "\n".join(h[:6]) + "\n" + SHIM + h[6] + LAUNCH
+
+    G, gps = K // GROUP, cfg["groups_per_split"]
+    if S == 1:
+        lib = _lib(src(out32))
+        lib.launch_main(*ints(cfg["grid"], cfg["block"]), _ptr(xv), _ptr(qw), _ptr(sc), _ptr(cc), _ptr(sb), _ptr(y),
+                        *ints(K, N, 0, M, N, G, gps, cfg["n_bt"], cfg["n_nt"]))
+        return y
+    ws = torch.zeros(S * M * N, dtype=torch.float32)
+    lib = _lib(src(True))
+    lib.launch_main(*ints(cfg["grid"], cfg["block"]), _ptr(xv), _ptr(qw), _ptr(sc), _ptr(cc), _ptr(sb), _ptr(ws),
+                    *ints(K, N, M * N, M, N, G, gps, cfg["n_bt"], cfg["n_nt"]))
+    red = _lib(src(out32))
+    red.launch_reduce(ctypes.c_int(-(-M * N // 256)), _ptr(ws), _ptr(y), *ints(N, M, N, S))
+    return y
+
+
+__all__ = ["available", "w4a16_emulated", "np"]
