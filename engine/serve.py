@@ -74,13 +74,16 @@ class ServingEngine:
         n = len(blocks) * bm.block_size
         if n == 0:
             return 0
-        st = self.step
-        for lo in range(0, n, st.rows):  # through the scratch slot, its table pointing at the pinned blocks
+        # through slot 0 (no request holds a slot yet), its table pointing at the pinned blocks; the rows
+        # that pad a step to its bucket write the scratch slot, never a pinned block
+        st, slot = self.step, 0
+        if self.sched.running:
+            raise ConfigError("pin_prefix must run before requests are served")
+        for lo in range(0, n, st.rows):
             hi = min(n, lo + st.rows)
-            h = st.launch(tokens[lo:hi], range(lo, hi), [self.scratch] * (hi - lo), [0] * (hi - lo), [], [],
-                          tables={self.scratch: blocks})
-            st.ids(h)
-        st.ids(st.launch([], [], [], [], [], [], tables={self.scratch: []}))
+            st.ids(st.launch(tokens[lo:hi], range(lo, hi), [slot] * (hi - lo), [0] * (hi - lo), [], [],
+                             tables={slot: blocks}))
+        st.ids(st.launch([], [], [], [], [], [], tables={slot: []}))
         return n
 
     def run(self, requests: list[Request], progress: bool = False) -> ServeResult:

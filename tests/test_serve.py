@@ -19,7 +19,8 @@ from kernels.backend import get_step_kernels
 from kernels.ops import get_ops
 
 CTX, BS = 64, 4
-SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # a 9-token shared prefix: two full blocks of 4 + one token
+# a 13-token shared prefix: three full blocks of 4 (12 rows pad to a 16-row bucket when pinned) + one token
+SHARED = list(range(7, 20))
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +81,18 @@ def test_paged_matches_contiguous_and_prefix_saves_prefill(setup, prefix):
     res, bm = serve(setup, layout="paged", prefix=prefix)
     assert outputs(res) == setup[4]
     bm.check_invariants()
-    assert bm.num_used == (2 if prefix == "pinned" else 0)  # every request's blocks came back
+    assert bm.num_used == (len(SHARED) // BS if prefix == "pinned" else 0)  # every request's blocks came back
     if prefix == "off":
         assert res.prefill_rows == base.prefill_rows
     else:
         assert res.prefill_rows < base.prefill_rows
+
+
+def test_pinned_prefix_is_not_touched_by_rows_that_pad_a_step(setup):
+    """10 slots: steps pad to 16 rows, so the 12 pinned prefix positions are filled in one padded step;
+    the pad rows must write the scratch block, not the first pinned one."""
+    res, bm = serve(setup, slots=10, layout="paged", prefix="pinned")
+    assert outputs(res) == setup[4]
 
 
 def test_small_pool_waits_preempts_and_stays_correct(setup):
