@@ -248,6 +248,20 @@ class BlockManager:
     def can_append(self, seq_id: int, new_len: int) -> bool:
         return self.blocks_for(new_len) - len(self._seq(seq_id)) <= self.num_free
 
+    def grow(self, seq_id: int, new_len: int) -> int:
+        """Cover new_len positions if the free pool allows it: the number of blocks added (0 when the
+        table already covers them), or -1 with nothing changed when the pool is short."""
+        table = self._seq(seq_id)
+        if new_len <= len(table) * self.block_size:  # the common case: no new block
+            if new_len > self._len[seq_id]:
+                self._len[seq_id] = new_len
+            return 0
+        need = self.blocks_for(new_len) - len(table)
+        if need > self.num_free:
+            return -1
+        self.append(seq_id, new_len)
+        return need
+
     def append(self, seq_id: int, new_len: int) -> None:
         """Grow seq_id's table to cover new_len positions (no-op if it already does)."""
         table = self._seq(seq_id)

@@ -2,7 +2,9 @@
 
 The serving loop hands `launch` a plan's rows as host arrays. They travel in one copy from a pinned
 staging buffer (two of them, alternating, so the host can fill step t+1's while step t's copy is still
-queued); block-table rows that changed travel the same way. A row whose token is still being sampled
+queued), together with the block-table rows that changed; the step's graph writes those rows into the
+table before its layers (unused entries rewrite the scratch slot's all-zero row), so a step costs the
+host one copy and one graph launch whatever changed. A row whose token is still being sampled
 by the previous step reads it on the device from `slot_next`, which every step's head updates, so the
 host never waits for a step before launching the next. Rows are padded to a bucket (1, 2, 4, ... 512);
 each bucket's layers run as one CUDA graph and each bucket of sampling rows has its LM-head graph, all
@@ -44,7 +46,21 @@ class RowStep:
         self.scratch, self.paged, self.on_device = scratch, paged, sample_on_device
         self.attn_ws, self.max_len, self.time_steps = attn_workspace, max_len, time_steps and self.cuda
         R = self.rows
-        self.inp = torch.zeros(8, R, dtype=torch.long, device=dev)
+        # staged per step: 8 rows of R ids (below), then with paged KV the changed block-table rows
+        # as (slot, blocks...) records, one per slot at most
+        self.table_rows = kv.block_table.shape[0] if paged else 0
+        width = kv.block_table.shape[1] + 1 if paged else 0
+        n = 8 * R + self.table_rows * width
+        flat = torch.zeros(n, dtype=torch.long, device=dev)
+        self.inp, self.tab = flat[:8 * R].view(8, R), flat[8 * R:].view(self.table_rows, width)
+        self.flat = flat
+        pin = self.cuda
+        self.stage = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.stage_np = [(s[:8 * R].numpy().reshape(8, R), s[8 * R:].numpy().reshape(self.table_rows, width))
+                         for s in self.stage]
+        if paged:
+            for _, t in self.stage_np:
+                t[:, 0] = self.table_rows - 1  # unused records rewrite the scratch slot's row with zeros
         self.tokens = torch.zeros(R, dtype=torch.long, device=dev)
         self.slot_next = torch.zeros(kv.num_slots, dtype=torch.long, device=dev)
         self.next = torch.zeros(self.sample_rows, dtype=torch.long, device=dev)
@@ -55,17 +71,10 @@ class RowStep:
         self.gathered = torch.empty(self.sample_rows, model.cfg.dim, device=dev, dtype=model.dtype)
         self.normed = torch.empty_like(self.gathered)
         self.logits = torch.empty(self.sample_rows, model.cfg.vocab_size, device=dev, dtype=model.dtype)
-        pin = self.cuda
-        self.stage = [torch.zeros(8, R, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self.stage_np = [s.numpy() for s in self.stage]
         self.ids_host = [torch.zeros(self.sample_rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.logits_host = None
         if not sample_on_device:  # the seed's baseline: the sampling rows' logits cross as fp32
             self.logits_host = [torch.zeros(self.sample_rows, model.cfg.vocab_size, pin_memory=pin) for _ in range(2)]
-        if paged:
-            nt, mb = kv.block_table.shape
-            self.table_stage = [torch.zeros(nt, mb + 1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-            self.table_dev = torch.zeros(nt, mb + 1, dtype=torch.int32, device=dev)
         self.flip = 0
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.layer_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -76,6 +85,8 @@ class RowStep:
     # -- what runs on the device ----------------------------------------------------------------------
     def _layers(self, r: int) -> None:
         inp = self.inp
+        if self.paged:
+            self.kv.block_table.index_copy_(0, self.tab[:, 0], self.tab[:, 1:].to(torch.int32))
         # decode rows take the token the previous step sampled for their slot, still on the device
         torch.where(inp[FEED, :r].bool(), self.slot_next[inp[SLOT, :r]], inp[TOKEN, :r], out=self.tokens[:r])
         buf = {k: v[:r] for k, v in self.buf.items()}
@@ -97,7 +108,9 @@ class RowStep:
         self.slot_next.index_copy_(0, inp[SAMPLE_SLOT, :n], self.next[:n])
 
     def _capture(self) -> None:
-        self.inp.zero_()
+        self.flat.zero_()
+        if self.paged:
+            self.tab[:, 0] = self.table_rows - 1
         self.inp[SLOT].fill_(self.scratch)  # warm-up and capture write only the scratch slot
         self.inp[SAMPLE_SLOT].fill_(self.scratch)
         layer_buckets = BUCKETS[:BUCKETS.index(self.rows) + 1]
@@ -124,20 +137,14 @@ class RowStep:
             self.head_graphs[n] = g
 
     # -- host side ------------------------------------------------------------------------------------
-    def _upload_tables(self, tables: dict[int, list[int]], flip: int) -> None:
-        if not tables:
-            return
-        stage = self.table_stage[flip]
-        a = stage.numpy()
-        width = a.shape[1] - 1
-        for i, (slot, blocks) in enumerate(tables.items()):
-            a[i, 0] = slot
-            a[i, 1:1 + len(blocks)] = blocks
-            a[i, 1 + len(blocks):] = 0
+    def _stage_tables(self, tables: dict[int, list[int]], t: np.ndarray) -> None:
         n = len(tables)
-        dst = self.table_dev[:n]
-        dst.copy_(stage[:n], non_blocking=True)
-        self.kv.block_table.index_copy_(0, dst[:, 0].long(), dst[:, 1:1 + width])
+        for i, (slot, blocks) in enumerate(tables.items()):
+            t[i, 0] = slot
+            t[i, 1:1 + len(blocks)] = blocks
+            t[i, 1 + len(blocks):] = 0
+        t[n:, 0] = self.table_rows - 1
+        t[n:, 1:] = 0
 
     def launch(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds=None, steps=None,
                tables: dict[int, list[int]] | None = None) -> Launched:
@@ -150,7 +157,9 @@ class RowStep:
         if self.time_steps:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        a = self.stage_np[flip]
+        a, t = self.stage_np[flip]
+        if self.paged:
+            self._stage_tables(tables or {}, t)
         a[TOKEN, :nrows], a[POS, :nrows], a[SLOT, :nrows], a[FEED, :nrows] = tokens, positions, slots, feed
         a[TOKEN:FEED + 1, nrows:r] = 0
         a[SLOT, nrows:r] = self.scratch
@@ -160,9 +169,7 @@ class RowStep:
             a[SAMPLE_ROW, n:nb], a[SAMPLE_SLOT, n:nb] = sample_rows[-1], sample_slots[-1]
             if seeds is not None:
                 a[SEED, :n], a[STEP, :n] = seeds, steps
-        self.inp.copy_(self.stage[flip], non_blocking=True)
-        if self.paged:
-            self._upload_tables(tables or {}, flip)
+        self.flat.copy_(self.stage[flip], non_blocking=True)
         if r in self.layer_graphs:
             self.layer_graphs[r].replay()
         else:

@@ -167,15 +167,13 @@ class Scheduler:
         """Make the request's blocks cover new_len positions, preempting the youngest others if needed."""
         if self.bm is None:
             return True
-        while not self.bm.can_append(req.rid, new_len):
+        while (added := self.bm.grow(req.rid, new_len)) < 0:
             victims = [r for r in self.running.values() if r is not req]
             if not victims:
                 raise ConfigError(f"request {req.rid} cannot grow to {new_len} positions even alone: "
                                   f"the KV pool of {self.bm.num_blocks - 1} blocks is too small")
             self._preempt(max(victims, key=lambda r: (r.admitted_step, r.rid)))
-        before = self.bm.blocks_for(req.computed) if req.computed else -1
-        self.bm.append(req.rid, new_len)
-        if before != self.bm.blocks_for(new_len):  # a block was added: the slot's table row changes
+        if added:  # the slot's table row changes
             self.dirty_tables[req.slot] = self.bm.table(req.rid)
         return True
 
