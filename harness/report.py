@@ -28,7 +28,8 @@ def table(name: str):
 
 
 def runs_from_store(name: str, uri: str) -> pd.DataFrame:
-    """The newest sweep (or, without sweeps, every finished run) tagged with this table."""
+    """The newest sweep (or, without sweeps, every finished run) tagged with this table; where several
+    experiment files record into one table, the newest sweep of each."""
     import mlflow
 
     from harness.tracking import check_reachable
@@ -41,8 +42,9 @@ def runs_from_store(name: str, uri: str) -> pd.DataFrame:
     if "tags.onepass.kind" in df:
         df = df[df["tags.onepass.kind"].fillna("") != "sweep"]
     if "tags.sweep_id" in df and df["tags.sweep_id"].notna().any():
-        newest = df.sort_values("start_time")["tags.sweep_id"].dropna().iloc[-1]
-        df = df[df["tags.sweep_id"] == newest]
+        source = df["tags.experiment_file"].fillna("") if "tags.experiment_file" in df else pd.Series("", index=df.index)
+        newest = df.sort_values("start_time").dropna(subset=["tags.sweep_id"]).groupby(source)["tags.sweep_id"].last()
+        df = df[df["tags.sweep_id"].isin(set(newest))]
     return df.reset_index(drop=True)
 
 
@@ -230,6 +232,44 @@ def int4_e2e(df: pd.DataFrame):
     return md.replace("nan%", "—").replace("nan", "—"), None
 
 
+@table("gdn_step")
+def gdn_step(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "B": num(df, "params.batch.size").astype(int),
+        "ours (us/layer)": num(df, "metrics.our_us"),
+        "FLA (us/layer)": _opt(df, "metrics.fla_us"),
+        "vs FLA": _opt(df, "metrics.speedup"),
+        "state floor (us)": num(df, "metrics.floor_us"),
+        "floor reached": num(df, "metrics.floor_frac"),
+        "ours, bf16 state (us)": _opt(df, "metrics.our_bf16_us"),
+        "max rel err": num(df, "metrics.max_err"),
+        "FLA max rel err": _opt(df, "metrics.fla_max_err"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values("B")
+    md = d.to_markdown(index=False, floatfmt=(".0f", ".1f", ".1f", ".2f", ".1f", ".0%", ".1f", ".1e", ".1e", ""))
+    return md.replace("nan%", "—").replace("nan", "—"), None
+
+
+@table("hybrid_27b")
+def hybrid_27b(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "weights": df["params.engine.weights"] if "params.engine.weights" in df else "dequant",
+        "state": df["params.kv_cache.state_dtype"] if "params.kv_cache.state_dtype" in df else "float32",
+        "mode": df["params.scheduler.mode"],
+        "B": num(df, "params.batch.size").astype(int),
+        "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
+        "step floor (ms)": _opt(df, "metrics.step_floor_ms"),
+        "floor reached": _opt(df, "metrics.floor_frac"),
+        "state MB / slot": _opt(df, "metrics.state_mb_per_slot"),
+        "bf16 state: greedy agree": _opt(df, "metrics.bf16_state_greedy_agree"),
+        "bf16 state: logit err": _opt(df, "metrics.bf16_state_logit_err"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values(["weights", "state", "mode", "B"], ascending=[False, False, False, True])
+    md = d.to_markdown(index=False, floatfmt=("", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f", ".0%", ".1e", ""))
+    return md.replace("nan%", "—").replace("nan", "—"), None
+
+
 def _serving(df: pd.DataFrame, first: dict) -> pd.DataFrame:
     return pd.DataFrame({**first,
         "steps": num(df, "metrics.steps").astype(int),
@@ -316,9 +356,10 @@ def verified_fresh(df: pd.DataFrame):
         "requests/s": _opt(df, "metrics.requests_s"),
         "slot utilization": _opt(df, "metrics.slot_util"),
         "correct": check(num(df, "metrics.verify_ok")),
-    }).sort_values(["model", "mode", "B"]).drop(columns="B")
+    })
+    d = d.assign(serving=serving).sort_values(["model", "serving", "B"]).drop(columns=["B", "serving"])
     fmt = ("", "", ",.0f", ",.1f", ".1f", ".1%", "")
-    return d.to_markdown(index=False, floatfmt=fmt).replace("nan", "—"), None
+    return d.to_markdown(index=False, floatfmt=fmt).replace("nan%", "—").replace("nan", "—"), None
 
 
 @table("serving_qwen3")

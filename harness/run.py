@@ -22,7 +22,7 @@ from engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits,
 from engine.tokenizer import Tokenizer
 from engine.verify import verify_greedy, verify_sampled
 from harness import tracking
-from harness.roofline import copy_bandwidth, decode_floor_bytes, weight_bytes_per_step
+from harness.roofline import copy_bandwidth, decode_floor_bytes, hybrid_floor_bytes, weight_bytes_per_step
 from harness.synth import resolve_gguf
 from harness.workload import prompt_ids, workload_digest
 from kernels.ops import get_ops
@@ -44,19 +44,23 @@ class Built:
     load_s: float
     engine_cfg: object
     model: object = None
+    state_dtype: torch.dtype = torch.float32  # hybrid models: the recurrent state pool's dtype
+
+    def cache(self, slots: int, ctx: int):
+        """A fresh KV cache of `slots` slots (a HybridCache: KV + recurrent state, for hybrid models)."""
+        if self.cfg.arch == "qwen35":
+            return HybridCache.create(self.cfg, slots, ctx, self.dtype, self.device, self.state_dtype)
+        return ContiguousKVCache(self.cfg, slots, ctx, self.dtype, self.device)
 
     def stepper(self, batch: int, sampling: SamplingParams, ctx: int, max_len: int | None = None):
         """A fresh KV cache and stepper for `batch` slots whose positions stay below max_len (<= ctx)."""
         if self.backend == "torch":
-            if self.cfg.arch == "qwen35":  # KV for the attention layers plus each slot's recurrent state
-                kv = HybridCache.create(self.cfg, batch, ctx, self.dtype, self.device)
-            else:
-                kv = ContiguousKVCache(self.cfg, batch, ctx, self.dtype, self.device)
+            kv = self.cache(batch, ctx)  # hybrid: KV for the attention layers plus each slot's recurrent state
             return ReferenceStepper(self.model, kv, sampling, batch), kv
         from engine.runner import GraphStepper
         from kernels.decode_attention import make_workspace
 
-        kv = ContiguousKVCache(self.cfg, batch + 1, ctx, self.dtype, self.device)  # + the scratch slot
+        kv = self.cache(batch + 1, ctx)  # + the scratch slot
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         ws = lambda rows, n: make_workspace(rows, self.cfg.n_heads, self.cfg.head_dim, n, sms, self.device,  # noqa: E731
                                             kv_heads=self.cfg.n_kv_heads)
@@ -87,33 +91,67 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
     if e.weights == "packed" and backend != "triton":
         raise ConfigError("engine.weights=packed runs on the triton backend (the torch reference model reads dense "
                           "weights); use engine.weights=dequant with engine.backend=torch")
-    from kernels.int4_dispatch import POLICIES
+    if e.weights == "packed":
+        from kernels.int4_dispatch import POLICIES
 
-    if e.int4 not in POLICIES:
-        raise ConfigError(f"engine.int4={e.int4!r}; choose one of {POLICIES}")
+        if e.int4 not in POLICIES:
+            raise ConfigError(f"engine.int4={e.int4!r}; choose one of {POLICIES}")
     if e.threads > 0:
         torch.set_num_threads(e.threads)
     return dev, dtype, backend
 
 
+_IN_MEMORY: dict = {}  # the last in-memory synthetic model built, reused by the next job of a sweep
+
+
+def _in_memory(cfg) -> bool:
+    return cfg.model.synthetic is not None and not cfg.model.path and not cfg.model.package \
+        and cfg.model.synthetic.materialize == "memory"
+
+
 def build(cfg) -> Built:
     dev, dtype, backend = resolve_engine(cfg.engine)
-    t0 = time.perf_counter()
-    gguf_path = resolve_gguf(cfg.model, progress=cfg.progress)
+    if cfg.kv_cache.state_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"kv_cache.state_dtype={cfg.kv_cache.state_dtype!r}; choose float32 or bfloat16")
     packed = cfg.engine.weights == "packed"
     if packed:
         from kernels.int4_dispatch import set_policy
 
         set_policy(cfg.engine.int4)
-    mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress, keep_quantized=packed)
+    memo = (OmegaConf.to_yaml(cfg.model), OmegaConf.to_yaml(cfg.engine), cfg.kv_cache.ctx, cfg.scheduler.mode)
+    if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:  # a sweep's next job: same weights, no regeneration
+        b = _IN_MEMORY["built"]
+        b.state_dtype = DTYPES[cfg.kv_cache.state_dtype]
+        return b
+    _IN_MEMORY.clear()  # free the previous model before making another
+    t0 = time.perf_counter()
+    if _in_memory(cfg):  # random weights made on the device under the loader's contract (harness/synth.py)
+        from harness.synth import synthetic_in_memory
+
+        mcfg, weights = synthetic_in_memory(cfg.model.name, cfg.model.synthetic, dtype, dev, packed)
+        gguf_path, tokenizer = Path(f"{cfg.model.name}-in-memory"), None
+    else:
+        gguf_path = resolve_gguf(cfg.model, progress=cfg.progress)
+        mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress, keep_quantized=packed)
+        tokenizer = Tokenizer.from_gguf(gguf_path)
     if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
         mcfg = _with_scaling(mcfg)  # the file keeps only rope_freqs; the peer wants the parameters
-    if mcfg.arch == "qwen35" and (backend != "torch" or cfg.scheduler.mode != "static"):
-        raise ConfigError("qwen35 (hybrid) models run static batching on the torch reference backend so far: "
-                          "use engine.backend=torch scheduler=static")
-    b = Built(mcfg, weights, Tokenizer.from_gguf(gguf_path), dev, dtype, backend, gguf_path, 0.0, cfg.engine)
+    if mcfg.arch == "qwen35":
+        from engine.state_pool import check_hybrid_serving
+
+        check_hybrid_serving(mcfg, cfg.kv_cache.prefix, cfg.scheduler.prefill)
+        if cfg.scheduler.mode != "static":
+            raise ConfigError("qwen35 (hybrid) models run static batching so far (scheduler=static): the serving loop "
+                              "does not yet hand the fused step a HybridCache")
+    b = Built(mcfg, weights, tokenizer, dev, dtype, backend, gguf_path, 0.0, cfg.engine,
+              state_dtype=DTYPES[cfg.kv_cache.state_dtype])
     if backend == "torch":
         b.model = build_model(mcfg, weights, get_ops("torch"))
+    elif mcfg.arch == "qwen35":
+        from engine.fused_qwen35 import FusedQwen35Decoder
+        from kernels.backend import get_step_kernels
+
+        b.model = FusedQwen35Decoder(mcfg, weights, get_step_kernels("triton", cfg.engine.gemm), cfg.kv_cache.ctx + 1)
     else:
         from engine.fused_model import FusedDecoder
         from kernels.backend import get_step_kernels
@@ -122,7 +160,13 @@ def build(cfg) -> Built:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     b.load_s = time.perf_counter() - t0
+    if _in_memory(cfg):
+        _IN_MEMORY.update(key=memo, built=b)
     return b
+
+
+def file_mb(path: Path) -> float:
+    return path.stat().st_size / 2**20 if path.is_file() else 0.0  # in-memory synthetic models have no file
 
 
 def weights_mb(weights: dict) -> float:
@@ -193,7 +237,7 @@ def run_job(cfg, out_dir: Path) -> float:
           f"{mcfg.vocab_size}; {built.gguf_path.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "
           f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''}; "
           f"weights {cfg.engine.weights}: {weights_mb(built.weights):,.0f} MiB on the device, file "
-          f"{built.gguf_path.stat().st_size / 2**20:,.0f} MiB)")
+          f"{file_mb(built.gguf_path):,.0f} MiB)")
     print(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
           f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, prefill={cfg.scheduler.prefill}")
 
@@ -233,13 +277,17 @@ def run_job(cfg, out_dir: Path) -> float:
         "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
         "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),
         "kv_cache_mb": kv.nbytes / 2**20, "load_s": built.load_s, "weights_mb": weights_mb(built.weights),
-        "gguf_mb": built.gguf_path.stat().st_size / 2**20,
+        "gguf_mb": file_mb(built.gguf_path),
     }
     metrics.update({k: float(v) for k, v in verdict.detail.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    if mcfg.arch == "qwen35":
+        metrics.update(_hybrid_metrics(built, kv, B, ids, single, w.max_new_tokens, ctx, cfg.scheduler.prefill))
     if dev.type == "cuda":
         bw = copy_bandwidth(dev)
         floor_bytes = decode_floor_bytes(mcfg, dtype.itemsize, B, len(ids), len(result.step_s))
-        if cfg.engine.weights == "packed" and hasattr(built.model, "weight_bytes"):  # the bytes the step reads
+        if mcfg.arch == "qwen35":  # weights as held + recurrent state + attention-layer KV
+            floor_bytes = hybrid_floor_bytes(mcfg, built.model.weight_bytes(), kv, B, len(ids), len(result.step_s))
+        elif cfg.engine.weights == "packed" and hasattr(built.model, "weight_bytes"):  # the bytes the step reads
             floor_bytes += built.model.weight_bytes() - weight_bytes_per_step(mcfg, dtype.itemsize)
         metrics.update(copy_bw_tbps=bw / 1e12, step_floor_ms=floor_bytes / bw * 1e3,
                        floor_frac=floor_bytes / bw / (metrics["step_ms_p50"] / 1e3))
@@ -264,6 +312,62 @@ def run_job(cfg, out_dir: Path) -> float:
     return tput
 
 
+def _hybrid_metrics(built: Built, kv, B: int, ids: list[int], single: StaticBatchResult, new_tokens: int, ctx: int,
+                    prefill: str) -> dict[str, float]:
+    """State size per slot, and with a bf16 state pool what it costs against fp32 state: the greedy single
+    stream rerun with fp32 state (leading tokens that agree), and teacher-forced logits of the prompt's last
+    position plus 16 decode steps (tokens from the fp32 run) through both pools: max |logit error| relative
+    to the logit scale and the fraction of positions whose argmax agrees."""
+    st = kv.state
+    out = {"state_mb_per_slot": st.nbytes / st.num_slots / 2**20}
+    if built.state_dtype == torch.float32:
+        return out
+    bf16_state = built.state_dtype
+    built.state_dtype = torch.float32
+    try:
+        stepper, _ = built.stepper(1, SamplingParams(), ctx, max_len=len(ids) + new_tokens)
+        ref = run_static(stepper, [ids], new_tokens, (), prefill, ctx).outputs[0]
+        del stepper
+        got = single.outputs[0]
+        agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        out["bf16_state_greedy_agree"] = agree / max(len(ref), 1)
+        logits = {}
+        for dt in (torch.float32, bf16_state):
+            built.state_dtype = dt
+            logits[dt] = _teacher_forced_logits(built, ids, ref[:16], ctx)
+    finally:
+        built.state_dtype = bf16_state
+    hi, lo = logits[torch.float32], logits[bf16_state]
+    out["bf16_state_logit_err"] = ((lo - hi).abs().max() / hi.abs().max().clamp(min=1e-6)).item()
+    out["bf16_state_top1_agree"] = (lo.argmax(-1) == hi.argmax(-1)).float().mean().item()
+    return out
+
+
+def _teacher_forced_logits(built: Built, ids: list[int], follow: list[int], ctx: int) -> torch.Tensor:
+    """fp32 logits [1 + len(follow), V]: the prompt's last position, then each token of `follow` fed in turn
+    (one slot, eager, either backend)."""
+    m, dev, P = built.model, built.device, len(ids)
+    kv = built.cache(2, ctx)
+    t = lambda x: torch.tensor(x, device=dev)  # noqa: E731
+    rows = []
+    if built.backend == "torch":
+        rows.append(m.forward(t([ids]), t([list(range(P))]), t([0]), kv))
+        for i, tok in enumerate(follow):
+            rows.append(m.forward(t([[tok]]), t([[P + i]]), t([0]), kv))
+        return torch.cat(rows).float()
+    from kernels.decode_attention import make_workspace
+
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ws = lambda r: make_workspace(r, built.cfg.n_heads, built.cfg.head_dim, ctx, sms, dev,  # noqa: E731
+                                  kv_heads=built.cfg.n_kv_heads)
+    h = m.hidden(t(ids), t(list(range(P))), t([0] * P), kv, m.buffers(P), ws(P), seq_len=P)
+    rows.append(m.logits(h[-1:].contiguous()))
+    buf, ws1 = m.buffers(1), ws(1)
+    for i, tok in enumerate(follow):
+        rows.append(m.logits(m.hidden(t([tok]), t([P + i]), t([0]), kv, buf, ws1)).clone())
+    return torch.cat(rows).float()
+
+
 def run_micro(cfg, out_dir: Path) -> float:
     from harness.micro import MICRO
 
@@ -275,11 +379,22 @@ def run_micro(cfg, out_dir: Path) -> float:
     return metrics["throughput_tok_s"]
 
 
+def _experiment_file() -> str | None:
+    """The conf/experiment file this job was composed from (several files may feed one table)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get("experiment")
+
+
 def _record(cfg, name: str, dev: torch.device, metrics: dict, tags: dict, artifacts: dict, out_dir: Path) -> None:
     tags = {"table": cfg.table, "device": device_name(dev), "torch_version": torch.__version__,
             "triton_version": _triton_version(), **tags, **tracking.git_state()}
     if os.environ.get(tracking.SWEEP_ENV):
         tags["sweep_id"] = os.environ[tracking.SWEEP_ENV]
+    if exp_file := _experiment_file():
+        tags["experiment_file"] = exp_file
     record = tracking.new_record(name, cfg.tracking.experiment, tracking.flatten(OmegaConf.to_container(cfg, resolve=True)), tags)
     record["metrics"] = metrics
     record["artifacts"] = {"config.yaml": OmegaConf.to_yaml(cfg, resolve=True), **artifacts}
