@@ -81,3 +81,12 @@ def decode_attention_bench(m, batch: int, device: torch.device, dtype: torch.dty
 
 
 MICRO = {"projection_crossover": projection_crossover, "decode_attention": decode_attention_bench}
+
+
+def _gdn_step(m, batch, device, dtype):
+    from harness.gdn_bench import gdn_step
+
+    return gdn_step(m, batch, device, dtype)
+
+
+MICRO["gdn_step"] = _gdn_step  # the fused GDN decode step vs flash-linear-attention (harness/gdn_bench.py)

@@ -27,6 +27,18 @@ class SynthShape:
     context_length: int = 8192
     weight_type: str = "bf16"
     seed: int = 0
+    # where the weights come from: "file" (a GGUF written once to the cache, then loaded) or "memory"
+    # (random weights made on the device through the loader's contract: no file; qwen35 only, see harness/synth.py)
+    materialize: str = "file"
+    # qwen35 (hybrid) shapes; the defaults describe a plain decoder
+    full_attention_interval: int = 1
+    rotary_dim: Optional[int] = None
+    attn_output_gate: bool = False
+    gdn_k_heads: int = 0
+    gdn_v_heads: int = 0
+    gdn_k_dim: int = 0
+    gdn_v_dim: int = 0
+    gdn_conv_kernel: int = 0
 
 
 @dataclass
@@ -51,6 +63,7 @@ class KVCacheCfg:
     num_blocks: int = 0  # paged pool size incl. the scratch block; 0 = slots * ctx / block_size + 1
     prefix: str = "off"  # off | pinned (the seed: the shared prefix prefilled once) | auto (hash-chain caching)
     pool_vs_peak: float = 0.0  # > 0: size the paged pool at this multiple of the peak block demand (host dry run)
+    state_dtype: str = "float32"  # hybrid models' recurrent state pool: float32 | bfloat16
 
 
 @dataclass
@@ -124,6 +137,10 @@ class MicroCfg:
     shapes: list[str] = field(default_factory=lambda: ["5120x17408", "17408x5120", "5120x12288", "4096x4096", "2048x8192"])
     fmts: list[str] = field(default_factory=lambda: ["q4_0"])
     batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    # job=gdn_step: one GDN layer's decode step (Qwen3.8-27B: 16 key / 48 value heads of 128)
+    gdn_k_heads: int = 16
+    gdn_v_heads: int = 48
+    gdn_dim: int = 128
 
 
 @dataclass
@@ -145,7 +162,7 @@ class RunCfg:
     verify: VerifyCfg = field(default_factory=VerifyCfg)
     peer: PeerCfg = field(default_factory=PeerCfg)
     micro: MicroCfg = field(default_factory=MicroCfg)
-    job: str = "decode"  # decode | projection_crossover | decode_attention | int4_gemm
+    job: str = "decode"  # decode | projection_crossover | decode_attention | int4_gemm | gdn_step
     table: str = "adhoc"  # the experiments/<table> this run belongs to
     progress: bool = True
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from kernels.backend import get_step_kernels
 from kernels.ops import get_ops
 from tests.interpreter import run_in_interpreter
 
+ROOT = Path(__file__).resolve().parent.parent
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOGIT_ATOL = 1e-4
@@ -365,3 +367,89 @@ def test_gpu_bf16_state_runs(ggufs):
     p = prompt(26, 9)
     out = gpu_run(ggufs["3x-value-heads"], 4, p, 16, state_dtype=torch.bfloat16)
     assert verify_greedy(out, out[0]).ok
+
+
+# ---------------------------------------------------------------------------------------------------
+# the harness: hybrid static job (torch backend on the CPU), in-memory synthetic weights, refusals, tables
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from harness.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _job(tmp_path, *extra):
+    return _compose("model=tiny-qwen35", "engine=cpu", "batch.size=2", "workload.max_new_tokens=20", "progress=false",
+                    f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.spool_dir={tmp_path}/spool",
+                    "table=hybrid_27b", *extra)
+
+
+@pytest.mark.parametrize("materialize", ["file", "memory"])
+def test_harness_hybrid_job_with_bf16_state(tmp_path, monkeypatch, materialize):
+    import json
+
+    from harness import report
+    from harness.run import run_job
+
+    monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
+    cfg = _job(tmp_path, "kv_cache.state_dtype=bfloat16", f"model.synthetic.materialize={materialize}")
+    assert run_job(cfg, tmp_path / "out") > 0
+    m = json.loads((tmp_path / "out" / "run_record.json").read_text())["metrics"]
+    assert m["verify_ok"] == 1
+    state = 3 * (6 * 16 * 16 * 2 + (2 * 2 * 16 + 6 * 16) * 3 * 4)  # conf/model/tiny-qwen35: bf16 state + fp32 rings
+    assert m["state_mb_per_slot"] == pytest.approx(state / 2**20)
+    assert 0 <= m["bf16_state_greedy_agree"] <= 1 and m["bf16_state_logit_err"] < 0.1
+    assert m["bf16_state_top1_agree"] >= 0.9
+    monkeypatch.setattr(report, "EXPERIMENTS", tmp_path / "experiments")
+    assert report.main(["hybrid_27b", "--uri", f"sqlite:///{tmp_path}/mlflow.db", "--out", str(tmp_path / "r")]) == 0
+    table = (tmp_path / "r" / "hybrid_27b.md").read_text()
+    assert "bfloat16" in table and "✓" in table
+
+
+def test_harness_refuses_prefix_caching_and_chunked_prefill(tmp_path):
+    from harness.run import build
+
+    with pytest.raises(ConfigError, match="prefix caching is not supported"):
+        build(_job(tmp_path, "kv_cache.layout=paged", "kv_cache.prefix=auto", "scheduler=continuous"))
+    with pytest.raises(ConfigError, match="scheduler.prefill=chunked is not supported"):
+        build(_job(tmp_path, "kv_cache.layout=paged", "scheduler=continuous_chunked"))
+
+
+def test_in_memory_weights_follow_the_loader_contract(ggufs):
+    """LazyWeights: every name and shape of tensor_shapes(), the loader's value conventions, deterministic;
+    with a packed format, the projections are PackedWeights that unpack to values of the intended spread."""
+    from harness.synth import LazyWeights
+
+    cfg = CONFIGS["3x-value-heads"]
+    w = LazyWeights(cfg, torch.float32, "cpu", seed=3)
+    assert set(w) == set(cfg.tensor_shapes()) and all(tuple(w[n].shape) == s for n, s in cfg.tensor_shapes().items())
+    assert torch.equal(w["blk.0.attn_qkv.weight"], w["blk.0.attn_qkv.weight"])
+    assert (w["blk.0.ssm_a"] < 0).all() and (w["blk.0.attn_norm.weight"] - 1).abs().max() < 1
+    big = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,
+                      gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
+    from engine.quant_pack import PackedWeight, unpack_ref
+
+    for fmt in ("q4_0", "q4_k"):
+        pw = LazyWeights(big, torch.bfloat16, "cpu", packed_fmt=fmt)["blk.0.ffn_up.weight"]
+        assert isinstance(pw, PackedWeight) and pw.shape == (256, 256)
+        vals = unpack_ref(pw)
+        assert 0.5 < vals.std().item() * 256 ** 0.5 < 2 and abs(vals.mean().item()) < 0.01, fmt
+    assert not isinstance(LazyWeights(big, torch.bfloat16, "cpu", packed_fmt="q4_0")["blk.0.ssm_beta.weight"],
+                          PackedWeight)
+
+
+def test_report_tables_build_from_runs():
+    import pandas as pd
+
+    from harness.report import TABLES
+
+    df = pd.DataFrame({"params.batch.size": ["1", "128"], "metrics.our_us": ["8.0", "230"], "metrics.floor_us": ["1.5", "193"],
+                       "metrics.floor_frac": ["0.19", "0.84"], "metrics.max_err": ["1e-6", "2e-6"],
+                       "metrics.verify_ok": ["1", "1"]})
+    md, _ = TABLES["gdn_step"](df)
+    assert "| B |" in md.replace("|   B |", "| B |") and "—" in md  # no FLA column values: a dash
