@@ -50,30 +50,44 @@ def _nbytes(w) -> int:
     return int(w.nbytes)  # PackedWeight (engine/quant_pack.py)
 
 
+def _fusable(a, b) -> bool:
+    """Whether two projection weights can share one GEMM: dense of one dtype, or packed of one format and K."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape[1] == b.shape[1]
+    return type(a) is type(b) and getattr(a, "fmt", None) == getattr(b, "fmt", None) and a.shape[1] == b.shape[1]
+
+
 def _fuse(parts: list):
-    """Row concatenation of projection weights: torch tensors, or PackedWeights of one format; None when
-    they cannot be fused (packed parts of different formats or types mixed)."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
+    """Row concatenation of projection weights (torch tensors, or PackedWeights of one format)."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts).contiguous()
+    from engine.quant_pack import cat_rows
+
     try:
-        from engine.quant_pack import PackedWeight, cat_rows
-    except ImportError:
+        return cat_rows(parts)
+    except GGUFError:
         return None
-    if all(isinstance(p, PackedWeight) for p in parts):
-        try:
-            return cat_rows(parts)
-        except GGUFError:
-            return None
-    return None
 
 
 class Projection:
-    """One GEMM over several weights' rows (fused when they can be), writing one [R, sum(N)] buffer."""
+    """One GEMM over several weights' rows, writing one [R, sum(N)] buffer. Adjacent weights that can be
+    fused are (dense ones always; packed ones of one format); the rest get a GEMM each into column slices
+    of the buffer (e.g. packed q|k|v|z beside the tiny dense beta|alpha rows)."""
 
     def __init__(self, parts: list):
         self.width = sum(int(p.shape[0]) for p in parts)
-        fused = _fuse(parts)
-        self.weights = [fused] if fused is not None else list(parts)
+        groups = [[parts[0]]]
+        for p in parts[1:]:
+            if _fusable(groups[-1][-1], p):
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        self.weights = []
+        for g in groups:
+            fused = _fuse(g)
+            self.weights.extend([fused] if fused is not None else g)
 
     def __call__(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if len(self.weights) == 1:

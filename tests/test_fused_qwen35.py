@@ -453,3 +453,25 @@ def test_report_tables_build_from_runs():
                        "metrics.verify_ok": ["1", "1"]})
     md, _ = TABLES["gdn_step"](df)
     assert "| B |" in md.replace("|   B |", "| B |") and "—" in md  # no FLA column values: a dash
+
+
+def test_packed_projections_match_their_dense_values():
+    """Weights kept packed (engine.weights=packed: PackedWeights from the in-memory generator) through the
+    torch backend give the logits of the same values dequantized: packed q|k|v|z fused by cat_rows, the
+    dense beta|alpha rows beside them in the same output buffer."""
+    from engine.quant_pack import PackedWeight, unpack_ref
+    from harness.synth import LazyWeights
+
+    cfg = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,
+                      gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
+    lazy = LazyWeights(cfg, torch.float32, "cpu", seed=4, packed_fmt="q4_0")
+    packed = dict(lazy.items())
+    dense = {n: unpack_ref(w).float() if isinstance(w, PackedWeight) else w for n, w in packed.items()}
+    a, b = fused(cfg, packed), fused(cfg, dense)
+    proj = a.layers[0]["in_proj"]
+    assert [type(w).__name__ for w in proj.weights] == ["PackedWeight", "Tensor"]  # [qkv|z] packed, [beta|alpha] dense
+    toks, pos = prompt(30, 6), list(range(6))
+    la = rows_logits(a, hybrid(cfg, 1), toks, pos, [0] * 6, seq_len=6)
+    lb = rows_logits(b, hybrid(cfg, 1), toks, pos, [0] * 6, seq_len=6)
+    assert (la - lb).abs().max().item() <= LOGIT_ATOL * max(1.0, lb.abs().max().item())
+    assert a.weight_bytes() < b.weight_bytes()
