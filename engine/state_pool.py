@@ -127,6 +127,11 @@ class HybridCache:
     def nbytes(self) -> int:
         return self.kv.nbytes + self.state.nbytes
 
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The paged KV's block table (AttributeError with contiguous KV, as for a plain cache)."""
+        return self.kv.block_table
+
     def write(self, layer, slots, positions, k, v) -> None:
         self.kv.write(layer, slots, positions, k, v)
 

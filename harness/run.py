@@ -140,9 +140,6 @@ def build(cfg) -> Built:
         from engine.state_pool import check_hybrid_serving
 
         check_hybrid_serving(mcfg, cfg.kv_cache.prefix, cfg.scheduler.prefill)
-        if cfg.scheduler.mode != "static":
-            raise ConfigError("qwen35 (hybrid) models run static batching so far (scheduler=static): the serving loop "
-                              "does not yet hand the fused step a HybridCache")
     b = Built(mcfg, weights, tokenizer, dev, dtype, backend, gguf_path, 0.0, cfg.engine,
               state_dtype=DTYPES[cfg.kv_cache.state_dtype])
     if backend == "torch":

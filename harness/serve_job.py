@@ -25,10 +25,14 @@ def make_requests(prompt: list[int], w) -> list[Request]:
     return [Request(i, list(prompt), rng.randint(lo, w.max_new_tokens)) for i in range(w.num_requests)]
 
 
-def fused_model(built, ctx: int) -> FusedDecoder:
-    if isinstance(built.model, FusedDecoder):
+def fused_model(built, ctx: int):
+    if built.backend != "torch":
         return built.model
     # CPU: the same fused step over the torch reference kernels
+    if built.cfg.arch == "qwen35":
+        from engine.fused_qwen35 import FusedQwen35Decoder
+
+        return FusedQwen35Decoder(built.cfg, built.weights, get_step_kernels("torch"), ctx + 1)
     return FusedDecoder(built.cfg, built.weights, get_step_kernels("torch"), ctx + 1)
 
 
@@ -74,6 +78,10 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         kv = ContiguousKVCache(built.cfg, B + 1, kvc.ctx, dt, dev)
     else:
         raise ConfigError(f"kv_cache.layout={kvc.layout!r}; choose contiguous or paged")
+    if built.cfg.arch == "qwen35":  # + each slot's recurrent state; a slot restarting at position 0 starts from zero
+        from engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
+
+        kv = HybridCache(drop_recurrent_kv(kv, built.cfg), StatePool(built.cfg, kv.num_slots, dev, built.state_dtype))
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
     sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids)
     # every position stays below the longest request's length: the attention grid is sized for it
