@@ -252,7 +252,7 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
     assert out.shape == (R, hv, dv) and out.stride(2) == 1
     if R == 0:
         return out
-    BV = min(block_v or default_block_v(R // seq_len, hv, dv), _next_pow2(dv))
+    BV = min(block_v or default_block_v(hv, dv), _next_pow2(dv))
     grid = (R // seq_len, hv, triton.cdiv(dv, BV))
     _gdn_step_kernel[grid](q, k, v, a, b, A, dt_bias, state, out, slots, positions if positions is not None else slots,
                            seq_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -263,11 +263,11 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
     return out
 
 
-def default_block_v(runs: int, hv: int, dv: int, sms: int = 132) -> int:
-    """State columns per program: 32, or 16 when fewer than ~2 waves of programs would fill the SMs (small
-    batches: more, smaller programs to spread the state stream). Depends on the run count only, never on
-    the data: a row's arithmetic (one column of S is one independent dot product) does not change with BV."""
-    return 16 if runs * hv * triton.cdiv(dv, 32) < 2 * sms else 32
+def default_block_v(hv: int, dv: int) -> int:
+    """State columns per program: 32, whatever the batch. The tile's shape sets how Triton lays out the
+    sums over Dk, so a BV that followed the row count (an earlier rule gave 16 to small batches) changed a
+    slot's last bits with B: on the H200 the 27B hybrid's B streams left the single stream at token 0."""
+    return min(32, _next_pow2(dv))
 
 
 # --------------------------------------------------------------------------------------------------

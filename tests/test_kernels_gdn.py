@@ -403,3 +403,18 @@ def test_gpu_cuda_graph_replay():
         used = [s_ for s_ in slots.tolist() if s_ >= 0]
         _untouched(pool, pool0, used, f"graph replay {it}: state")
         _untouched(ring, ring0, used, f"graph replay {it}: ring")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gdn_step_rows_do_not_depend_on_the_batch_at_27b_shapes():
+    """Each slot's output and new state are bitwise the same whether the step holds 1 row or 128
+    (27B's 16 key / 48 value heads of 128): the tile shape must not follow the row count."""
+    hk, hv, dk, dv, R = 16, 48, 128, 128, 128
+    c = _gdn_case(7, R, hk, hv, dk, dv, n_slots=R)
+    slots = torch.arange(R, dtype=torch.int32, device=DEV)
+    one = {k: (v[:1].clone() if k in ("q", "k", "v", "a", "b") else v.clone()) for k, v in c.items()}
+    out_all = gdn_step_triton(*_gdn_args(c, c["state"]), slots)
+    out_one = gdn_step_triton(*_gdn_args(one, one["state"]), slots[:1])
+    assert _bitwise(out_all[:1], out_one), _msg("slot 0's output changed with the batch size")
+    assert _bitwise(c["state"][0], one["state"][0]), _msg("slot 0's new state changed with the batch size")
