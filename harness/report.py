@@ -254,6 +254,8 @@ def gdn_step(df: pd.DataFrame):
 def hybrid_27b(df: pd.DataFrame):
     d = pd.DataFrame({
         "weights": df["params.engine.weights"] if "params.engine.weights" in df else "dequant",
+        "int4 kernel": (df["params.engine.int4"].where(df["params.engine.weights"] == "packed", "—")
+                        if "params.engine.int4" in df else "—"),
         "state": df["params.kv_cache.state_dtype"] if "params.kv_cache.state_dtype" in df else "float32",
         "mode": df["params.scheduler.mode"],
         "B": num(df, "params.batch.size").astype(int),
@@ -267,7 +269,7 @@ def hybrid_27b(df: pd.DataFrame):
         "bf16 state: logit err": _opt(df, "metrics.bf16_state_logit_err"),
         "verified": check(num(df, "metrics.verify_ok")),
     }).sort_values(["weights", "state", "mode", "B"], ascending=[False, False, False, True])
-    md = d.to_markdown(index=False, floatfmt=("", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f", ".0%", ".1e", ""))
+    md = d.to_markdown(index=False, floatfmt=("", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f", ".0%", ".1e", ""))
     return md.replace("nan%", "—").replace("nan", "—"), None
 
 
