@@ -11,6 +11,7 @@ Host sampling needs every token on the host before the next step, so that mode r
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -87,6 +88,16 @@ class ServingEngine:
         return n
 
     def run(self, requests: list[Request], progress: bool = False) -> ServeResult:
+        # the cyclic garbage collector stalls the loop for milliseconds at random steps (measured on the
+        # host: 12 ms spikes against a 0.3 ms median step); the run allocates no long-lived cycles
+        gc.collect()
+        gc.disable()
+        try:
+            return self._run(requests, progress)
+        finally:
+            gc.enable()
+
+    def _run(self, requests: list[Request], progress: bool) -> ServeResult:
         sched, st = self.sched, self.step
         for r in requests:
             sched.add(r)
