@@ -273,6 +273,19 @@ class BlockManager:
         self._len[seq_id] = max(self._len[seq_id], new_len)
         self._note_peak()
 
+    def commit_needs_tokens(self, seq_id: int, length: int) -> bool:
+        """Whether committing `length` written positions fills a block the prefix cache must hash (so
+        the caller must pass the tokens); otherwise `mark_written` records the length alone."""
+        return self.prefix_caching and length // self.block_size > self._hashed[seq_id]
+
+    def mark_written(self, seq_id: int, length: int) -> None:
+        """`commit` for a length that fills no new block to hash (see commit_needs_tokens)."""
+        if length > len(self._tables[seq_id]) * self.block_size:
+            raise ValueError(f"sequence {seq_id!r}: {length} positions written but the table covers "
+                             f"{len(self._tables[seq_id]) * self.block_size}")
+        if length > self._committed[seq_id]:
+            self._committed[seq_id] = length
+
     def commit(self, seq_id: int, tokens: Sequence[int], length: int | None = None) -> None:
         """The first `length` of `tokens` (default: all) have their KV written. Every block now full and
         not yet hashed is registered in the prefix cache (only with prefix_caching)."""

@@ -33,6 +33,7 @@ class Launched:
     flip: int
     event: torch.cuda.Event | None
     start: torch.cuda.Event | None
+    prompt_rows: int = 0  # prompt positions among the rows (the serving loop's count)
 
 
 class RowStep:

@@ -195,7 +195,10 @@ class Scheduler:
                 continue
             req.computed += s.rows
             if self.bm is not None:
-                self.bm.commit(req.rid, req.tokens, req.computed)
+                if self.bm.commit_needs_tokens(req.rid, req.computed):
+                    self.bm.commit(req.rid, req.tokens, req.computed)
+                else:  # no block filled: skip building the token list (the common step)
+                    self.bm.mark_written(req.rid, req.computed)
             if s.samples:
                 req.inflight += 1
                 if len(req.output) + req.inflight >= req.max_new_tokens:

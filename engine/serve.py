@@ -121,8 +121,7 @@ class ServingEngine:
                     res.steps += 1
                     res.rows += plan.num_rows
                     res.active_slot_steps += len(plan.items)
-                    res.prefill_rows += sum(max(0, min(s.request.computed + s.rows, len(s.request.prompt))
-                                                - s.request.computed) for s in plan.items)
+                    res.prefill_rows += handle.prompt_rows
                     res.d2h_bytes += st.d2h_bytes(handle.n_samples)
             if lockstep and plan is not None:
                 sched.advance(plan)
@@ -147,19 +146,29 @@ class ServingEngine:
     def _launch(self, plan: Plan):
         tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps = [], [], [], [], [], [], [], []
         seed0 = self.sampling.seed * 1_000_003
+        prompt_rows = 0
         for s in plan.items:
             req = s.request
             start, n_prompt = req.computed, len(req.prompt)
-            for p in range(start, start + s.rows):
-                if p < n_prompt:
-                    tokens.append(req.prompt[p])
-                elif p - n_prompt < len(req.output):
-                    tokens.append(req.output[p - n_prompt])
-                else:
-                    tokens.append(0)  # in flight: read on the device
-            positions.extend(range(start, start + s.rows))
-            slots.extend([req.slot] * s.rows)
-            feed.extend([0] * (s.rows - 1) + [int(s.feed_device)])
+            prompt_rows += max(0, min(start + s.rows, n_prompt) - start)
+            if s.rows == 1:  # token mode and decode rows: the common case, without the inner loop
+                p = start
+                tokens.append(req.prompt[p] if p < n_prompt else
+                              req.output[p - n_prompt] if p - n_prompt < len(req.output) else 0)
+                positions.append(start)
+                slots.append(req.slot)
+                feed.append(int(s.feed_device))
+            else:
+                for p in range(start, start + s.rows):
+                    if p < n_prompt:
+                        tokens.append(req.prompt[p])
+                    elif p - n_prompt < len(req.output):
+                        tokens.append(req.output[p - n_prompt])
+                    else:
+                        tokens.append(0)  # in flight: read on the device
+                positions.extend(range(start, start + s.rows))
+                slots.extend([req.slot] * s.rows)
+                feed.extend([0] * (s.rows - 1) + [int(s.feed_device)])
             if s.samples:
                 sample_rows.append(len(tokens) - 1)
                 sample_slots.append(req.slot)
@@ -169,5 +178,7 @@ class ServingEngine:
         if self.paged:
             tables, self.sched.dirty_tables = self.sched.dirty_tables, {}
         greedy = self.sampling.greedy
-        return self.step.launch(tokens, positions, slots, feed, sample_rows, sample_slots,
-                                None if greedy else seeds, None if greedy else steps, tables)
+        handle = self.step.launch(tokens, positions, slots, feed, sample_rows, sample_slots,
+                                  None if greedy else seeds, None if greedy else steps, tables)
+        handle.prompt_rows = prompt_rows
+        return handle
