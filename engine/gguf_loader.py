@@ -1,4 +1,5 @@
-"""Load a llama / qwen3 / qwen35 GGUF file: typed config plus dequantized weights in torch (out, in) layout.
+"""Load a llama / qwen3 / qwen35 GGUF file: typed config plus dequantized (or, keep_quantized, packed) weights
+in torch (out, in) layout.
 
 q/k projections come back in Hugging Face's rotate-half (NEOX) layout for every architecture.
 
@@ -14,7 +15,9 @@ values with one exception. The conventions, all decided here and read by engine/
   * V heads: when ssm.time_step_rank (Hv) != ssm.group_count (Hk) the converter reorders value heads
     from HF's grouped order (v head h reads k head h // (Hv/Hk)) to a tiled order (GGUF head
     rho*Hk + g == HF head g*(Hv/Hk) + rho). The loader undoes it, so weights, the recurrent state and
-    every downstream kernel use HF's grouped order (the pairing FLA / vLLM kernels assume).
+    every downstream kernel use HF's grouped order (the pairing FLA / vLLM kernels assume). One exception
+    with keep_quantized: a packed ssm_out keeps the file's column order (packed blocks take row gathers
+    only) and comes with `blk.N.ssm_out.input_order`, the permutation its input needs (see load_gguf).
   * MTP blocks (`nextn_predict_layers`, counted in block_count) are loaded and kept under their GGUF
     names (blk.{n_layers + j}.*); cfg.n_layers counts trunk layers only, cfg.mtp_layers the rest.
 """
@@ -321,19 +324,31 @@ def _check_tensors(path: str, cfg: ModelConfig, found: dict[str, Any]) -> dict[s
     return wanted
 
 
-# the projections keep_quantized may leave packed (llama / qwen3 names); everything else is dequantized
+# the projections keep_quantized may leave packed; everything else is dequantized
 PACKABLE_PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                         "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+# qwen35's Gated DeltaNet projections on top (in_proj_qkv, in_proj_z, out_proj). ssm_beta / ssm_alpha (Hv rows
+# each), the conv taps, norms, ssm_a and ssm_dt stay dense: they are tiny, and the fused decoder runs the
+# beta|alpha rows as a dense GEMM beside the packed qkv|z ones
+GDN_PACKABLE_PROJECTIONS = ("attn_qkv.weight", "attn_gate.weight", "ssm_out.weight")
+# the suffix of the index tensor that comes with a packed, column-reordered ssm_out (see _load_packed)
+INPUT_ORDER = ".input_order"
 
 
 def keeps_packed(cfg: ModelConfig, name: str, qtype: Any) -> bool:
-    """Whether keep_quantized leaves this tensor packed: a llama / qwen3 projection (or an untied
-    output.weight) stored as Q4_0 / Q4_1 / Q4_K / Q8_0. The token embedding is a gather and stays dense."""
+    """Whether keep_quantized leaves this tensor packed: a projection (or an untied output.weight) stored as
+    Q4_0 / Q4_1 / Q4_K / Q8_0. llama / qwen3: attn_q/k/v/output, ffn_gate/up/down. qwen35 (trunk and MTP
+    blocks): the same plus the GDN attn_qkv, attn_gate and ssm_out; its V-head reorder becomes a row gather
+    (attn_qkv's V rows, attn_gate) or, for ssm_out's columns, a permutation of the GEMM's input (the loader
+    adds `blk.N.ssm_out.input_order`). The token embedding is a gather and stays dense."""
     from engine.quant_pack import packable
 
-    if cfg.arch not in SUPPORTED_ARCHS or not packable(qtype):
+    if cfg.arch not in SUPPORTED_ARCHS + HYBRID_ARCHS or not packable(qtype):
         return False
-    return name == "output.weight" or (name.startswith("blk.") and name.split(".", 2)[-1] in PACKABLE_PROJECTIONS)
+    if name == "output.weight":
+        return True
+    kinds = PACKABLE_PROJECTIONS + (GDN_PACKABLE_PROJECTIONS if cfg.arch == "qwen35" else ())
+    return name.startswith("blk.") and name.split(".", 2)[-1] in kinds
 
 
 def load_gguf(
@@ -345,9 +360,13 @@ def load_gguf(
 
     keep_quantized: every projection `keeps_packed` names comes back as an engine.quant_pack.PackedWeight
     on `device` (the file's bits repacked once, on the device: memory ~ the file's size) instead of a
-    dequantized tensor; llama's q/k rows are un-permuted by an exact row gather. A tied LM head whose
-    token_embd is packable is also added as a packed `output.weight` (the embedding gather keeps the dense
-    table; the logits GEMM, 20% of a 1B model's bytes, reads the packed one). Other tensors as before."""
+    dequantized tensor; llama's q/k rows are un-permuted by an exact row gather, and so are qwen35's
+    V-head rows (attn_qkv's V part, attn_gate). A packed qwen35 ssm_out, whose V-head reorder is a column
+    permutation that packed blocks cannot take, keeps the file's column order and comes with
+    `blk.N.ssm_out.input_order` (int64 [Hv*Dv], only when Hv != Hk): the GEMM's input x (model head order)
+    must be fed as x[:, input_order] (engine/fused_qwen35.py does it). A tied LM head whose token_embd is
+    packable is also added as a packed `output.weight` (the embedding gather keeps the dense table; the
+    logits GEMM, 20% of a 1B model's bytes, reads the packed one). Other tensors as before."""
     path = os.fspath(path)
     reader = _open(path)
     meta = read_metadata(reader)
@@ -363,6 +382,9 @@ def load_gguf(
         raw = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8)).to(device)
         if keep_quantized and keeps_packed(cfg, name, t.tensor_type):
             weights[name] = _load_packed(cfg, name, raw, t.tensor_type, wanted[name])
+            order = ssm_out_input_order(cfg, name)
+            if order is not None:  # ssm_out's columns stay in the file's order: permute its input instead
+                weights[name.removesuffix(".weight") + INPUT_ORDER] = order.to(device)
             continue
         if keep_quantized and name == "token_embd.weight" and cfg.tie_embeddings and keeps_packed(cfg, "output.weight", t.tensor_type):
             # tied LM head: the gather keeps a dense table, the head GEMM reads the packed bytes
@@ -376,13 +398,31 @@ def load_gguf(
     return cfg, weights, meta
 
 
+def ssm_out_input_order(cfg: ModelConfig, name: str) -> torch.Tensor | None:
+    """For a qwen35 ssm_out kept in the file's column order: the index list (int64, CPU) that puts the model's
+    gated-norm output (HF grouped V-head order) into the file's (tiled) order, x_file = x[:, order], so that
+    x_file @ W_file^T == x @ W^T with W the loader's dense, reordered weight. None for every other tensor
+    and when Hv == Hk (no reorder)."""
+    if not name.endswith(".ssm_out.weight"):
+        return None
+    cols = torch.arange(cfg.gdn_value_dim).view(1, -1)
+    order = gdn_v_reorder(cfg, name, cols, to_gguf=True)  # the converter's own column permutation
+    return None if order is cols else order.view(-1).contiguous()
+
+
 def _load_packed(cfg: ModelConfig, name: str, raw: torch.Tensor, qtype: Any, shape: tuple[int, ...]):
-    """One projection's raw bytes -> PackedWeight, with llama's q/k rows back in rotate-half order."""
+    """One projection's raw bytes -> PackedWeight, with llama's q/k rows back in rotate-half order and
+    qwen35's V-head rows (attn_qkv's V part, attn_gate) back in grouped order; ssm_out stays as in the file
+    (its reorder is on columns: see ssm_out_input_order)."""
     from engine.quant_pack import pack
 
     pw = pack(raw, qtype, shape)
+    rows = torch.arange(shape[0]).view(-1, 1)
     n_head = qk_heads(cfg, name)
     if n_head is not None:  # the same row permutation unpermute_qk applies, as an index list
-        idx = unpermute_qk(torch.arange(shape[0]).view(-1, 1), n_head).view(-1)
-        pw = pw.select_rows(idx)
+        pw = pw.select_rows(unpermute_qk(rows, n_head).view(-1))
+    elif not name.endswith(".ssm_out.weight"):
+        idx = gdn_v_reorder(cfg, name, rows, to_gguf=False)  # the loader's row reorder, as an index list
+        if idx is not rows:
+            pw = pw.select_rows(idx.view(-1))
     return pw
