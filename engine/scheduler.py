@@ -8,6 +8,10 @@ request samples when its last fed row is its newest token, so prefill and decode
 - prefill "token": one row per running request per step (the seed's way: prompt tokens through the
   decode step); "chunked": decode rows first, then prompt chunks of waiting prefills under a per-step
   token budget.
+- shared-prefix burst (token prefill with automatic prefix caching, `prefix_burst` > 0): when the next
+  waiting request shares an uncached block-aligned prompt prefix with the one just admitted, that one
+  feeds the prefix as one chunk and admission pauses for the step; the next step's requests find the
+  prefix's blocks in the cache. The seed's pinned prefix, found from the queue instead of configured.
 With a block manager (paged KV) a request is admitted only when blocks for its uncached prompt can be
 had; when growth finds the pool empty the youngest other request is preempted (its blocks freed, its
 tokens recomputed later; greedy output is unchanged because every row's arithmetic is batch-invariant).
@@ -45,6 +49,7 @@ class Request:
     preemptions: int = 0
     inflight: int = 0  # sampled tokens launched whose ids the host has not received yet
     retired: bool = False  # slot and blocks given back (max-gen reached or stop token seen)
+    burst: int = 0  # prompt positions fed as one chunk on its first step (a shared prefix; see the module doc)
     stopped: bool = False  # a stop token arrived: later in-flight tokens are dropped
 
     @property
@@ -85,7 +90,10 @@ class Plan:
 
 class Scheduler:
     def __init__(self, num_slots: int, mode: str = "continuous", prefill: str = "token", token_budget: int = 512,
-                 block_manager: BlockManager | None = None, ctx: int = 512, stop_ids: tuple[int, ...] = ()):
+                 block_manager: BlockManager | None = None, ctx: int = 512, stop_ids: tuple[int, ...] = (),
+                 prefix_burst: int = 0):
+        """prefix_burst: the most prompt rows one shared-prefix burst may feed in a step (token prefill with
+        automatic prefix caching only; 0 = off)."""
         if mode not in MODES:
             raise ConfigError(f"scheduler.mode={mode!r}; choose one of {MODES}")
         if prefill not in PREFILLS:
@@ -94,6 +102,9 @@ class Scheduler:
             raise ConfigError(f"scheduler.token_budget={token_budget} is below the {num_slots} decode rows a step may need")
         self.num_slots, self.mode, self.prefill, self.budget = num_slots, mode, prefill, token_budget
         self.bm, self.ctx, self.stop_ids = block_manager, ctx, set(stop_ids)
+        bursts = prefill == "token" and block_manager is not None and block_manager.prefix_caching
+        self.max_burst = prefix_burst // block_manager.block_size * block_manager.block_size if bursts else 0
+        self._wave_forming = False
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -117,6 +128,11 @@ class Scheduler:
         self.rejected.append((req, f"request {req.rid} rejected: {why}"))
 
     @property
+    def max_rows(self) -> int:
+        """The most rows one step may hold."""
+        return self.num_slots + self.max_burst if self.prefill == "token" else self.budget
+
+    @property
     def done(self) -> bool:
         return not self.waiting and not self.running
 
@@ -129,7 +145,10 @@ class Scheduler:
         for req in order:
             if req.slot < 0:  # preempted earlier in this loop
                 continue
-            rows = 1 if self.prefill == "token" else min(req.pending, budget)
+            if self.prefill == "token":
+                rows = req.burst - req.computed if req.burst > req.computed else 1
+            else:
+                rows = min(req.pending, budget)
             if rows <= 0:
                 continue
             if not self._grow(req, req.computed + rows):
@@ -142,7 +161,8 @@ class Scheduler:
         return Plan(items, admitted)
 
     def _admit(self) -> list[Request]:
-        if self.mode == "static" and self.running:
+        wave_forming, self._wave_forming = self._wave_forming, False
+        if self.mode == "static" and self.running and not wave_forming:
             return []
         admitted = []
         while self.waiting and self.free_slots:
@@ -161,7 +181,23 @@ class Scheduler:
             if self.bm is not None:
                 self.dirty_tables[req.slot] = self.bm.table(req.rid)
             admitted.append(req)
+            if self._start_burst(req):
+                self._wave_forming = True  # a static wave keeps filling at the next step
+                break  # the others wait a step for the prefix's blocks
         return admitted
+
+    def _start_burst(self, req: Request) -> bool:
+        """Make req feed its uncached block-aligned prompt prefix in one chunk when the next waiting
+        request shares it (the last prompt token is always left to the normal path)."""
+        req.burst = 0
+        if not self.max_burst or not self.waiting or req.output:
+            return False
+        bs = self.bm.block_size
+        end = min((len(req.prompt) - 1) // bs * bs, req.cached + self.max_burst)
+        if end <= req.cached or self.waiting[0].prompt[:end] != req.prompt[:end]:
+            return False
+        req.burst = end
+        return True
 
     def _grow(self, req: Request, new_len: int) -> bool:
         """Make the request's blocks cover new_len positions, preempting the youngest others if needed."""

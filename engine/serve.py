@@ -62,8 +62,7 @@ class ServingEngine:
             raise ConfigError("host sampling (sampling.on_device=false) is the seed's greedy baseline: it argmaxes "
                               "the logits on the host; use sampling.on_device=true for temperature sampling")
         graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        max_rows = scheduler.num_slots if scheduler.prefill == "token" else scheduler.budget
-        self.step = RowStep(model, kv, scheduler.num_slots, max_rows, self.scratch, self.paged, sampling, graphs,
+        self.step = RowStep(model, kv, scheduler.num_slots, scheduler.max_rows, self.scratch, self.paged, sampling, graphs,
                             sample_on_device, attn_workspace, max_len, time_steps)
 
     def pin_prefix(self, tokens: list[int]) -> int:

@@ -71,6 +71,7 @@ class SchedulerCfg:
     mode: str = "static"  # static (one lockstep batch) | wave (request queue, refill off) | continuous
     prefill: str = "batched"  # token (through the decode step, the seed's way) | batched (static) | chunked (serving)
     token_budget: int = 512  # rows per step with chunked prefill
+    prefix_burst: bool = True  # token prefill + kv_cache.prefix=auto: a prefix shared by queued requests is fed once, as one chunk
 
 
 @dataclass

@@ -11,7 +11,7 @@ from engine.block_manager import BlockManager
 from engine.errors import ConfigError
 from engine.fused_model import FusedDecoder
 from engine.kv_cache import ContiguousKVCache, PagedKVCache
-from engine.runner import bucket_for
+from engine.runner import BUCKETS, bucket_for
 from engine.sampler import SamplingParams
 from engine.scheduler import Request, Scheduler
 from engine.serve import PREFIX_MODES, ServingEngine
@@ -36,6 +36,11 @@ def fused_model(built, ctx: int):
     return FusedDecoder(built.cfg, built.weights, get_step_kernels("torch"), ctx + 1)
 
 
+def prefix_burst(B: int, sc) -> int:
+    """Rows a shared-prefix burst may add to a token-mode step: up to the largest CUDA-graph bucket."""
+    return max(0, BUCKETS[-1] - B) if sc.prefix_burst else 0
+
+
 def peak_blocks(requests: list[Request], B: int, sc, kvc, pin: list[int] | None) -> int:
     """Peak block demand of this schedule, from a host-only dry run of the scheduler over an ample pool.
     Sampled tokens are stand-ins (0), so this is exact for fixed-length outputs (ignore_eos)."""
@@ -43,7 +48,7 @@ def peak_blocks(requests: list[Request], B: int, sc, kvc, pin: list[int] | None)
     if pin:
         bm.pin_prefix(pin)
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
-    sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, ())
+    sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, (), prefix_burst(B, sc))
     for r in requests:
         sched.add(Request(r.rid, list(r.prompt), r.max_new_tokens))
     while not sched.done:
@@ -83,14 +88,14 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
 
         kv = HybridCache(drop_recurrent_kv(kv, built.cfg), StatePool(built.cfg, kv.num_slots, dev, built.state_dtype))
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
-    sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids)
+    sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids, prefix_burst(B, sc))
     # every position stays below the longest request's length: the attention grid is sized for it
     max_len = min(kv.ctx, len(ids) + max((r.max_new_tokens for r in requests), default=1))
     ws = None
     if dev.type == "cuda" and built.backend == "triton":
         from kernels.decode_attention import make_workspace
 
-        rows = B if sc.prefill == "token" else sc.token_budget
+        rows = sched.max_rows
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         ws = make_workspace(bucket_for(rows), built.cfg.n_heads, built.cfg.head_dim, max_len, sms, dev,
                             kv_heads=built.cfg.n_kv_heads)
