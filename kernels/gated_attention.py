@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels.rmsnorm import rms_norm_ref
-from kernels.rope import _kv_index, apply_rope_ref
+from kernels.rope import _kv_index, apply_rope_ref, check_kv_write
 from kernels.triton_compat import tl, triton
 
 
@@ -137,18 +137,8 @@ def gated_rope_kv_write_triton(qkv, positions, slots, cos_sin_cache, k_cache, v_
         raise ValueError(f"rotary_dim {rotary_dim} must be even and in 1..{D}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != rotary_dim or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {rotary_dim}] with a contiguous last dim")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.shape[2:] != (kv_heads, D) or c.stride(3) != 1:
-            raise ValueError(f"{name} must be [*, *, {kv_heads}, {D}] with a contiguous last dim, got {tuple(c.shape)}")
-    for name, wt in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if wt is None or wt.shape != (D,) or not wt.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [{D}]")
-    if positions.shape != (R,) or slots.shape != (R,):
-        raise ValueError(f"positions and slots must be [{R}]")
-    if q_out is None:
-        q_out = torch.empty((R, n_heads, D), dtype=qkv.dtype, device=qkv.device)
-    if q_out.shape != (R, n_heads, D) or q_out.stride(2) != 1:
-        raise ValueError(f"q_out must be [{R}, {n_heads}, {D}] with a contiguous last dim")
+    q_out = check_kv_write(qkv, positions, slots, k_cache, v_cache, n_heads, kv_heads, D, q_norm, k_norm, q_out,
+                           norms_required=True)
     if R == 0:
         return q_out
     paged = block_table is not None

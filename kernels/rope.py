@@ -150,6 +150,26 @@ def _rope_kv_write_kernel(qkv_ptr, pos_ptr, slot_ptr, cs_ptr, k_ptr, v_ptr, q_pt
             tl.store(vd + HALF + offs, v2.to(v_ptr.dtype.element_ty), mask=mask)
 
 
+def check_kv_write(qkv, positions, slots, k_cache, v_cache, n_heads: int, kv_heads: int, D: int, q_norm, k_norm,
+                   q_out, norms_required: bool = False) -> torch.Tensor:
+    """The checks every RoPE + KV-write wrapper makes on its caches, norms, rows and q output (shared by the
+    plain and the gated kernels); returns q_out, made when None."""
+    R = qkv.shape[0]
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[2:] != (kv_heads, D) or c.stride(3) != 1:
+            raise ValueError(f"{name} must be [*, *, {kv_heads}, {D}] with a contiguous last dim, got {tuple(c.shape)}")
+    for name, wt in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if (wt is None and norms_required) or (wt is not None and (wt.shape != (D,) or not wt.is_contiguous())):
+            raise ValueError(f"{name} must be contiguous [{D}]")
+    if positions.shape != (R,) or slots.shape != (R,):
+        raise ValueError(f"positions and slots must be [{R}]")
+    if q_out is None:
+        q_out = torch.empty((R, n_heads, D), dtype=qkv.dtype, device=qkv.device)
+    if q_out.shape != (R, n_heads, D) or q_out.stride(2) != 1:
+        raise ValueError(f"q_out must be [{R}, {n_heads}, {D}] with a contiguous last dim")
+    return q_out
+
+
 def rope_kv_write_triton(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos_sin_cache: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int, *,
                          q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
@@ -166,18 +186,7 @@ def rope_kv_write_triton(qkv: torch.Tensor, positions: torch.Tensor, slots: torc
         raise ValueError(f"qkv must be [R, {width}] with a contiguous last dim, got {tuple(qkv.shape)}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != D or cos_sin_cache.stride(1) != 1:
         raise ValueError(f"cos_sin_cache must be [max_pos, {D}] with a contiguous last dim")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.shape[2:] != (kv_heads, D) or c.stride(3) != 1:
-            raise ValueError(f"{name} must be [*, *, {kv_heads}, {D}] with a contiguous last dim, got {tuple(c.shape)}")
-    for name, wt in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if wt is not None and (wt.shape != (D,) or not wt.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous [{D}]")
-    if positions.shape != (R,) or slots.shape != (R,):
-        raise ValueError(f"positions and slots must be [{R}]")
-    if q_out is None:
-        q_out = torch.empty((R, n_heads, D), dtype=qkv.dtype, device=qkv.device)
-    if q_out.shape != (R, n_heads, D) or q_out.stride(2) != 1:
-        raise ValueError(f"q_out must be [{R}, {n_heads}, {D}] with a contiguous last dim")
+    q_out = check_kv_write(qkv, positions, slots, k_cache, v_cache, n_heads, kv_heads, D, q_norm, k_norm, q_out)
     if R == 0:
         return q_out
     paged = block_table is not None
