@@ -31,9 +31,7 @@ TOKEN, POS, SLOT, FEED, SAMPLE_ROW, SAMPLE_SLOT, SEED, STEP = range(8)
 class Launched:
     n_samples: int
     flip: int
-    event: torch.cuda.Event | None
-    start: torch.cuda.Event | None
-    prompt_rows: int = 0  # prompt positions among the rows (the serving loop's count)
+    event: torch.cuda.Event | None  # recorded after the step's last copy
 
 
 class RowStep:
@@ -77,6 +75,8 @@ class RowStep:
         if not sample_on_device:  # the seed's baseline: the sampling rows' logits cross as fp32
             self.logits_host = [torch.zeros(self.sample_rows, model.cfg.vocab_size, pin_memory=pin) for _ in range(2)]
         self.flip = 0
+        # one completion event per staging buffer: a buffer is refilled only after its step was waited for
+        self.done = [torch.cuda.Event() for _ in range(2)] if self.cuda else [None, None]
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.layer_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -184,13 +184,12 @@ class RowStep:
                 self.ids_host[flip][:n].copy_(self.next[:n], non_blocking=True)
             else:
                 self.logits_host[flip][:n].copy_(self.logits[:n], non_blocking=True)
-        event = None
-        if self.cuda:
-            event = end if end is not None else torch.cuda.Event()
+        event = end if end is not None else self.done[flip]
+        if event is not None:
             event.record()
         if start is not None:
             self.step_events.append((start, end))
-        return Launched(n, flip, event, start)
+        return Launched(n, flip, event)
 
     def ids(self, h: Launched) -> list[int]:
         """Wait for that step and return its sampled ids (host argmax of its logits in host mode)."""
@@ -208,7 +207,3 @@ class RowStep:
     def gpu_step_ms(self) -> list[float]:
         """Device time of each launched step (first event to last), after the run has synchronized."""
         return [s.elapsed_time(e) for s, e in self.step_events]
-
-
-def as_array(xs) -> np.ndarray:
-    return np.asarray(xs, dtype=np.int64)

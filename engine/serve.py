@@ -116,11 +116,11 @@ class ServingEngine:
                                           f"the KV pool is too small for the next request's prompt")
                     plan = None  # waiting for the previous step's ids (a preempted request's token)
                 else:
-                    handle = self._launch(plan)
+                    handle, prompt_rows = self._launch(plan)
                     res.steps += 1
                     res.rows += plan.num_rows
                     res.active_slot_steps += len(plan.items)
-                    res.prefill_rows += handle.prompt_rows
+                    res.prefill_rows += prompt_rows
                     res.d2h_bytes += st.d2h_bytes(handle.n_samples)
             if lockstep and plan is not None:
                 sched.advance(plan)
@@ -143,6 +143,7 @@ class ServingEngine:
         return res
 
     def _launch(self, plan: Plan):
+        """Queue the plan's step; returns its handle and the number of prompt positions among its rows."""
         tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps = [], [], [], [], [], [], [], []
         seed0 = self.sampling.seed * 1_000_003
         prompt_rows = 0
@@ -179,5 +180,4 @@ class ServingEngine:
         greedy = self.sampling.greedy
         handle = self.step.launch(tokens, positions, slots, feed, sample_rows, sample_slots,
                                   None if greedy else seeds, None if greedy else steps, tables)
-        handle.prompt_rows = prompt_rows
-        return handle
+        return handle, prompt_rows
