@@ -25,7 +25,6 @@ and is printed in every failure message.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -37,27 +36,9 @@ from kernels.rope import (apply_rope_ref, rope_cache, rope_cos_sin, rope_inv_fre
 from kernels.swiglu import swiglu_fused_ref, swiglu_ref, swiglu_triton
 from tests.interpreter import run_in_interpreter
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
-SEED = int(os.environ.get("KERNEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, _randn, needs_kernel
 BF16_EXACT = not INTERPRET
 
-needs_kernel = pytest.mark.skipif(
-    not (HAS_CUDA or INTERPRET),
-    reason="CPU without TRITON_INTERPRET=1: run by test_cpu_kernels_in_interpreter_subprocess in a child process")
-
-
-def _gen(salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed(SEED * 1000 + salt)
-
-
-def _msg(what: str) -> str:
-    return f"{what} (seed {SEED}; rerun with KERNEL_TEST_SEED={SEED})"
-
-
-def _randn(g, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
 
 
 def _randn_dev(salt, *shape, dtype=torch.bfloat16):

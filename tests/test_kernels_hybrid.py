@@ -10,7 +10,6 @@ truncates fp32 -> bf16 where the GPU rounds to nearest even; a bf16-rounded norm
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -21,26 +20,8 @@ from kernels.gdn import gated_rms_norm_ref, gated_rms_norm_triton
 from kernels.rope import rope_cache, rope_inv_freq
 from tests.interpreter import run_in_interpreter
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
-SEED = int(os.environ.get("KERNEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, _randn, needs_kernel
 
-needs_kernel = pytest.mark.skipif(
-    not (HAS_CUDA or INTERPRET),
-    reason="CPU without TRITON_INTERPRET=1: run by test_cpu_kernels_in_interpreter_subprocess in a child process")
-
-
-def _gen(salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed(SEED * 1000 + salt)
-
-
-def _msg(what: str) -> str:
-    return f"{what} (seed {SEED}; rerun with KERNEL_TEST_SEED={SEED})"
-
-
-def _randn(g, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
 
 
 def _tol(dtype, ref):
