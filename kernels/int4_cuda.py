@@ -4,26 +4,39 @@ engine/quant_pack.py (Q4_0 / Q4_1 / Q4_K / Q8_0), compiled at run time through C
 Definition: kernels.int4_gemm.w4a16_linear_ref (x @ unpack_ref(w)^T in fp32, rounded once).
 
 The kernel (the seed's BTG design, CUDA cores, fp32 arithmetic)
-  A block of KW = 4 warps owns 32 weight rows (lane l = row n0 + l) and a tile of BT <= BTG = 8 sequences
+  A block of KW warps owns 32 weight rows (lane l = row n0 + l) and a tile of BT <= BTG = 8 sequences
   (rows of x); more sequences run over the grid, never over registers. Each lane carries BT fp32
-  accumulators in registers. The block walks its K range in chunks of CG = 32 groups (1024 weights):
-    1. each warp issues the 16-byte loads of its 8 groups' packed words (32 weights per load; a warp
-       reads 32 consecutive rows: 512 contiguous bytes) and their scales before anything else;
+  accumulators in registers. The block walks its K range in chunks of CG groups (32 * CG weights); warp w
+  takes groups w, w + KW, ... of every chunk (UPW = CG / KW of them):
+    1. weights stream one chunk ahead through UPW register slots per lane (a slot: one group's 16-byte
+       words -- 32 bytes for Q8_0 -- and its scales' raw fp16 / 6-bit bits). A slot is refilled with the
+       same group of the next chunk as soon as its group has been applied, so the next chunk's loads are
+       in flight during this chunk's arithmetic and the next x staging, in the registers of one chunk. A
+       warp's load reads 32 consecutive rows: 512 contiguous bytes. Scales are converted when used, so no
+       instruction waits on a load issued in the same chunk;
     2. the block stages x[tile, chunk] once in shared memory as fp32 (and, for Q4_1 / Q4_K, the per-group
        sums of x);
-    3. each weight group is turned into its exact integers once (magic-number conversion: shift, lop3,
-       fadd) and applied to all BT sequences:
+    3. each weight group is turned into its exact integers once and applied to all BT sequences:
            P_g[b] = sum_k qq_k * x[b, k]          k ascending, fp32 fma     (qq = q - 8 for Q4_0)
            acc[b] = fma(s_g, P_g[b], acc[b])                                (s = d; Q4_K: d * sc)
            acc[b] = fma(c_g, X_g[b], acc[b])       Q4_1: c = m; Q4_K: c = -(dmin * mn); X_g = sum_k x[b, k]
-  Warp w takes groups w, w + 4, ... of every chunk; the four warps' sums are added in warp order at the
-  end, then (split-K) the splits' fp32 partials in split order by a second kernel, and rounded once.
-  Everything that fixes that order (KW, CG, the split count and boundaries) comes from (N, K, fmt) only,
-  and each sequence's accumulators are independent of BT, so the kernel is batch-invariant: row m of y
-  is bitwise the same whatever M is. (Its bits differ from the Triton kernel's, whose group sums run on
-  tensor cores; kernels/int4_dispatch.py keeps one kernel per shape in its batch-invariant policy.)
+       The integers: the field at bits [4s, 4s + 4) of a word (s < 4; the upper half after one shift per
+       word) is OR-ed into the exponent of 2^(23 - 4s), where its unit is 1, and that power (+ 8 for Q4_0)
+       is subtracted: one lop3 and one fadd per weight (bytes alike for Q8_0).
+  The warps' sums are added in warp order at the end, then (split-K) the splits' fp32 partials in split
+  order by a second kernel, and rounded once. So warp w of a split sums the groups g = g_lo + w (mod KW)
+  in ascending order: the bits depend on KW and the split (count, boundaries), not on CG (a multiple of
+  KW) nor on BT, since each sequence's accumulators are independent of the others.
 
-  Cost model: the weight bytes are read once per BT sequences; the arithmetic is BT fp32 FMAs plus ~3
+  Launch shape per (N, K, fmt): KW, CG and the split (SPLIT_K, or TARGET_BLOCKS for the rule in
+  split_rule) are the module defaults, overridden by MEASURED[(N, K, fmt)] (GPU sweeps), overridden by
+  w4a16_cuda's ``config=`` (the sweep itself). None of it depends on M, so the kernel is batch-invariant:
+  row m of y is bitwise the same whatever M is. Only CG may vary with BT: lowered to fit 48 KB of static
+  shared memory (chunk_groups), which cannot change the bits. (The bits differ from the Triton kernel's,
+  whose group sums run on tensor cores; kernels/int4_dispatch.py keeps one kernel per shape in its
+  batch-invariant policy.)
+
+  Cost model: the weight bytes are read once per BT sequences; the arithmetic is BT fp32 FMAs plus ~2
   dequantization instructions per weight on the CUDA cores, so the kernel is built for B <= 8, where the
   weight stream, not the tensor cores, decides the time. The tensor-core Triton kernel covers larger B.
 
@@ -37,7 +50,7 @@ run: CuPy (RawModule/NVRTC) first, else torch's own NVRTC binding (torch.cuda._c
 API present since torch 2.8; ``ONEPASS_INT4_CUDA_COMPILER=cupy|torch`` forces one). Without either,
 kernels/int4_dispatch.py runs the Triton kernel. The source uses no CUDA headers (conversions in inline
 PTX), so it compiles the same under both. Kernels are compiled lazily, one per (format, BT, x dtype,
-output kind), and cached for the process.
+output kind, KW, CG), and cached for the process.
 """
 from __future__ import annotations
 
@@ -55,14 +68,28 @@ except Exception:  # ImportError, or a CuPy that cannot find its CUDA libraries
     _cupy = None
 
 NUM_SMS = 132                 # H200; a constant so the split rule (and so the bits) is machine-independent
-KW = 4                        # warps per block, splitting each chunk's groups
 ROWS = 32                     # weight rows per block (one per lane)
-CG = 32                       # groups per chunk staged in shared memory (1024 weights of K)
 BTG = 8                       # the largest batch tile: sequences whose accumulators a lane carries
 BT_CHOICES = (1, 2, 4, 8)
-TARGET_BLOCKS = 4 * NUM_SMS   # split-K until the grid holds ~4 blocks (16 warps) per SM at one batch tile
-MAX_SPLIT = 16
+# launch shape: these defaults, then MEASURED[(N, K, fmt)], then w4a16_cuda's config= (shape_config)
+KW = 4                        # warps per block, splitting each chunk's groups
+CG = 32                       # groups per chunk staged in shared memory (1024 weights of K)
+TARGET_BLOCKS = 4 * NUM_SMS   # split-K until the grid holds ~4 blocks per SM at one batch tile
+MAX_SPLIT = 16                # the rule's limits (an explicit SPLIT_K is only clamped to 1..G)
 MIN_GROUPS_PER_SPLIT = 8
+CONFIG_KEYS = ("KW", "CG", "SPLIT_K", "TARGET_BLOCKS")
+# (N, K, fmt) -> some of CONFIG_KEYS. H200 sweep at B = 1 (torch 2.11, cupy 14.2; the defaults elsewhere):
+# 8 warps and ~8 blocks per SM for the tall shapes, 16-group chunks for the medium ones.
+MEASURED: dict[tuple[int, int, str], dict] = {
+    (17408, 5120, "q4_0"): {"KW": 8, "TARGET_BLOCKS": 1056},      # 27.3 us vs 31.9 with the defaults
+    (5120, 17408, "q4_k"): {"KW": 8, "TARGET_BLOCKS": 1056},      # 34.5 vs 46.2
+    (34816, 5120, "q4_k"): {"KW": 8, "TARGET_BLOCKS": 1056},      # 55.7 vs 73.1
+    (10240, 5120, "q4_k"): {"CG": 16},                            # 21.2 vs 27.7
+    (5120, 6144, "q4_k"): {"CG": 16},                             # 15.0 vs 18.6
+}
+MAX_KW = 16
+MAX_UPW = 16                  # CG / KW: register slots per lane (each 16 or 32 bytes of weights)
+SMEM_LIMIT = 48 * 1024        # static shared memory of one block
 FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q8_0": 3}
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -76,7 +103,11 @@ typedef long long i64;
 // OUT32: y is fp32 (the split-K workspace, or an fp32 output); KW, CG: as the Python module says.
 #define WPG (FMT == 3 ? 8 : 4)          /* int32 words per (row, group) */
 #define VPG (WPG / 4)                   /* 16-byte vectors per (row, group) */
-#define UPW (CG / KW)                   /* groups per warp per chunk */
+#define UPW (CG / KW)                   /* groups per warp per chunk: the warp's register slots */
+#define NRAW (FMT == 2 ? 3 : FMT == 1 ? 2 : 1)   /* raw scale words per slot (below) */
+#if CG % KW != 0
+#error "CG must be a multiple of KW"
+#endif
 
 #ifndef ONEPASS_HOST_EMU   /* tests/cuda_emu.py compiles this source for the CPU with its own helpers */
 __device__ __forceinline__ float x_to_f32(u16 v) {
@@ -107,15 +138,45 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {   // weights: read 
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
+
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {   // (a & b) | c in one LOP3 (C gives two)
+    u32 r; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
 #endif
 
-// nibble s (0..7) of w as a float q exactly: 2^23 + q - 2^23 (- 8 for q4_0)
+// Exact small integers as floats without a shift per value: bits [lo, lo + n) of w, OR-ed into the
+// exponent of 2^(23 - lo) (where their unit is 1), minus that power (and the format's offset) is the
+// integer exactly. Fields at bit 16 and up come from w >> 16 (one shift per word).
+// 4-bit: nibble s (0..3) of w is the unsigned q (q4_0: returned as q - 8)
 __device__ __forceinline__ float nib(u32 w, int s) {
-    return __int_as_float(0x4B000000u | ((w >> (4 * s)) & 0xFu)) - (FMT == 0 ? 8388616.0f : 8388608.0f);
+    const float off = FMT == 0 ? 8.0f : 0.0f;
+    const float bias = s == 0 ? 8388608.0f + off : s == 1 ? 524288.0f + off : s == 2 ? 32768.0f + off : 2048.0f + off;
+    return __int_as_float(and_or(w, 0xFu << (4 * s), (150u - 4u * s) << 23)) - bias;
 }
-// byte s (0..3) of w (already XOR 0x80808080) as the signed int8 q exactly: 2^23 + (q + 128) - (2^23 + 128)
+// Q8_0: byte s (0..1) of wx (a word XOR 0x80808080: q + 128 unsigned) as the signed int8 q
 __device__ __forceinline__ float sbyte(u32 wx, int s) {
-    return __int_as_float(0x4B000000u | ((wx >> (8 * s)) & 0xFFu)) - 8388736.0f;
+    return __int_as_float(and_or(wx, 0xFFu << (8 * s), (150u - 8u * s) << 23)) - (s == 0 ? 8388736.0f : 32896.0f);
+}
+
+// Issue the loads of group g (row nr) into one register slot: the packed words and the scales' raw bits,
+// converted only when the slot is consumed (a chunk later), so nothing here waits on memory.
+//   raw: q4_0 / q8_0 {d}; q4_1 {d, m}; q4_k {d, dmin, sc | mn << 8} (fp16 bits; the 6-bit pair)
+__device__ __forceinline__ void load_group(uint4 (&w)[VPG], u32 (&raw)[NRAW], const uint4* __restrict__ qw,
+                                           const u16* __restrict__ sc, const u16* __restrict__ mn,
+                                           const u8* __restrict__ sub, int g, int nr, int N) {
+    const int gn = g * N + nr;                  // (group, row) index: G * N < 2^31 (the host checks)
+#pragma unroll
+    for (int v = 0; v < VPG; ++v) w[v] = ld_stream(qw + (i64)gn * VPG + v);
+#if FMT == 2
+    raw[0] = sc[(g >> 3) * N + nr];
+    raw[1] = mn[(g >> 3) * N + nr];
+    raw[2] = reinterpret_cast<const u16*>(sub)[gn];    // 2-byte aligned (the host checks)
+#elif FMT == 1
+    raw[0] = sc[gn];
+    raw[1] = mn[gn];
+#else
+    raw[0] = sc[gn];
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(KW * 32)
@@ -133,42 +194,30 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
     const int nt = pid % n_nt;
     const int s = pid / n_nt;
     const int n = nt * 32 + lane;
-    const i64 nr = n < N ? n : N - 1;           // rows past N re-read a valid row; never stored
+    const int nr = n < N ? n : N - 1;           // rows past N re-read a valid row; never stored
     const int m0 = bt * BT;
     const int g_lo = s * gps;
     const int g_hi = min(G, g_lo + gps);
-    const i64 N64 = N;
 
     float acc[BT];
 #pragma unroll
     for (int b = 0; b < BT; ++b) acc[b] = 0.0f;
 
+    // 1. the weight stream, one chunk ahead: slot u holds group warp + u * KW of the chunk being computed
+    //    and is refilled with the same group of the next chunk once that group is applied, so a chunk's
+    //    loads are in flight during the previous chunk's arithmetic and the x staging, in the registers
+    //    of one chunk. Here: the first chunk.
+    uint4 wv[UPW][VPG];
+    u32 raw[UPW][NRAW];
+#pragma unroll
+    for (int u = 0; u < UPW; ++u) {
+        const int gi = warp + u * KW;
+        if (gi < g_hi - g_lo) load_group(wv[u], raw[u], qw, sc, mn, sub, g_lo + gi, nr, N);
+    }
+
     for (int gc = g_lo; gc < g_hi; gc += CG) {
         const int ng = min(CG, g_hi - gc);
-        // 1. this warp's weights and scales for the chunk, all loads in flight before any use
-        uint4 wv[UPW][VPG];
-        float scl[UPW];
-        float cmn[UPW];
-#pragma unroll
-        for (int u = 0; u < UPW; ++u) {
-            const int gi = warp + u * KW;
-            const i64 g = gc + (gi < ng ? gi : 0);
-#pragma unroll
-            for (int v = 0; v < VPG; ++v)
-                wv[u][v] = gi < ng ? ld_stream(qw + (g * N64 + nr) * VPG + v) : make_uint4(0u, 0u, 0u, 0u);
-#if FMT == 2
-            const float d = h2f(sc[(g >> 3) * N64 + nr]);
-            const float dmin = h2f(mn[(g >> 3) * N64 + nr]);
-            scl[u] = d * (float)sub[(g * N64 + nr) * 2];
-            cmn[u] = -(dmin * (float)sub[(g * N64 + nr) * 2 + 1]);
-#elif FMT == 1
-            scl[u] = h2f(sc[g * N64 + nr]);
-            cmn[u] = h2f(mn[g * N64 + nr]);
-#else
-            scl[u] = h2f(sc[g * N64 + nr]);
-            cmn[u] = 0.0f;
-#endif
-        }
+        const int ng_next = min(CG, g_hi - gc - CG);     // <= 0: this is the last chunk
         // 2. x[m0 .. m0+BT, 32*gc .. 32*(gc+ng)) -> fp32 in shared memory (zeros past M and past the chunk)
         __syncthreads();                        // the previous chunk is consumed
         for (int i = threadIdx.x; i < BT * CG * 16; i += KW * 32) {   // two x values per item
@@ -194,23 +243,30 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
         }
         __syncthreads();
 #endif
-        // 3. dequantize each group once, apply it to every sequence of the tile
+        // 3. per slot: dequantize the group once, apply it to every sequence of the tile, refill the slot
 #pragma unroll
         for (int u = 0; u < UPW; ++u) {
             const int gi = warp + u * KW;
             if (gi < ng) {
+                const uint4 w0 = wv[u][0], w1 = wv[u][VPG - 1];
+#if FMT == 2
+                const float scl = h2f((u16)raw[u][0]) * (float)(raw[u][2] & 0xFFu);
+                const float cmn = -(h2f((u16)raw[u][1]) * (float)(raw[u][2] >> 8));
+#elif FMT == 1
+                const float scl = h2f((u16)raw[u][0]), cmn = h2f((u16)raw[u][1]);
+#else
+                const float scl = h2f((u16)raw[u][0]);
+#endif
                 float p[BT];
 #pragma unroll
                 for (int b = 0; b < BT; ++b) p[b] = 0.0f;
 #if FMT == 3
-                const u32 words[8] = {wv[u][0].x ^ 0x80808080u, wv[u][0].y ^ 0x80808080u, wv[u][0].z ^ 0x80808080u,
-                                      wv[u][0].w ^ 0x80808080u, wv[u][VPG - 1].x ^ 0x80808080u,
-                                      wv[u][VPG - 1].y ^ 0x80808080u, wv[u][VPG - 1].z ^ 0x80808080u,
-                                      wv[u][VPG - 1].w ^ 0x80808080u};
+                const u32 words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {            // word j holds k = 4j .. 4j + 3
-                    const float q0 = sbyte(words[j], 0), q1 = sbyte(words[j], 1);
-                    const float q2 = sbyte(words[j], 2), q3 = sbyte(words[j], 3);
+                    const u32 lo = words[j] ^ 0x80808080u, hi = lo >> 16;
+                    const float q0 = sbyte(lo, 0), q1 = sbyte(lo, 1);
+                    const float q2 = sbyte(hi, 0), q3 = sbyte(hi, 1);
 #pragma unroll
                     for (int b = 0; b < BT; ++b) {
                         const float4 xv = *reinterpret_cast<const float4*>(&xs[b][gi * 32 + 4 * j]);
@@ -221,12 +277,16 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
                     }
                 }
 #else
-                const u32 words[4] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w};
+                const u32 words[4] = {w0.x, w0.y, w0.z, w0.w};
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {            // word j holds k = 8j .. 8j + 7, nibble s = k - 8j
+                    const u32 lo = words[j], hi = lo >> 16;
                     float q[8];
 #pragma unroll
-                    for (int t = 0; t < 8; ++t) q[t] = nib(words[j], t);
+                    for (int t = 0; t < 4; ++t) {
+                        q[t] = nib(lo, t);
+                        q[t + 4] = nib(hi, t);
+                    }
 #pragma unroll
                     for (int b = 0; b < BT; ++b) {
                         const float4 xa = *reinterpret_cast<const float4*>(&xs[b][gi * 32 + 8 * j]);
@@ -244,11 +304,13 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
 #endif
 #pragma unroll
                 for (int b = 0; b < BT; ++b) {
-                    acc[b] = __fmaf_rn(scl[u], p[b], acc[b]);
+                    acc[b] = __fmaf_rn(scl, p[b], acc[b]);
 #if FMT == 1 || FMT == 2
-                    acc[b] = __fmaf_rn(cmn[u], xsum[b][gi], acc[b]);
+                    acc[b] = __fmaf_rn(cmn, xsum[b][gi], acc[b]);
 #endif
                 }
+                // refill after the arithmetic: before it, ptxas copies the live words out of the slot
+                if (gi < ng_next) load_group(wv[u], raw[u], qw, sc, mn, sub, gc + CG + gi, nr, N);
             }
         }
     }
@@ -327,10 +389,11 @@ def compiler() -> str:
     return _compiler() or "none"
 
 
-def source(fmt: str, bt: int, x_f16: bool, out32: bool) -> str:
-    """The full source for one instantiation (the #defines, then CUDA_SOURCE)."""
+def source(fmt: str, bt: int, x_f16: bool, out32: bool, kw: int | None = None, cg: int | None = None) -> str:
+    """The full source for one instantiation (six #define lines, then CUDA_SOURCE); kw / cg default to KW / CG."""
+    kw, cg = kw or KW, cg or CG
     head = (f"#define FMT {FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n#define OUT32 {int(out32)}\n"
-            f"#define KW {KW}\n#define CG {CG}\n")
+            f"#define KW {kw}\n#define CG {cg}\n")
     return head + CUDA_SOURCE
 
 
@@ -366,11 +429,11 @@ class _Kernel:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, fmt: str, bt: int, x_f16: bool, out32: bool, device: torch.device) -> _Kernel:
+def _kernel(name: str, fmt: str, bt: int, x_f16: bool, out32: bool, kw: int, cg: int, device: torch.device) -> _Kernel:
     how = _compiler()
     if how is None:
         raise RuntimeError("int4_cuda: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
-    return _Kernel(source(fmt, bt, x_f16, out32), name, how, device)
+    return _Kernel(source(fmt, bt, x_f16, out32, kw, cg), name, how, device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,17 +443,61 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """The launch shape of (N, K, fmt): {"KW", "CG"} and one of "SPLIT_K" / "TARGET_BLOCKS". Layers, each
+    replacing the keys it names: the module defaults, MEASURED[(N, K, fmt)], then ``config``; a layer naming
+    one split key drops the other (naming both is an error)."""
+    out = {"KW": KW, "CG": CG, "TARGET_BLOCKS": TARGET_BLOCKS}
+    for layer in (MEASURED.get((N, K, fmt)), config):
+        if not layer:
+            continue
+        if set(layer) - set(CONFIG_KEYS) or {"SPLIT_K", "TARGET_BLOCKS"} <= set(layer):
+            raise ValueError(f"int4_cuda: config {layer} for {(N, K, fmt)}: keys are {CONFIG_KEYS}, one split key")
+        if "SPLIT_K" in layer or "TARGET_BLOCKS" in layer:
+            out.pop("SPLIT_K", None)
+            out.pop("TARGET_BLOCKS", None)
+        out.update({k: int(v) for k, v in layer.items()})
+    kw, cg = out["KW"], out["CG"]
+    if not (1 <= kw <= MAX_KW and cg % kw == 0 and 1 <= cg // kw <= MAX_UPW) or min(out.values()) < 1:
+        raise ValueError(f"int4_cuda: config {out} for {(N, K, fmt)}: need 1 <= KW <= {MAX_KW}, CG a positive "
+                         f"multiple of KW with CG / KW <= {MAX_UPW}, a positive split value")
+    return out
+
+
+def _smem(bt: int, kw: int, cg: int) -> int:
+    """Static shared memory of one block: xs, xsum, red."""
+    return 4 * (bt * cg * 32 + bt * cg + max(kw - 1, 1) * bt * 32)
+
+
+def chunk_groups(bt: int, kw: int, cg: int) -> int:
+    """The CG compiled for batch tile bt: cg, lowered by multiples of kw until the block fits SMEM_LIMIT.
+    Bit-neutral: warp w sums the groups g = g_lo + w (mod kw) of its split in ascending order whatever the
+    chunk size, as long as it is a multiple of kw."""
+    while cg > kw and _smem(bt, kw, cg) > SMEM_LIMIT:
+        cg -= kw
+    return cg
+
+
 @functools.lru_cache(maxsize=None)
-def split_rule(N: int, K: int, fmt: str) -> tuple[int, int]:
-    """(splits, groups per split): the smallest S <= MAX_SPLIT whose grid (one batch tile) reaches
-    TARGET_BLOCKS, keeping >= MIN_GROUPS_PER_SPLIT groups per split; S recomputed so no split is empty."""
-    G = K // GROUP
-    n_nt = _cdiv(N, ROWS)
-    S = 1
-    while S < MAX_SPLIT and n_nt * S < TARGET_BLOCKS and _cdiv(G, S + 1) >= MIN_GROUPS_PER_SPLIT:
-        S += 1
+def _split(G: int, n_nt: int, target: int | None, split_k: int | None) -> tuple[int, int]:
+    if G == 0:
+        return 1, 0
+    if split_k is not None:
+        S = min(split_k, G)
+    else:
+        S = 1
+        while S < MAX_SPLIT and n_nt * S < target and _cdiv(G, S + 1) >= MIN_GROUPS_PER_SPLIT:
+            S += 1
     gps = _cdiv(G, S)
     return _cdiv(G, gps), gps
+
+
+def split_rule(N: int, K: int, fmt: str, config: dict | None = None) -> tuple[int, int]:
+    """(splits, groups per split). SPLIT_K: that many (at most G); TARGET_BLOCKS: the smallest S <= MAX_SPLIT
+    whose grid (one batch tile) reaches it, keeping >= MIN_GROUPS_PER_SPLIT groups per split. S is then
+    recomputed so that no split is empty."""
+    c = shape_config(N, K, fmt, config)
+    return _split(K // GROUP, _cdiv(N, ROWS), c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
 
 
 def batch_tile(M: int) -> int:
@@ -398,23 +505,28 @@ def batch_tile(M: int) -> int:
     return next((b for b in BT_CHOICES if M <= b), BTG)
 
 
-def cuda_config(M: int, N: int, K: int, fmt: str) -> dict:
-    S, gps = split_rule(N, K, fmt)
-    bt = batch_tile(M)
+def cuda_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """The launch for x [M, K]. KW and the split come from (N, K, fmt) and config only, never from M; BT,
+    the batch tiles and CG (bit-neutral, chunk_groups) may depend on M."""
+    c = shape_config(N, K, fmt, config)
+    S, gps = _split(K // GROUP, _cdiv(N, ROWS), c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
+    bt, kw = batch_tile(M), c["KW"]
     n_bt, n_nt = _cdiv(M, bt), _cdiv(N, ROWS)
-    return {"BT": bt, "SPLIT_K": S, "groups_per_split": gps, "grid": n_bt * n_nt * S, "block": KW * 32,
-            "n_bt": n_bt, "n_nt": n_nt, "workspace_floats": S * M * N if S > 1 else 0}
+    return {"BT": bt, "KW": kw, "CG": chunk_groups(bt, kw, c["CG"]), "SPLIT_K": S, "groups_per_split": gps,
+            "grid": n_bt * n_nt * S, "block": kw * 32, "n_bt": n_bt, "n_nt": n_nt,
+            "workspace_floats": S * M * N if S > 1 else 0}
 
 
 _SPLITK = SplitKWorkspace()
 
 
-def reserve_workspace(device: torch.device | str, shapes, max_rows: int) -> None:
-    """Size the split-K workspace for up to max_rows rows of every (N, K, fmt) in shapes (before capture)."""
+def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
+    """Size the split-K workspace for up to max_rows rows of every (N, K, fmt) in shapes (before capture),
+    with their MEASURED launch shapes, or ``config`` for all of them."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    need = max([cuda_config(max_rows, n, k, f)["workspace_floats"] for n, k, f in shapes], default=0)
+    need = max([cuda_config(max_rows, n, k, f, config)["workspace_floats"] for n, k, f in shapes], default=0)
     if need:
         _SPLITK.get(device, need)
 
@@ -422,9 +534,11 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int) -> None
 # --------------------------------------------------------------------------------------------------
 # host entry point
 
-def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
+               config: dict | None = None) -> torch.Tensor:
     """y = x @ w^T for a packed weight with the CUDA kernel (module docstring). x [M, K] bf16/fp16 with
-    unit column stride; out [M, N] (unit column stride) of x's dtype or float32, allocated when None."""
+    unit column stride; out [M, N] (unit column stride) of x's dtype or float32, allocated when None.
+    config: a launch shape overriding MEASURED / the defaults for this call (tuning sweeps; see shape_config)."""
     assert isinstance(pw, PackedWeight), f"w4a16_cuda: pw must be a PackedWeight, got {type(pw).__name__}"
     assert x.dim() == 2 and x.shape[1] == pw.K, f"w4a16_cuda: x {tuple(x.shape)} vs weight [{pw.N}, {pw.K}]"
     assert x.dtype in _DTYPES, f"w4a16_cuda: x dtype {x.dtype} not supported (bf16 / fp16)"
@@ -442,29 +556,31 @@ def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = Non
     if x.stride(1) != 1 or M > 1 and x.stride(0) < K:
         x = x.contiguous()
     if out.stride(1) != 1:
-        return out.copy_(w4a16_cuda(x, pw))
-    cfg = cuda_config(M, N, K, pw.fmt)
+        return out.copy_(w4a16_cuda(x, pw, config=config))
+    cfg = cuda_config(M, N, K, pw.fmt, config)
     x_f16 = x.dtype == torch.float16
     out32 = out.dtype == torch.float32
     G = K // GROUP
     c = pw.mins if pw.mins is not None else pw.scales
     sub = pw.sub if pw.sub is not None else pw.scales
+    assert sub.data_ptr() % 2 == 0, "w4a16_cuda: the kernel reads sub's (sc, mn) pairs as 16-bit words"
+    assert G * N < 2 ** 31, f"w4a16_cuda: {G} x {N} (group, row) pairs overflow the kernel's int32 index"
     S, dev = cfg["SPLIT_K"], x.device
     sxm = x.stride(0) if M > 1 else K
     sym = out.stride(0) if M > 1 else N
     if S == 1:
-        k = _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, out32, dev)
+        k = _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, out32, cfg["KW"], cfg["CG"], dev)
         k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0, M, N, G,
                                      cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
         return out
     ws = _SPLITK.get(dev, S * M * N)
-    k = _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, True, dev)
+    k = _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, True, cfg["KW"], cfg["CG"], dev)
     k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N, M, N, G,
                                  cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
-    r = _kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, dev)   # format-free
+    r = _kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, KW, CG, dev)   # format- and shape-free
     r(_cdiv(M * N, 256), 256, [ws, out, sym, M, N, S], dev)
     return out
 
 
-__all__ = ["w4a16_cuda", "available", "compiler", "cuda_config", "split_rule", "reserve_workspace", "CUDA_SOURCE",
-           "source", "BTG"]
+__all__ = ["w4a16_cuda", "available", "compiler", "cuda_config", "shape_config", "split_rule", "reserve_workspace",
+           "CUDA_SOURCE", "source", "BTG", "MEASURED"]

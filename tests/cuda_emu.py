@@ -1,6 +1,6 @@
 """Run kernels/int4_cuda.py's CUDA source on the CPU: the same source text compiled by g++ with a shim
 (blocks one after another, each block's threads as std::threads meeting at a std::barrier for
-__syncthreads, __shared__ as function statics shared by the block's threads, the four inline-PTX helpers
+__syncthreads, __shared__ as function statics shared by the block's threads, the inline-PTX helpers
 replaced by bit-exact C++). It checks the kernel's indexing, masking, staging, split-K and reduction order
 without a GPU; it says nothing about speed or about the PTX helpers themselves (the GPU tests do)."""
 from __future__ import annotations
@@ -59,6 +59,7 @@ static inline u16_ f32_to_x(float f) {
 #endif
 }
 static inline uint4 ld_stream(const uint4* p) { return *p; }
+static inline unsigned and_or(unsigned a, unsigned b, unsigned c) { return (a & b) | c; }
 """
 
 LAUNCH = r"""
@@ -108,7 +109,7 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False) -> torch.Tensor:
+def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None) -> torch.Tensor:
     """kernels.int4_cuda.w4a16_cuda's launches (same config, same arguments) on the CPU."""
     from engine.quant_pack import GROUP
     from kernels import int4_cuda
@@ -116,13 +117,13 @@ def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False) -> torch.Tensor:
     x = x.contiguous()
     M, K = x.shape
     N = pw.N
-    cfg = int4_cuda.cuda_config(M, N, K, pw.fmt)
+    cfg = int4_cuda.cuda_config(M, N, K, pw.fmt, config)
     x_f16 = x.dtype == torch.float16
     S = cfg["SPLIT_K"]
     y = torch.zeros((M, N), dtype=torch.float32 if out32 else x.dtype)
     c = pw.mins if pw.mins is not None else pw.scales
     sub = pw.sub if pw.sub is not None else pw.scales
-    head = lambda o32: int4_cuda.source(pw.fmt, cfg["BT"], x_f16, o32).split("\n", 6)  # noqa: E731
+    head = lambda o32: int4_cuda.source(pw.fmt, cfg["BT"], x_f16, o32, cfg["KW"], cfg["CG"]).split("\n", 6)  # noqa: E731
     xv, qw, sc, cc, sb = x.view(torch.int16), pw.qweight, pw.scales, c, sub
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
 

@@ -2,7 +2,9 @@
 kernels/int4_dispatch.py against w4a16_linear_ref on the GPU.
 
 CPU: the module imports without CuPy and without a GPU, and its source compiles for sm_90 with nvcc when
-nvcc is on the PATH (a syntax / register check; nothing runs).
+nvcc is on the PATH (a syntax / register check; nothing runs). tests/cuda_emu.py runs the source on the CPU
+(g++): every format against the reference, batch invariance, launch-shape overrides (KW, CG, split) and
+MEASURED entries.
 GPU (`gpu` marker): every format, odd N (not a multiple of the 32-row tile), K not a multiple of the
 1024-weight chunk, the issue's shapes, B = 1..256; batch invariance (rows bitwise equal across M, so
 across batch tiles); CUDA-graph capture with out= allocating nothing; fp32 out; strided x; both NVRTC
@@ -10,6 +12,7 @@ bindings when both exist. Tolerances as tests/test_int4_gemm.py (outputs ~N(0, 1
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -38,66 +41,118 @@ def seed() -> int:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on the PATH")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_source_compiles_for_sm90(tmp_path, fmt):
-    for bt, f16, o32 in ((1, False, False), (8, True, True), (4, False, True)):
-        src = tmp_path / f"{fmt}_{bt}.cu"
-        src.write_text(int4_cuda.source(fmt, bt, f16, o32))
+    """Default shape at three batch tiles, and non-default KW / CG; spills stay a few words (outside the
+    inner loop: the register slots must not spill)."""
+    for bt, f16, o32, kw, cg in ((1, False, False, 4, 32), (8, True, True, 4, 32), (4, False, True, 4, 32),
+                                 (1, False, True, 8, 64), (8, False, True, 8, 32), (2, True, False, 2, 16)):
+        src = tmp_path / f"{fmt}_{bt}_{kw}_{cg}.cu"
+        src.write_text(int4_cuda.source(fmt, bt, f16, o32, kw, cg))
         r = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(src) + ".cubin", "--resource-usage",
                             "-std=c++14", str(src)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
-        assert "spill" not in r.stdout + r.stderr or " 0 bytes spill stores" in r.stdout + r.stderr
+        spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr)]
+        assert max(spills, default=0) <= 64, f"{src.name}: {r.stdout + r.stderr}"
 
 
 # --------------------------------------------------------------------------------------------------
 # CPU: the kernel's source run by tests/cuda_emu.py (g++; blocks in turn, threads at real barriers)
 
+# (N, K, fmt, Ms[, config]); the config {"TARGET_BLOCKS": 1} gives one split over several chunks on a
+# small N (the default rule gives that only from N ~ 17k rows, too slow to emulate)
 EMU = [(72, 160, "q4_0", (1, 3, 9)), (72, 160, "q4_1", (2, 8)), (72, 768, "q4_k", (1, 5)), (72, 160, "q8_0", (4, 11)),
-       (64, 1024, "q4_1", (3,)), (333, 2080, "q8_0", (2,)), (40, 1280, "q4_k", (9,)), (80, 1088, "q4_0", (3,), 1)]
+       (64, 1024, "q4_1", (3,)), (333, 2080, "q8_0", (2,)), (40, 1280, "q4_k", (9,)),
+       (80, 1088, "q4_0", (3,), {"TARGET_BLOCKS": 1})]
+# non-default launch shapes: KW = 1 (no warp reduction), 2, 8; CG below / above the default (64: lowered
+# to fit shared memory at BT = 8, bit-neutral); explicit SPLIT_K (uneven last split) and TARGET_BLOCKS
+EMU_SHAPES = [(72, 160, "q4_1", (1, 9), {"KW": 2, "CG": 4, "SPLIT_K": 2}),
+              (40, 768, "q4_k", (2, 9), {"KW": 8, "CG": 8, "SPLIT_K": 1}),
+              (40, 1088, "q4_0", (1, 5), {"KW": 1, "CG": 4, "TARGET_BLOCKS": 3}),
+              (40, 2080, "q8_0", (1, 9), {"KW": 4, "CG": 64, "SPLIT_K": 1})]
 
 
-def _emu_rule(case, monkeypatch):
-    """A 5th entry pins TARGET_BLOCKS: 1 gives one split over several chunks on a small N (the rule gives
-    that only from N ~ 17k rows, too slow to emulate)."""
-    if len(case) > 4:
-        monkeypatch.setattr(int4_cuda, "TARGET_BLOCKS", case[4])
-    int4_cuda.split_rule.cache_clear()
-
-
-@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
-@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
-def test_cuda_source_emulated_matches_ref(seed, case, monkeypatch):
-    """Indexing, masks (N past the row tile, K past the chunk, M past the batch tile), split-K and the
-    warp / split reduction order, on the exact source text: fp32 output vs the fp32 reference, bf16 output
-    = the fp32 result rounded once, rows bitwise independent of M (batch invariance)."""
-    N, K, fmt, Ms = case[:4]
-    _emu_rule(case, monkeypatch)
+def _emulated_matches_ref(seed, N, K, fmt, Ms, config=None, fp16=True):
+    """fp32 output vs the fp32 reference, rows bitwise independent of M (batch invariance), bf16 output =
+    the fp32 result rounded once, fp16 x."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
-    cfg = int4_cuda.cuda_config(max(Ms), N, K, fmt)
+    cfg = int4_cuda.cuda_config(max(Ms), N, K, fmt, config)
     x_all = _x(seed, max(Ms), K, xs, device="cpu")
-    y_all = cuda_emu.w4a16_emulated(x_all, pw, out32=True)
+    y_all = cuda_emu.w4a16_emulated(x_all, pw, out32=True, config=config)
     ref = x_all.float() @ unpack_ref(pw).T
     err = (y_all - ref).abs().max().item()
     assert err <= 1e-4 * (1 + ref.abs().max().item()), f"seed={seed} {fmt} {N}x{K} {cfg}: max err {err}"
     for M in Ms:
-        y = cuda_emu.w4a16_emulated(x_all[:M], pw, out32=True)
-        assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} {N}x{K}: M={M} rows differ from M={max(Ms)}"
-    y16 = cuda_emu.w4a16_emulated(x_all, pw)
+        y = cuda_emu.w4a16_emulated(x_all[:M], pw, out32=True, config=config)
+        assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} {N}x{K} {config}: M={M} rows differ from M={max(Ms)}"
+    y16 = cuda_emu.w4a16_emulated(x_all, pw, config=config)
     assert torch.equal(y16, y_all.to(torch.bfloat16)), "bf16 output is not the fp32 result rounded once"
-    x16 = x_all.half()
-    _check(cuda_emu.w4a16_emulated(x16, pw), (x16.float() @ unpack_ref(pw).T).half(), seed, f"{fmt} fp16")
-    int4_cuda.split_rule.cache_clear()
+    if fp16:
+        x16 = x_all.half()
+        _check(cuda_emu.w4a16_emulated(x16, pw, config=config), (x16.float() @ unpack_ref(pw).T).half(), seed,
+               f"{fmt} fp16")
+    return pw, x_all, y_all
 
 
-def test_emulated_cases_cover_split_k_and_chunks(monkeypatch):
-    cfgs = []
-    for c in EMU:
-        with monkeypatch.context() as mp:
-            _emu_rule(c, mp)
-            cfgs += [int4_cuda.cuda_config(m, c[0], c[1], c[2]) for m in c[3]]
-    int4_cuda.split_rule.cache_clear()
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_cuda_source_emulated_matches_ref(seed, case):
+    """Indexing, masks (N past the row tile, K past the chunk, M past the batch tile), split-K and the
+    warp / split reduction order, on the exact source text."""
+    _emulated_matches_ref(seed, *case)
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("case", EMU_SHAPES, ids=lambda c: f"{c[2]}-" + "-".join(f"{k}{v}" for k, v in c[4].items()))
+def test_emulated_launch_shapes(seed, case):
+    """A config= override equals the reference and is batch-invariant; a different CG (same KW and split)
+    gives the same bits."""
+    N, K, fmt, Ms, config = case
+    pw, x_all, y_all = _emulated_matches_ref(seed, N, K, fmt, Ms, config, fp16=False)
+    other = dict(config, CG=config["KW"] * (2 if config["CG"] > 2 * config["KW"] else 4))
+    assert int4_cuda.cuda_config(1, N, K, fmt, other)["CG"] != int4_cuda.cuda_config(1, N, K, fmt, config)["CG"]
+    y = cuda_emu.w4a16_emulated(x_all, pw, out32=True, config=other)
+    assert torch.equal(y, y_all), f"seed={seed} {fmt} {N}x{K}: CG {config['CG']} -> {other['CG']} changed the bits"
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+def test_emulated_measured_entry_is_used(seed, monkeypatch):
+    """A MEASURED entry sets the launch shape of its (N, K, fmt) alone; config= still overrides it."""
+    N, K, fmt = 40, 1280, "q4_1"
+    entry = {"KW": 2, "CG": 8, "SPLIT_K": 3}
+    base = int4_cuda.cuda_config(5, N, K, fmt)
+    monkeypatch.setitem(int4_cuda.MEASURED, (N, K, fmt), entry)
+    c = int4_cuda.cuda_config(5, N, K, fmt)
+    assert (c["KW"], c["CG"], c["SPLIT_K"], c["block"]) == (2, 8, 3, 64) and c["workspace_floats"] == 3 * 5 * N
+    assert int4_cuda.cuda_config(5, N, K, "q4_0") == int4_cuda.cuda_config(5, N, K, "q4_0", {})  # other shapes
+    assert int4_cuda.split_rule(N, K, fmt) == (3, 14)
+    assert int4_cuda.cuda_config(5, N, K, fmt, {"TARGET_BLOCKS": 1})["SPLIT_K"] == 1       # replaces SPLIT_K
+    assert int4_cuda.cuda_config(5, N, K, fmt, {"KW": 4})["CG"] == 8                        # keeps the rest
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    x = _x(seed, 5, K, xs, device="cpu")
+    y = cuda_emu.w4a16_emulated(x, pw, out32=True)
+    assert torch.equal(y, cuda_emu.w4a16_emulated(x, pw, out32=True, config=entry))
+    ref = x.float() @ unpack_ref(pw).T
+    assert (y - ref).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())
+    monkeypatch.delitem(int4_cuda.MEASURED, (N, K, fmt))
+    assert int4_cuda.cuda_config(5, N, K, fmt) == base
+
+
+def test_shape_config_rejects_bad_overrides():
+    for bad in ({"KW": 3, "CG": 32}, {"KW": 32}, {"CG": 128}, {"SPLIT_K": 2, "TARGET_BLOCKS": 8}, {"BT": 4},
+                {"SPLIT_K": 0}):
+        with pytest.raises(ValueError):
+            int4_cuda.cuda_config(1, 64, 1024, "q4_0", bad)
+    assert int4_cuda.cuda_config(1, 64, 1024, "q4_0", {"SPLIT_K": 99})["SPLIT_K"] == 32     # at most G
+    assert int4_cuda.cuda_config(8, 64, 4096, "q4_0", {"CG": 64})["CG"] == 40               # fits 48 KB at BT 8
+    assert int4_cuda.cuda_config(1, 64, 4096, "q4_0", {"CG": 64})["CG"] == 64
+
+
+def test_emulated_cases_cover_split_k_and_chunks():
+    cfgs = [int4_cuda.cuda_config(m, *c[:3], *c[4:]) for c in EMU + EMU_SHAPES for m in c[3]]
     assert any(c["SPLIT_K"] > 1 for c in cfgs) and any(c["SPLIT_K"] == 1 for c in cfgs)
-    assert any(c["groups_per_split"] > int4_cuda.CG for c in cfgs)            # several chunks per split
-    assert any(c["groups_per_split"] % int4_cuda.CG for c in cfgs)            # a partial chunk
+    assert any(c["groups_per_split"] > c["CG"] for c in cfgs)                   # several chunks per split
+    assert any(c["groups_per_split"] % c["CG"] for c in cfgs)                   # a partial chunk
     assert {c["BT"] for c in cfgs} >= {1, 2, 4, 8}
+    assert {c["KW"] for c in cfgs} >= {1, 2, 4, 8}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,6 +202,27 @@ def test_cuda_batch_invariant_fp32(seed, case):
         assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} N={N} K={K} M={M}: rows depend on M"
     y16 = int4_cuda.w4a16_cuda(x, pw)
     assert torch.equal(y16, y_all.to(x.dtype)), "bf16 output is not the fp32 result rounded once"
+
+
+@pytest.mark.gpu
+@needs_cuda_kernel
+@pytest.mark.parametrize("fmt", FMTS)
+def test_cuda_launch_shapes(seed, fmt):
+    """config= overrides (KW 1..16, CG lowered at BT 8, explicit splits) vs the reference, batch-invariant
+    (fp32 out), and CG bit-neutral."""
+    N, K = 1000, 4352
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    x = _x(seed, 20, K, xs, device="cuda")
+    for config in ({"KW": 8, "CG": 64}, {"KW": 2, "CG": 16, "SPLIT_K": 3}, {"KW": 1, "CG": 8, "SPLIT_K": 1},
+                   {"KW": 16, "CG": 32, "TARGET_BLOCKS": 400}):
+        _check(int4_cuda.w4a16_cuda(x, pw, config=config), _ref(x, pw), seed, f"cuda {fmt} {config}")
+        y_all = int4_cuda.w4a16_cuda(x, pw, torch.empty(20, N, device="cuda"), config=config)
+        for M in (1, 2, 5, 8, 9):
+            y = int4_cuda.w4a16_cuda(x[:M], pw, torch.empty(M, N, device="cuda"), config=config)
+            assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} {config} M={M}: rows depend on M"
+        other = dict(config, CG=config["KW"] * 2 if config["CG"] > 2 * config["KW"] else config["KW"] * 4)
+        y = int4_cuda.w4a16_cuda(x, pw, torch.empty(20, N, device="cuda"), config=other)
+        assert torch.equal(y, y_all), f"seed={seed} {fmt} {config} -> {other}: CG changed the bits"
 
 
 @pytest.mark.gpu

@@ -194,7 +194,8 @@ def test_cuda_module_imports_and_configures_without_cupy():
     assert int4_cuda.available() is False or ON_GPU
     S, gps = int4_cuda.split_rule(5120, 17408, "q4_0")
     assert S * gps >= 17408 // 32 and (S - 1) * gps < 17408 // 32
-    assert int4_cuda.split_rule(17408, 5120, "q4_0")[0] == 1                  # 544 row tiles fill the SMs
+    assert int4_cuda.split_rule(17408, 5120, "q4_1")[0] == 1                  # 544 row tiles fill the SMs (rule)
+    assert int4_cuda.split_rule(17408, 5120, "q4_0")[0] == 2                  # MEASURED: ~8 blocks per SM
     c1, c9 = int4_cuda.cuda_config(1, 5120, 17408, "q4_0"), int4_cuda.cuda_config(9, 5120, 17408, "q4_0")
     assert (c1["BT"], c9["BT"], c9["n_bt"]) == (1, 8, 2) and c1["SPLIT_K"] == c9["SPLIT_K"]
     src = int4_cuda.source("q4_k", 8, False, True)
