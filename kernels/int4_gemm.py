@@ -3,9 +3,20 @@ repacked by engine/quant_pack.py), bf16/fp16 x, fp32 accumulation, x's dtype out
 like kernels/gemm.py: row m of y is bitwise the same for the same x[m] whatever M is and whatever the other
 rows hold, so B greedy streams are bit-exact with one stream.
 
-Definition: ``w4a16_linear_ref(x, pw) = (x.float() @ unpack_ref(pw).T).to(x.dtype)``.
+Definition: ``w4a16_linear_ref(x, pw) = (x.float() @ w.float().T).to(x.dtype)`` with w = unpack_ref(pw) rounded
+to x's dtype, the weights the dequantized model holds (``exact=True``: unpack_ref(pw) itself).
 
-The kernel (swap-AB: weight rows on the MMA's M side, sequences on its N side)
+Two K loops, chosen per (N, K, fmt) by FOLD (default on; both batch-invariant):
+  FOLD (default)  per block of GPB groups every weight is dequantized in fp32 exactly (16-byte word loads,
+                  eight nibbles per word by inline PTX), scaled, rounded once to x's dtype, and the block
+                  goes into one tensor-core dot accumulating in fp32. Its products are those of the
+                  dequantized model: w4a16_linear_ref.
+  group loop      exact integer weights, one dot per 32-weight group and the group's fp32 scale after it
+                  (below): the exact-weight reference. Slower at large B (a fresh dot and rescale per group).
+H200 sweep (Q4_0 5120x17408, BLOCK_N 64, split 8): FOLD 43.7 / 47.7 / 106 us at B = 1 / 16 / 128, the group
+loop 36.8 / 41.5 / 140; Q4_K favours FOLD at every B (52.9 / 57.3 / 118 vs 58.2 / 64.1 / 265).
+
+The group loop (swap-AB: weight rows on the MMA's M side, sequences on its N side)
   A program owns BLOCK_N weight rows x BLOCK_M sequences (a decode step of up to 128 rows is one M tile;
   more rows run over the grid, never over registers) and walks its K range one 32-weight group at a time
   (GPB groups per loop iteration, unrolled). Per group it loads the rows' packed bytes once (16 contiguous
@@ -71,9 +82,10 @@ from kernels.workspace import SplitKWorkspace, block_m_from_env
 
 NUM_SMS = 132                 # H200; a constant so the rule (and the bits) is machine-independent
 GPB_DEFAULT = 4               # groups per loop iteration: BLOCK_K = 128
-MAX_SPLIT_K = 8
+MAX_SPLIT_K = 16
+TARGET_PROGRAMS = 4 * NUM_SMS  # the rule's grid (split-K included): the H200 sweep's best had ~4 per SM
 MIN_KB_PER_SPLIT = 4          # K blocks per split (>= 512 weights of K)
-SPLITK_M_CHUNK = 512          # rows per split-K launch (bounds the workspace)
+SPLITK_M_CHUNK = 256          # rows per split-K launch (bounds the workspace)
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q8_0": 3}
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -87,21 +99,30 @@ PIN_BLOCK_M: int | None = block_m_from_env("ONEPASS_INT4_BLOCK_M", BLOCK_M_CHOIC
 # same dot, so the results are bitwise equal (tests/test_int4_gemm.py checks it on the GPU); the choice is
 # speed only. Per shape via MEASURED[...]["DEQ_ASM"]; the interpreter always takes the plain path.
 DEQ_ASM_DEFAULT: bool = os.environ.get("ONEPASS_INT4_DEQ_ASM", "1").strip() not in ("", "0")
+# Default K loop: True = FOLD (scales folded into weights rounded to x's dtype, one long dot), False = exact
+# integer weights with one dot per group (module docstring). Per shape via MEASURED[...]["FOLD"].
+FOLD_DEFAULT: bool = os.environ.get("ONEPASS_INT4_FOLD", "1").strip() not in ("", "0")
 
 
-def w4a16_linear_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """The definition: x [M, K] @ unpack_ref(pw)^T in fp32, rounded once to x's dtype."""
-    return (x.float() @ unpack_ref(pw).to(x.device).T).to(x.dtype)
+def w4a16_linear_ref(x: torch.Tensor, pw: PackedWeight, *, exact: bool = False) -> torch.Tensor:
+    """The definition: x [M, K] @ w^T in fp32, rounded once to x's dtype, where w = unpack_ref(pw) rounded to
+    x's dtype -- the weights the dequantized model holds, what the FOLD kernel multiplies -- or, with
+    ``exact``, unpack_ref(pw) itself in fp32 (the group-loop kernel and kernels/int4_cuda.py)."""
+    w = unpack_ref(pw).to(x.device)
+    if not exact:
+        w = w.to(x.dtype).float()
+    return (x.float() @ w.T).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
 # kernels
 
 @triton.jit
-def _expand(w, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand(w, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr = 0):
     """Packed words [BLOCK_N, W] int32 -> the group's integers [BLOCK_N, 32] int32 in k order (layout:
-    engine/quant_pack.py). Three joins split word -> half-words -> bytes (-> nibbles); each join adds a
-    minor axis held by the same thread, so a thread expands its own words in registers."""
+    engine/quant_pack.py); with GROUPS > 0, words [BLOCK_N, GROUPS, W] -> [BLOCK_N, GROUPS, 32]. Three
+    joins split word -> half-words -> bytes (-> nibbles); each join adds a minor axis held by the same
+    thread, so a thread expands its own words in registers."""
     if FMT == 3:   # q8_0: sign-extended bytes; byte 2a+b of word j is k = 4j + 2a + b
         h = tl.join((w << 16) >> 16, w >> 16)
         q = tl.join((h << 24) >> 24, h >> 8)
@@ -109,7 +130,10 @@ def _expand(w, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
         h = tl.join(w & 0xFFFF, (w >> 16) & 0xFFFF)
         b = tl.join(h & 0xFF, h >> 8)
         q = tl.join(b & 0xF, b >> 4)
-    return tl.reshape(q, (BLOCK_N, 32))
+    if GROUPS == 0:
+        return tl.reshape(q, (BLOCK_N, 32))
+    else:
+        return tl.reshape(q, (BLOCK_N, GROUPS, 32))
 
 
 def _nibble_asm_text(high: bool, f16: bool, sub8: bool) -> str:
@@ -133,6 +157,28 @@ def _nibble_asm_text(high: bool, f16: bool, sub8: bool) -> str:
             f"fma.rn.{t} $0, t0, one, mg; fma.rn.{t} $1, t1, one, mg; }}")
 
 
+def _word_asm_text(f16: bool, sub8: bool) -> str:
+    """PTX for one `tl.inline_asm_elementwise` call per packed int32 word $8 (pack=1) with eight 16-bit
+    outputs: $s (s = 0..7) is nibble s of the word (weight 8j + s of its group) as the number q - 8 (sub8)
+    or q in bf16 / fp16, exactly. The word shifted by 0/4/8/12 puts nibbles (s, s + 4) at bits 0 and 16;
+    one lop3 masks them and ORs in the magic exponent (two values per instruction), one fma per pair
+    removes the magic, and the pair is split into its two halves. 11 instructions per 8 weights, read
+    from a 16-byte load per (row, group) instead of 16 byte loads."""
+    magic, one, neg = (0x6400, 0x3C00, 0xE400) if f16 else (0x4300, 0x3F80, 0xC300)
+    neg += 8 if sub8 else 0
+    t = "f16x2" if f16 else "bf16x2"
+    body = ["{ .reg .b32 w1, w2, w3, t0, t1, t2, t3, one, mg;",
+            f"mov.b32 one, 0x{one:04X}{one:04X}; mov.b32 mg, 0x{neg:04X}{neg:04X};",
+            "shr.b32 w1, $8, 4; shr.b32 w2, $8, 8; shr.b32 w3, $8, 12;"]
+    for i, src in enumerate(("$8", "w1", "w2", "w3")):
+        body.append(f"lop3.b32 t{i}, {src}, 0x000F000F, 0x{magic:04X}{magic:04X}, 0xEA;")
+    for i in range(4):
+        body.append(f"fma.rn.{t} t{i}, t{i}, one, mg;")
+    for i in range(4):
+        body.append(f"mov.b32 {{${i}, ${i + 4}}}, t{i};")
+    return " ".join(body) + " }"
+
+
 _cx = getattr(tl, "constexpr", None) or (lambda v: v)     # triton_compat without triton: plain strings
 ASM_LO_BF16_SUB8 = _cx(_nibble_asm_text(False, False, True))
 ASM_HI_BF16_SUB8 = _cx(_nibble_asm_text(True, False, True))
@@ -142,14 +188,19 @@ ASM_LO_F16_SUB8 = _cx(_nibble_asm_text(False, True, True))
 ASM_HI_F16_SUB8 = _cx(_nibble_asm_text(True, True, True))
 ASM_LO_F16 = _cx(_nibble_asm_text(False, True, False))
 ASM_HI_F16 = _cx(_nibble_asm_text(True, True, False))
+ASM_W_BF16_SUB8 = _cx(_word_asm_text(False, True))
+ASM_W_BF16 = _cx(_word_asm_text(False, False))
+ASM_W_F16_SUB8 = _cx(_word_asm_text(True, True))
+ASM_W_F16 = _cx(_word_asm_text(True, False))
 
 
 @triton.jit
-def _nibbles_asm(wb, BLOCK_N: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.constexpr):
+def _nibbles_asm(wb, BLOCK_N: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.constexpr, GROUPS: tl.constexpr = 0):
     """GPU only. Packed bytes [BLOCK_N, 16] uint8 -> the group's values [BLOCK_N, 32] in x's dtype (q - 8
-    for Q4_0, q otherwise; exact small integers) by the magic-number trick on pairs (_nibble_asm_text).
-    Byte e holds k = 2e (low nibble) and 2e + 1 (high nibble): `lo` and `hi` are elementwise over bytes
-    and joined. Same values as the plain path (_expand), fewer instructions."""
+    for Q4_0, q otherwise; exact small integers) by the magic-number trick on pairs (_nibble_asm_text);
+    with GROUPS > 0, bytes [BLOCK_N, GROUPS, 16] -> [BLOCK_N, GROUPS, 32]. Byte e holds k = 2e (low
+    nibble) and 2e + 1 (high nibble): `lo` and `hi` are elementwise over bytes and joined. Same values as
+    the plain path (_expand), fewer instructions."""
     if X_F16:
         if SUB8:
             lo = tl.inline_asm_elementwise(ASM_LO_F16_SUB8, "=r,=r,r", [wb], dtype=tl.float16, is_pure=True, pack=4)
@@ -166,7 +217,40 @@ def _nibbles_asm(wb, BLOCK_N: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.conste
         else:
             lo = tl.inline_asm_elementwise(ASM_LO_BF16, "=r,=r,r", [wb], dtype=tl.bfloat16, is_pure=True, pack=4)
             hi = tl.inline_asm_elementwise(ASM_HI_BF16, "=r,=r,r", [wb], dtype=tl.bfloat16, is_pure=True, pack=4)
-    return tl.reshape(tl.join(lo, hi), (BLOCK_N, 32))
+    if GROUPS == 0:
+        return tl.reshape(tl.join(lo, hi), (BLOCK_N, 32))
+    else:
+        return tl.reshape(tl.join(lo, hi), (BLOCK_N, GROUPS, 32))
+
+
+@triton.jit
+def _words_values(w, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.constexpr,
+                  ASM: tl.constexpr):
+    """Packed words [BLOCK_N, GROUPS, 4] int32 (4-bit formats) -> the values [BLOCK_N, GROUPS, 32] as fp32
+    (q - 8 for Q4_0, q otherwise; exact), nibble s of word j at k = 8j + s. ASM (GPU only): the eight
+    nibbles of a word by _word_asm_text; else shifts and masks (the interpreter's path). Both end in the
+    same joins, so the CPU tests check the element order the GPU uses."""
+    C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r"
+    if not ASM:
+        o = 8 if SUB8 else 0
+        v = (((w & 15) - o).to(tl.float32), (((w >> 4) & 15) - o).to(tl.float32),
+             (((w >> 8) & 15) - o).to(tl.float32), (((w >> 12) & 15) - o).to(tl.float32),
+             (((w >> 16) & 15) - o).to(tl.float32), (((w >> 20) & 15) - o).to(tl.float32),
+             (((w >> 24) & 15) - o).to(tl.float32), (((w >> 28) & 15) - o).to(tl.float32))
+    elif X_F16:
+        if SUB8:
+            v = tl.inline_asm_elementwise(ASM_W_F16_SUB8, C, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            v = tl.inline_asm_elementwise(ASM_W_F16, C, [w], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        if SUB8:
+            v = tl.inline_asm_elementwise(ASM_W_BF16_SUB8, C, [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            v = tl.inline_asm_elementwise(ASM_W_BF16, C, [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # nibble s = 4a + 2b + c of word j is k = 8j + s; each join appends a minor axis, so join over a first
+    # (v_s, v_s+4), then b, then c: [..., a, b, c] flattens to s
+    q = tl.join(tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])), tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])))
+    return tl.reshape(q, (BLOCK_N, GROUPS, 32)).to(tl.float32)
 
 
 @triton.jit
@@ -181,37 +265,71 @@ def _cast_out(acc, y_ptr, RNE_BF16: tl.constexpr):
         return acc.to(y_ptr.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, y_ptr, M, N, G,
-                  stride_xm, stride_xk, stride_ym, stride_yn, stride_ys, KB_PER_SPLIT,
-                  FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr,
-                  EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
-                  DEQ_ASM: tl.constexpr, X_F16: tl.constexpr):
-    # FMT: 0 q4_0, 1 q4_1, 2 q4_k, 3 q8_0
-    WPG: tl.constexpr = 8 if FMT == 3 else 4           # int32 words per (row, group)
-    # program -> (split, N tile, M tile), M tile fastest: programs sharing a weight tile run together
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid % num_pid_m
-    pid_n = (pid // num_pid_m) % num_pid_n
-    pid_s = pid // (num_pid_m * num_pid_n)
+@triton.jit
+def _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm, stride_xk,
+               kb_lo, kb_hi, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr, EVEN_K: tl.constexpr,
+               W_EVICT: tl.constexpr, UPCAST: tl.constexpr, DEQ_ASM: tl.constexpr, X_F16: tl.constexpr):
+    """FOLD: the K loop with the scales folded into the weights. Per block of GPB groups every weight is
+    dequantized in fp32 exactly as unpack_ref does (products of the file's fp16 values and small integers
+    are exact in fp32), rounded once to x's dtype -- the values the dequantized model holds -- and the
+    block goes into ONE tensor-core dot accumulating into acc: no fresh dot and rescale per group."""
+    WPG: tl.constexpr = 8 if FMT == 3 else 4
+    BK: tl.constexpr = GPB * 32
+    offs_g = tl.arange(0, GPB)
+    g3 = offs_g[None, :, None].to(tl.int64)                                         # [1, GPB, 1]
+    r3 = rows_w[:, None, None]                                                      # [BN, 1, 1]
+    w_base = qw_ptr + g3 * N64 * WPG + r3 * WPG + tl.arange(0, WPG)[None, None, :]  # [BN, GPB, W] words
+    s_off = offs_g[None, :].to(tl.int64) * N64 + rows_w[:, None]                    # [BN, GPB] (g, n)
+    offs_k = tl.arange(0, BK)
+    x_base = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :] * stride_xk      # [BM, BK]
+    for kb in range(kb_lo, kb_hi):                     # ascending K blocks: the one reduction order
+        g0 = tl.cast(kb * GPB, tl.int64)
+        if EVEN_K:
+            g_ok = tl.full((1, GPB), 1, tl.int1)
+            x_ok = row_ok[:, None]
+        else:
+            g_ok = (kb * GPB + offs_g[None, :]) < G                                # [1, GPB]
+            x_ok = row_ok[:, None] & ((kb * BK + offs_k[None, :]) < G * 32)
+        xk = tl.load(x_base + g0 * 32 * stride_xk, mask=x_ok, other=0.0)
+        w = tl.load(w_base + g0 * N64 * WPG, mask=g_ok[:, :, None], other=0, eviction_policy=W_EVICT)
+        if FMT == 3:
+            v = _expand(w, FMT, BLOCK_N, GPB).to(tl.float32)                          # [BN, GPB, 32]
+        else:
+            v = _words_values(w, BLOCK_N, GPB, FMT == 0, X_F16, DEQ_ASM)
+        if FMT == 2:
+            sub = sub_ptr + (s_off + g0 * N64) * 2
+            d = tl.load(s_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
+            s = d.to(tl.float32) * tl.load(sub, mask=g_ok, other=0).to(tl.float32)
+            dm = tl.load(c_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
+            c = -(dm.to(tl.float32) * tl.load(sub + 1, mask=g_ok, other=0).to(tl.float32))
+            wv = v * s[:, :, None] + c[:, :, None]
+        elif FMT == 1:
+            s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
+            c = tl.load(c_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
+            wv = v * s[:, :, None] + c[:, :, None]
+        else:
+            s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
+            wv = v * s[:, :, None]
+        wk = _cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, UPCAST and not X_F16)    # one rounding per weight
+        if UPCAST:   # interpreter: exact products, fp64 block sums rounded to fp32 (see the module docstring)
+            acc = acc + tl.dot(wk.to(tl.float64), tl.trans(xk.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
+        else:
+            acc = tl.dot(wk, tl.trans(xk), acc)
+    return acc
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_m < M
-    rows_x = tl.where(row_ok, offs_m, 0).to(tl.int64)
-    rows_w = (offs_n % N).to(tl.int64)                  # columns past N re-read valid rows; not stored
+
+@triton.jit
+def _group_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm, stride_xk,
+                kb_lo, kb_hi, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr, EVEN_K: tl.constexpr,
+                W_EVICT: tl.constexpr, UPCAST: tl.constexpr, DEQ_ASM: tl.constexpr, X_F16: tl.constexpr):
+    """The K loop with exact integer weights: one fresh dot per 32-weight group, its fp32 scale (and min)
+    applied to the group's sums (module docstring)."""
+    WPG: tl.constexpr = 8 if FMT == 3 else 4
     offs_j = tl.arange(0, WPG)
     offs_k = tl.arange(0, 32)
     w_base = qw_ptr + rows_w[:, None] * WPG + offs_j[None, :]          # + g * N * WPG
     wb_base = qw_ptr.to(tl.pointer_type(tl.uint8)) + rows_w[:, None] * 16 + tl.arange(0, 16)[None, :]
     x_base = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :] * stride_xk   # + g * 32 * stride_xk
-    N64 = tl.cast(N, tl.int64)          # tl.cast: N == 1 arrives as a constexpr
-
-    kb_lo = pid_s * KB_PER_SPLIT
-    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(G, GPB))
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):                     # ascending groups: the one reduction order
         for i in tl.static_range(GPB):
             g = kb * GPB + i
@@ -276,6 +394,40 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, y_ptr, M, N, G,
                         mn = tl.load(sub_ptr + (g64 * N64 + rows_w) * 2 + 1, mask=g_ok, other=0).to(tl.float32)
                         c = -(tl.load(c_ptr + (g64 // 8) * N64 + rows_w, mask=g_ok, other=0.0).to(tl.float32) * mn)
                 acc = tl.fma(c[:, None], xs, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, y_ptr, M, N, G,
+                  stride_xm, stride_xk, stride_ym, stride_yn, stride_ys, KB_PER_SPLIT,
+                  FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr,
+                  EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+                  DEQ_ASM: tl.constexpr, X_F16: tl.constexpr, FOLD: tl.constexpr):
+    # FMT: 0 q4_0, 1 q4_1, 2 q4_k, 3 q8_0
+    # program -> (split, N tile, M tile), M tile fastest: programs sharing a weight tile run together
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid % num_pid_m
+    pid_n = (pid // num_pid_m) % num_pid_n
+    pid_s = pid // (num_pid_m * num_pid_n)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < M
+    rows_x = tl.where(row_ok, offs_m, 0).to(tl.int64)
+    rows_w = (offs_n % N).to(tl.int64)                  # columns past N re-read valid rows; not stored
+    N64 = tl.cast(N, tl.int64)          # tl.cast: N == 1 arrives as a constexpr
+
+    kb_lo = pid_s * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(G, GPB))
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if FOLD:
+        acc = _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm,
+                         stride_xk, kb_lo, kb_hi, FMT, BLOCK_N, GPB, EVEN_K, W_EVICT, UPCAST, DEQ_ASM, X_F16)
+    else:
+        acc = _group_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm,
+                          stride_xk, kb_lo, kb_hi, FMT, BLOCK_N, GPB, EVEN_K, W_EVICT, UPCAST, DEQ_ASM, X_F16)
 
     y_ptrs = (y_ptr + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[None, :] * stride_ym
               + offs_n.to(tl.int64)[:, None] * stride_yn)
@@ -318,36 +470,39 @@ def _next_pow2(n: int) -> int:
 # num_warps, num_stages, DEQ_ASM (per shape, never per M) and MAX_BLOCK_M (caps the M-dependent BLOCK_M). Keyed by
 # (N, K, fmt) alone, so every row's reduction order is independent of M. Empty until measured: every
 # shape takes the rule. After editing it at run time call ``clear_config_cache()``.
-MEASURED: dict[tuple[int, int, str], dict[str, int]] = {}
-_SHAPE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "MAX_BLOCK_M", "DEQ_ASM"}
+MEASURED: dict[tuple[int, int, str], dict[str, int]] = {
+    # H200 sweep (B = 1, 4, 16, 32, 128; FOLD, BLOCK_N 64, BLOCK_K 128 as the rule): where a split other than
+    # the rule's was faster at most B
+    (4096, 4096, "q4_0"): {"SPLIT_K": 4},        # B=128 22.8 us vs 27.9, B=32 16.1 vs 17.2
+    (34816, 5120, "q4_k"): {"SPLIT_K": 2},       # B=1 105.6 vs 112.4, B=128 217.1 vs 243.4
+}
+_SHAPE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "MAX_BLOCK_M", "DEQ_ASM", "FOLD"}
 
 
 def _split_rule(n_tiles: int, k_blocks: int) -> int:
-    """Split-K only when the N tiles do not fill the SMs: the smallest S in 1..MAX_SPLIT_K dividing the K
-    blocks, keeping >= MIN_KB_PER_SPLIT blocks per split, with n_tiles * S >= NUM_SMS (else the largest)."""
-    if n_tiles >= NUM_SMS:
+    """Split-K until the grid holds TARGET_PROGRAMS: the smallest S in 1..MAX_SPLIT_K dividing the K blocks,
+    keeping >= MIN_KB_PER_SPLIT blocks per split, with n_tiles * S >= TARGET_PROGRAMS (else the largest)."""
+    if n_tiles >= TARGET_PROGRAMS:
         return 1
     ok = [s for s in range(1, MAX_SPLIT_K + 1) if k_blocks % s == 0 and k_blocks // s >= MIN_KB_PER_SPLIT]
     if not ok:
         return 1
-    enough = [s for s in ok if n_tiles * s >= NUM_SMS]
+    enough = [s for s in ok if n_tiles * s >= TARGET_PROGRAMS]
     return enough[0] if enough else ok[-1]
 
 
 @functools.lru_cache(maxsize=None)
 def _shape_rule(N: int, K: int, fmt: str) -> dict:
-    """Everything that fixes the K reduction order (and the per-shape launch choices), from (N, K, fmt) only.
-    BLOCK_N 128 (fewer instructions per weight: the x tile and the per-group work are shared by more rows)
-    unless its grid, split-K included, cannot fill the SMs; then 64."""
+    """Everything that fixes the K reduction order (and the per-shape launch choices), from (N, K, fmt) only:
+    BLOCK_N 64, BLOCK_K 128 and split-K up to ~4 programs per SM (the best of the H200 sweep on the
+    large shapes at B = 1, 16 and 128: 64-row tiles with more programs beat 128-row tiles)."""
     groups = K // GROUP
-    gpb = max(1, min(GPB_DEFAULT, groups))
+    gpb = _next_pow2(max(1, min(GPB_DEFAULT, groups)) + 1) // 2    # a power of two (FOLD's tile)
     k_blocks = _cdiv(groups, gpb)
-    for block_n in (128, 64):                          # 64: the smallest wgmma M side (swap-AB)
-        split = _split_rule(_cdiv(N, block_n), k_blocks)
-        if _cdiv(N, block_n) * split >= NUM_SMS:
-            break
+    block_n = 64                                       # the smallest wgmma M side (swap-AB)
+    split = _split_rule(_cdiv(N, block_n), k_blocks)
     rule = {"BLOCK_N": block_n, "BLOCK_K": GROUP * gpb, "SPLIT_K": split, "num_warps": None, "num_stages": 3,
-            "MAX_BLOCK_M": BLOCK_M_CHOICES[-1], "DEQ_ASM": DEQ_ASM_DEFAULT and fmt != "q8_0"}
+            "MAX_BLOCK_M": BLOCK_M_CHOICES[-1], "DEQ_ASM": DEQ_ASM_DEFAULT and fmt != "q8_0", "FOLD": FOLD_DEFAULT}
     measured = MEASURED.get((N, K, fmt), {})
     unknown = set(measured) - _SHAPE_KEYS
     assert not unknown, f"MEASURED[{(N, K, fmt)}]: unknown keys {sorted(unknown)}"
@@ -372,7 +527,7 @@ def clear_config_cache() -> None:
     _resolve_rule.cache_clear()
 
 
-_OVERRIDE_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "DEQ_ASM"}
+_OVERRIDE_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "DEQ_ASM", "FOLD"}
 
 
 def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | None, m_chunk_max: int) -> dict:
@@ -380,6 +535,7 @@ def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | N
     shape = _shape_rule(N, K, fmt)
     block_n, block_k, split = shape["BLOCK_N"], shape["BLOCK_K"], shape["SPLIT_K"]
     num_warps, num_stages, deq_asm = shape["num_warps"], shape["num_stages"], shape["DEQ_ASM"]
+    fold = shape["FOLD"]
     block_m = _block_m(M, pin, shape["MAX_BLOCK_M"])
     if override:
         unknown = set(override) - _OVERRIDE_KEYS
@@ -391,6 +547,7 @@ def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | N
         num_warps = override.get("num_warps", num_warps)
         num_stages = override.get("num_stages", num_stages)
         deq_asm = override.get("DEQ_ASM", deq_asm)
+        fold = override.get("FOLD", fold)
     deq_asm = bool(deq_asm) and fmt != "q8_0"
     if num_warps is None:   # 128 x BLOCK_M fp32 accumulators (x2 with the min term) fit 4 warps up to BLOCK_M 32
         num_warps = 8 if block_n >= 128 and block_m >= 64 else 4
@@ -398,6 +555,7 @@ def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | N
     assert block_m >= 16 and block_n >= 16, "tl.dot needs BLOCK_M, BLOCK_N >= 16"
     groups = K // GROUP
     gpb = block_k // GROUP
+    assert not fold or gpb & (gpb - 1) == 0, f"FOLD needs BLOCK_K / 32 a power of two, got BLOCK_K {block_k}"
     k_blocks = max(1, _cdiv(groups, gpb))
     split = max(1, min(int(split), k_blocks))
     kb_per_split = _cdiv(k_blocks, split)
@@ -406,7 +564,7 @@ def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | N
     return {
         "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GPB": gpb, "SPLIT_K": split,
         "K_BLOCKS_PER_SPLIT": kb_per_split, "num_warps": num_warps, "num_stages": num_stages,
-        "DEQ_ASM": deq_asm, "m_chunk": m_chunk,
+        "DEQ_ASM": deq_asm, "FOLD": bool(fold), "m_chunk": m_chunk,
         "grid": _cdiv(max(m_chunk, 1), block_m) * _cdiv(N, block_n) * split,
         "workspace_bytes": 4 * split * m_chunk * N if split > 1 else 0,
     }
@@ -484,7 +642,7 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
     sub = pw.sub if pw.sub is not None else pw.scales
     consts = dict(FMT=FMT_CODE[fmt], BLOCK_M=bm, BLOCK_N=bn, GPB=cfg["GPB"], EVEN_K=(G % cfg["GPB"] == 0),
                   UPCAST=_INTERPRETED, DEQ_ASM=cfg["DEQ_ASM"] and not _INTERPRETED,
-                  X_F16=x.dtype == torch.float16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  X_F16=x.dtype == torch.float16, FOLD=cfg["FOLD"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     rne = _INTERPRETED and out.dtype == torch.bfloat16
 
     if split == 1:

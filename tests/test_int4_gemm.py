@@ -210,7 +210,7 @@ def test_real_smollm2_tensors(smollm2_path):
         return
     for name, pw in picked.items():
         x = _x(len(name), 3, pw.K, 1.0, device=DEV)
-        _check(w4a16_linear(x, pw.to(DEV)), w4a16_linear_ref(x, pw.to(DEV)), 0, name)
+        _check(w4a16_linear(x, pw.to(DEV)), _ref(x, pw.to(DEV)), 0, name)
 
 
 def test_pack_rejects_bad_input():
@@ -235,7 +235,8 @@ def test_ref_is_the_dequantized_product(seed, fmt):
     pw = pack(raw, QTYPE[fmt], (N, K))
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     w = dequantize(raw, QTYPE[fmt], (N, K))
-    assert torch.equal(w4a16_linear_ref(x, pw), (x.float() @ w.T).to(torch.bfloat16))
+    assert torch.equal(w4a16_linear_ref(x, pw, exact=True), (x.float() @ w.T).to(torch.bfloat16))
+    assert torch.equal(w4a16_linear_ref(x, pw), (x.float() @ w.bfloat16().float().T).to(torch.bfloat16))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,6 +258,12 @@ def _small_runs_here() -> bool:
 CAN_RUN_SMALL = _small_runs_here()
 small = pytest.mark.skipif(not CAN_RUN_SMALL, reason="triton was imported without TRITON_INTERPRET=1 and there "
                                                      "is no GPU; covered by the subprocess test")
+
+
+def _ref(x, pw, config=None):
+    """w4a16_linear_ref for the K loop the kernel runs at this configuration (FOLD: rounded weights)."""
+    fold = (config or {}).get("FOLD", int4_config(x.shape[0], pw.N, pw.K, pw.fmt)["FOLD"])
+    return w4a16_linear_ref(x, pw, exact=not fold)
 
 
 def _check(y, ref, seed, what):
@@ -284,17 +291,21 @@ def test_matches_ref(seed, fmt):
         x = _x(seed + M, M, K, xs, dtype)
         y = w4a16_linear(x, pw)
         assert y.shape == (M, N) and y.dtype == dtype
-        _check(y, w4a16_linear_ref(x, pw), seed, f"{fmt} M={M} N={N} K={K} {dtype}")
+        _check(y, _ref(x, pw), seed, f"{fmt} M={M} N={N} K={K} {dtype}")
     # unrounded: the fp32 accumulator against the fp32 product, ~1e-6 relative (summation order only)
-    torch.testing.assert_close(_f32(x, pw), x.float() @ unpack_ref(pw).T, rtol=1e-4, atol=1e-4,
-                               msg=lambda m: f"seed={seed} {fmt} fp32 out: {m}")
+    for fold in (True, False):
+        w = unpack_ref(pw) if not fold else unpack_ref(pw).to(x.dtype).float()
+        torch.testing.assert_close(_f32(x, pw, config={"FOLD": fold}), x.float() @ w.T, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"seed={seed} {fmt} FOLD={fold} fp32 out: {m}")
 
 
 # forced configurations: split-K (uneven last split, K tail), narrow tiles, every BLOCK_M, BLOCK_K > K
 FORCED = [
     dict(SPLIT_K=2),                                 # 5 groups in blocks of 4 -> splits of 1 block each, tail masked
     dict(SPLIT_K=3, BLOCK_K=32, BLOCK_N=16),         # 5 blocks of 1 group -> splits of 2, 2, 1; 5 N tiles
-    dict(BLOCK_K=96, BLOCK_N=32),                    # 3 groups per block: K tail for every format (Q4_K: 16 groups)
+    dict(BLOCK_K=96, BLOCK_N=32, FOLD=False),        # 3 groups per block: K tail for every format (Q4_K: 16 groups)
+    dict(SPLIT_K=2, FOLD=False),                     # the group loop with split-K and a masked tail
+    dict(BLOCK_K=128, BLOCK_N=16, SPLIT_K=2),        # FOLD's tail: a block of 4 groups with 1 valid
     dict(BLOCK_K=64, SPLIT_K=4, BLOCK_M=16),         # M=17 -> two M tiles
     dict(BLOCK_M=128, BLOCK_K=1024),                 # one (masked) block covering all of K
     dict(BLOCK_N=128, BLOCK_M=32, SPLIT_K=2),        # the wide tile, one N tile covering N=72
@@ -310,7 +321,7 @@ def test_forced_configs_match_ref_and_are_batch_invariant(seed, fmt, cfg):
     pw, xs = _weight(fmt, N, K, seed)
     x = _x(seed, M, K, xs)
     y = w4a16_linear(x, pw, config=cfg)
-    _check(y, w4a16_linear_ref(x, pw), seed, f"{fmt} cfg={cfg}")
+    _check(y, _ref(x, pw, cfg), seed, f"{fmt} cfg={cfg}")
     y32 = _f32(x, pw, config=cfg)
     assert torch.equal(y32.to(y.dtype), y), f"seed={seed} {fmt} cfg={cfg}: fp32 out rounded != bf16 out"
     _rows_alone_equal(x, pw, y32, (0, 16), seed, f"{fmt} cfg={cfg}", config=cfg)
@@ -339,13 +350,16 @@ def test_batch_invariance(seed, fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_invariance_checks_have_teeth(seed, fmt):
     """A changed K order (split-K 1 vs 2) does change fp32 outputs: the bitwise checks above would see an
-    M-dependent reduction order. (BLOCK_K alone does not change the order: groups are always ascending.)"""
+    M-dependent reduction order. (In the group loop BLOCK_K alone does not change the order: groups are always
+    ascending; FOLD sums whole K blocks, so there it does, and BLOCK_K comes from (N, K, fmt) alone.)"""
     N, K = SMALL[fmt]
     pw, xs = _weight(fmt, N, K, seed)
     x = _x(seed, 17, K, xs)
     a, b = _f32(x, pw, config=dict(SPLIT_K=1)), _f32(x, pw, config=dict(SPLIT_K=2, BLOCK_K=64))
     assert int((a != b).sum()) > N, f"seed={seed} {fmt}: split-K 1 and 2 agree bitwise in fp32 (no teeth)"
-    assert torch.equal(a, _f32(x, pw, config=dict(SPLIT_K=1, BLOCK_K=64))), f"seed={seed}: BLOCK_K changed bits"
+    exact = dict(SPLIT_K=1, FOLD=False)
+    assert torch.equal(_f32(x, pw, config=exact), _f32(x, pw, config=dict(exact, BLOCK_K=64))), \
+        f"seed={seed}: BLOCK_K changed the group loop's bits"
 
 
 @small
@@ -418,9 +432,10 @@ def test_measured_table_overrides_rule(monkeypatch):
 # the GPU-only inline PTX (DEQ_ASM), checked on the CPU: its text through a small emulator, and the whole
 # kernel compiled for sm_90a (ptxas included) by Triton's offline compiler
 
-def _ptx_emulate(asm: str, r2: int) -> tuple[int, int]:
-    """Run the straight-line PTX subset _nibble_asm_text uses; returns ($0, $1)."""
-    regs: dict[str, int] = {"$2": r2}
+def _ptx_emulate(asm: str, r2: int, src: str = "$2") -> dict:
+    """Run the straight-line PTX subset _nibble_asm_text / _word_asm_text use, input r2 in register src;
+    returns the registers ($0, $1, ... among them)."""
+    regs: dict[str, int] = {src: r2}
     val = lambda t: regs[t] if t in regs else int(t, 0)  # noqa: E731
 
     def half_float(bits: int, f16: bool) -> float:
@@ -438,6 +453,9 @@ def _ptx_emulate(asm: str, r2: int) -> tuple[int, int]:
             continue
         op, rest = ins.split(None, 1)
         a = [x.strip() for x in rest.split(",")]
+        if op == "mov.b32" and a[0].startswith("{"):      # unpack: {lo, hi} = the two 16-bit halves
+            regs[a[0].strip("{ ")], regs[a[1].strip("} ")] = val(a[2]) & 0xFFFF, (val(a[2]) >> 16) & 0xFFFF
+            continue
         if op == "mov.b32":
             r = val(a[1])
         elif op == "shr.b32":
@@ -471,7 +489,7 @@ def _ptx_emulate(asm: str, r2: int) -> tuple[int, int]:
         else:
             raise AssertionError(f"unemulated instruction {op}")
         regs[a[0]] = r & 0xFFFFFFFF
-    return regs["$0"], regs["$1"]
+    return regs
 
 
 @pytest.mark.parametrize("f16", [False, True], ids=["bf16", "fp16"])
@@ -485,9 +503,25 @@ def test_nibble_asm_text(seed, high, f16, sub8):
     words = [0, 0xFFFFFFFF, 0x01234567, 0xFEDCBA98] + torch.randint(0, 1 << 32, (200,), generator=g).tolist()
     dt = torch.float16 if f16 else torch.bfloat16
     for w in words:
-        o0, o1 = _ptx_emulate(asm, w)
+        regs = _ptx_emulate(asm, w)
+        o0, o1 = regs["$0"], regs["$1"]
         got = torch.tensor([o0 & 0xFFFF, o0 >> 16, o1 & 0xFFFF, o1 >> 16], dtype=torch.int32).to(torch.int16).view(dt)
         nib = [((w >> (8 * i + (4 if high else 0))) & 0xF) - (8 if sub8 else 0) for i in range(4)]
+        assert got.float().tolist() == [float(v) for v in nib], f"seed={seed} word={w:#010x}: {got.tolist()} != {nib}"
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("sub8", [False, True], ids=["q", "q-8"])
+def test_word_asm_text(seed, f16, sub8):
+    """Output $s (s = 0..7) is nibble s of the word $8 as the exact number q (- 8) in bf16 / fp16."""
+    asm = int4_gemm._word_asm_text(f16, sub8)
+    g = torch.Generator().manual_seed(seed)
+    words = [0, 0xFFFFFFFF, 0x01234567, 0xFEDCBA98] + torch.randint(0, 1 << 32, (200,), generator=g).tolist()
+    dt = torch.float16 if f16 else torch.bfloat16
+    for w in words:
+        regs = _ptx_emulate(asm, w, "$8")
+        got = torch.tensor([regs[f"${s}"] for s in range(8)], dtype=torch.int32).to(torch.int16).view(dt)
+        nib = [((w >> (4 * s)) & 0xF) - (8 if sub8 else 0) for s in range(8)]
         assert got.float().tolist() == [float(v) for v in nib], f"seed={seed} word={w:#010x}: {got.tolist()} != {nib}"
 
 
@@ -498,7 +532,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import int4_gemm as ig
 
-def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None):
+def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None, fold=True):
     k = ig._w4a16_kernel
     names = list(k.arg_names)
     ydt = ydt or xdt
@@ -507,7 +541,7 @@ def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None):
            "stride_ym": "i32", "stride_yn": "constexpr", "stride_ys": "i32", "KB_PER_SPLIT": "i32"}
     consts = {"stride_xk": 1, "stride_yn": 1, "FMT": ig.FMT_CODE[fmt], "BLOCK_M": BM, "BLOCK_N": BN, "GPB": 4,
               "EVEN_K": even, "W_EVICT": "evict_first", "UPCAST": False, "RNE_BF16": False, "DEQ_ASM": asm,
-              "X_F16": xdt == "fp16"}
+              "X_F16": xdt == "fp16", "FOLD": fold}
     assert set(names) == set(sig) | set(consts), names
     for n in consts:
         sig.setdefault(n, "constexpr")
@@ -531,7 +565,9 @@ else:
             ("q4_1", 128, 32, 4, False, "bf16", True), ("q4_1", 128, 128, 8, False, "bf16", True),
             ("q4_k", 64, 16, 4, True, "fp16", False), ("q4_k", 64, 128, 4, True, "fp16", False),
             ("q8_0", 64, 16, 4, False, "bf16", False), ("q8_0", 64, 64, 4, False, "bf16", False)]:
-        kinds.setdefault((fmt, BN), set()).add(tuple(compile_one(fmt, BM, BN, nw, asm, xdt, even)))
+        for fold in (True, False):
+            kinds.setdefault((fmt, BN, fold), set()).add(tuple(compile_one(fmt, BM, BN, nw, asm, xdt, even,
+                                                                           fold=fold)))
     compile_one("q4_k", 64, 32, 4, False, ydt="fp32")         # split-K partials (fp32 out)
     for key, ks in kinds.items():
         # every BLOCK_M of a shape lowers to the same MMA instruction family (the invariance premise)
@@ -594,8 +630,10 @@ def _gpu_weight(fmt: str, N: int, K: int) -> tuple[PackedWeight, float]:
 
 
 def _gpu_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """w4a16_linear_ref with the cached fp32 weight, TF32 off (the reference is true fp32)."""
+    """w4a16_linear_ref with the cached fp32 weight (rounded to x's dtype for FOLD), TF32 off."""
     w = next(v[2] for v in _W.values() if v[0] is pw)
+    if int4_config(x.shape[0], pw.N, pw.K, pw.fmt)["FOLD"]:
+        w = w.to(x.dtype).float()
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
