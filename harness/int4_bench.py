@@ -7,8 +7,8 @@ and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro
                     over rotating copies of the weight (>= 256 MB in all, so every call streams from HBM, not
                     the 60 MB L2); median of 5 replays
   <variant>_ok      1 when the variant's output matches w4a16_linear_ref (outputs scaled to ~N(0, 1);
-                    |y - ref| <= atol + rtol |ref|, 1e-2 for the int4 kernels, 3e-2 where the weight is
-                    rounded to bf16 first: dequant_cublas and bf16)
+                    |y - ref| <= atol + rtol |ref|, 1e-2 for the CUDA kernel (exact weights), 3e-2 where
+                    the weight is rounded to bf16 first: triton (FOLD), dequant_cublas and bf16)
   int4_bytes        the packed weight's bytes (quantized values + scales [+ mins, Q4_K sub-scales])
   effective_tbps    int4_bytes / time of the variant the dispatch picks (policy "fastest": MEASURED, else the
                     rule), and <variant>_tbps for each int4 variant
@@ -32,7 +32,7 @@ from engine.quant_pack import FORMATS, pack, unpack_ref
 ROTATE_BYTES = 256 << 20       # weight copies per timed graph: at least this many bytes in all
 CALLS_PER_GRAPH = 48
 REPLAYS = 5
-TOL = {"triton": 1e-2, "cuda": 1e-2, "dequant_cublas": 3e-2, "bf16": 3e-2}
+TOL = {"triton": 3e-2, "cuda": 1e-2, "dequant_cublas": 3e-2, "bf16": 3e-2}   # triton (FOLD), dequant, bf16: rounded weights
 _QT = {v: k for k, v in FORMATS.items()}
 _SCALE_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q8_0": [0]}
 
