@@ -266,7 +266,7 @@ def test_dispatch_variants_match_ref(seed, variant, fmt):
     for M in (1, 4, 16, 128, 300):
         x = _x(seed + M, M, K, xs, device="cuda")
         y = disp.run_variant(variant, x, pw)
-        tol = 3 if variant == "dequant_cublas" else 1            # the weight rounded to bf16 first
+        tol = 1 if variant == "cuda" else 3          # triton (FOLD) and dequant_cublas: weights rounded to bf16
         ref = _ref(x, pw)
         err = (y.float() - ref.float()).abs()
         assert (err <= tol * 1e-2 * (1 + ref.float().abs())).all(), \
