@@ -1,8 +1,10 @@
 """`w4a16(x, pw, out)`: the engine's projection for a weight kept quantized (a PackedWeight), choosing per
-shape among three variants:
+shape among four variants:
 
   "triton"          kernels/int4_gemm.py: tensor-core W4A16 kernel, any B, batch-invariant
   "cuda"            kernels/int4_cuda.py: CUDA-core W4A16 kernel for small B (CuPy / NVRTC), batch-invariant
+  "cuda_mma"        kernels/int4_mma.py: mma.sync kernel for small B (tiles of 8 sequences; Q4_0 / Q4_1 /
+                    Q4_K; NVRTC like "cuda"), batch-invariant
   "dequant_cublas"  dequantize the packed weight into a reusable per-device workspace (one bf16/fp16 [N, K]
                     buffer shared by every projection: memory = the largest single matrix, never a second
                     copy of the model), then torch.matmul. Not batch-invariant (cuBLAS picks its algorithm
@@ -12,20 +14,22 @@ shape among three variants:
 
 Policies (``set_policy`` / ``engine.int4``):
   "invariant" (default): one variant per (N, K, fmt) for every M, so B greedy streams stay bit-exact with
-              the single stream (the seed's verify); only "triton" and "cuda" qualify.
+              the single stream (the seed's verify); only "triton", "cuda" and "cuda_mma" qualify.
   "fastest":  per (N, K, fmt, B bucket), any variant; like engine.gemm=cublas, B streams may then differ
               from the single stream in the last bits.
-  "triton" | "cuda" | "dequant_cublas": force one variant (benchmarks, tests). ``ONEPASS_INT4_VARIANT``
+  "triton" | "cuda" | "cuda_mma" | "dequant_cublas": force one variant (benchmarks, tests). ``ONEPASS_INT4_VARIANT``
               does the same from the environment.
 
 The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4_gemm
 (``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db`` or ``--csv experiments/int4_gemm/runs.csv``
 prints the entries to paste). Until a shape is measured the rule decides:
-  invariant: "triton" (the CUDA kernel has not been measured yet, and Triton covers every B on tensor cores);
-  fastest:   "cuda" for M <= 4 when the CUDA kernel is available, "dequant_cublas" for M > 256 (compute-bound
-             GEMMs, batched prefill), else "triton".
-A variant that cannot run here (no CuPy / NVRTC, or the CPU) falls back to "triton" on the GPU and to the
-reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
+  invariant: "triton" (the CUDA kernels serve one batch tile of <= 8 sequences per weight pass, so over
+             every B Triton's tensor-core tiles are the safe single choice);
+  fastest:   "cuda_mma" for M <= 8 where it runs (Q4_0 / Q4_1 / Q4_K), else "cuda" for M <= 4 (Q8_0), when
+             NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched prefill); else
+             "triton".
+A variant that cannot run here (no CuPy / NVRTC, a format cuda_mma does not take, or the CPU) falls back to
+"triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -36,12 +40,12 @@ import sys
 import torch
 
 from engine.quant_pack import GROUP, PackedWeight
-from kernels import int4_cuda
+from kernels import int4_cuda, int4_mma
 from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _expand, w4a16_linear, w4a16_linear_ref
 from kernels.triton_compat import tl, triton
 
-VARIANTS = ("triton", "cuda", "dequant_cublas")
-INVARIANT_VARIANTS = ("triton", "cuda")
+VARIANTS = ("triton", "cuda", "cuda_mma", "dequant_cublas")
+INVARIANT_VARIANTS = ("triton", "cuda", "cuda_mma")
 POLICIES = ("invariant", "fastest") + VARIANTS
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
 
@@ -82,6 +86,8 @@ def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
     """The documented rule for shapes MEASURED has no entry for."""
     if policy == "invariant":
         return "triton"
+    if M <= 8 and int4_mma.supports(fmt) and int4_mma.available():
+        return "cuda_mma"
     if M <= 4 and int4_cuda.available():
         return "cuda"
     if M > 256:
@@ -102,14 +108,17 @@ def choose(M: int, N: int, K: int, fmt: str, policy: str | None = None) -> str:
     return v if v in VARIANTS else rule(M, N, K, fmt, policy)
 
 
-def runnable(variant: str, x: torch.Tensor) -> str:
-    """variant, or what runs instead where it cannot: cuda -> triton without CuPy/NVRTC; on the CPU
-    everything -> "ref" unless Triton's interpreter is on (then triton; dequant_cublas runs anywhere)."""
+def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
+    """variant, or what runs instead where it cannot: cuda / cuda_mma -> triton without CuPy/NVRTC (and
+    cuda_mma -> triton for a format it does not take); on the CPU everything -> "ref" unless Triton's
+    interpreter is on (then triton; dequant_cublas runs anywhere)."""
     if not x.is_cuda:
         if variant == "dequant_cublas":
             return variant
         return "triton" if _INTERPRETED else "ref"
     if variant == "cuda" and not int4_cuda.available():
+        return "triton"
+    if variant == "cuda_mma" and not (int4_mma.available() and (fmt is None or int4_mma.supports(fmt))):
         return "triton"
     return variant
 
@@ -215,6 +224,8 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
     triton_reserve(device, shapes, max_rows)
     if int4_cuda.available():
         int4_cuda.reserve_workspace(device, shapes, max_rows)
+    if int4_mma.available():
+        int4_mma.reserve_workspace(device, shapes, max_rows)
     if _policy in ("fastest", "dequant_cublas"):
         _DENSE.get(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()),
                    dtype, max(n * k for n, k, _ in shapes))
@@ -224,12 +235,14 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
 # the entry point
 
 def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    v = runnable(variant, x)
+    v = runnable(variant, x, pw.fmt)
     if v == "ref":
         y = w4a16_linear_ref(x, pw)
         return y if out is None else out.copy_(y)
     if v == "cuda":
         return int4_cuda.w4a16_cuda(x, pw, out)
+    if v == "cuda_mma":
+        return int4_mma.w4a16_mma(x, pw, out)
     if v == "dequant_cublas":
         return dequant_matmul(x, pw, out)
     return w4a16_linear(x, pw, out)

@@ -1,8 +1,10 @@
-"""Run kernels/int4_cuda.py's CUDA source on the CPU: the same source text compiled by g++ with a shim
-(blocks one after another, each block's threads as std::threads meeting at a std::barrier for
-__syncthreads, __shared__ as function statics shared by the block's threads, the inline-PTX helpers
-replaced by bit-exact C++). It checks the kernel's indexing, masking, staging, split-K and reduction order
-without a GPU; it says nothing about speed or about the PTX helpers themselves (the GPU tests do)."""
+"""Run the CUDA sources of kernels/int4_cuda.py and kernels/int4_mma.py on the CPU: the same source text
+compiled by g++ with a shim (blocks one after another, each block's threads as std::threads meeting at a
+std::barrier for __syncthreads, __shared__ as function statics shared by the block's threads, the inline-PTX
+helpers replaced by bit-exact C++, and mma.sync m16n8k16 as a warp-wide exchange of fragments through
+memory, with PTX's fragment layout). It checks the kernels' indexing, fragment mapping, masking, staging,
+split-K and reduction order without a GPU; it says nothing about speed, about the PTX helpers themselves or
+about the tensor cores' own summation order (the GPU tests do)."""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +23,7 @@ SHIM = r"""
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 #define ONEPASS_HOST_EMU 1
@@ -80,6 +83,69 @@ extern "C" void launch_reduce(int grid, const float* ws, void* y, int sym, int M
     for (int b = 0; b < grid; ++b) {
         blockIdx.x = b;
         for (int t = 0; t < 256; ++t) { threadIdx.x = t; w4a16_splitk_reduce(ws, y, sym, M, N, S); }
+    }
+}
+"""
+
+
+# the extra helpers of kernels/int4_mma.py's source
+SHIM_MMA = r"""
+static inline unsigned ld_word(const unsigned* p) { return *p; }
+static inline uint4 ld_x16(const uint4* p) { return *p; }
+static inline unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned char by[8]; std::memcpy(by, &a, 4); std::memcpy(by + 4, &b, 4);
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)by[(sel >> (4 * i)) & 7] << (8 * i);
+    return r;
+}
+static inline float h16_to_f(unsigned v) { return x_to_f32((u16_)v); }
+static inline unsigned fma2(unsigned a, unsigned b, unsigned c) {
+    unsigned lo = f32_to_x(std::fma(h16_to_f(a & 0xFFFFu), h16_to_f(b & 0xFFFFu), h16_to_f(c & 0xFFFFu)));
+    unsigned hi = f32_to_x(std::fma(h16_to_f(a >> 16), h16_to_f(b >> 16), h16_to_f(c >> 16)));
+    return lo | (hi << 16);
+}
+struct WarpMma { std::barrier<>* bar; unsigned a[32][4]; unsigned b[32][2]; };
+static WarpMma* g_warps;
+// D (+)= A (16 x 16) B (16 x 8): lane (g, t) gives A rows g, g + 8 at k 2t, 2t + 1 (+ 8) and B column g at the
+// same k, and gets D rows g, g + 8 at columns 2t, 2t + 1 (PTX ISA, mma.m16n8k16 fragments)
+static inline void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    const int lane = threadIdx.x & 31;
+    WarpMma& W = g_warps[threadIdx.x >> 5];
+    for (int j = 0; j < 4; ++j) W.a[lane][j] = a[j];
+    W.b[lane][0] = b[0]; W.b[lane][1] = b[1];
+    W.bar->arrive_and_wait();
+    const int g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 4; ++j) {
+        const int row = g + (j >= 2 ? 8 : 0), col = 2 * t + (j & 1);
+        float s = d[j];
+        for (int k = 0; k < 16; ++k) {
+            const unsigned av = W.a[(row & 7) * 4 + (k & 7) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+            const unsigned bv = W.b[col * 4 + (k & 7) / 2][k >= 8 ? 1 : 0];
+            s += h16_to_f((av >> (16 * (k & 1))) & 0xFFFFu) * h16_to_f((bv >> (16 * (k & 1))) & 0xFFFFu);
+        }
+        d[j] = s;
+    }
+    W.bar->arrive_and_wait();
+}
+"""
+
+LAUNCH_MMA = r"""
+extern "C" void launch_mma(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
+                           const u16* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
+                           int n_bt, int n_nt) {
+    const int nw = block / 32;
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        std::barrier<> bar(block);
+        g_bar = &bar;
+        std::vector<std::unique_ptr<std::barrier<>>> wbars;
+        std::vector<WarpMma> warps(nw);
+        for (int w = 0; w < nw; ++w) { wbars.emplace_back(new std::barrier<>(32)); warps[w].bar = wbars[w].get(); }
+        g_warps = warps.data();
+        std::vector<std::thread> ts;
+        for (int t = 0; t < block; ++t)
+            ts.emplace_back([=] { threadIdx.x = t; w4a16_mma(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
+        for (auto& t : ts) t.join();
     }
 }
 """
@@ -146,4 +212,34 @@ def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None
     return y
 
 
-__all__ = ["available", "w4a16_emulated", "np"]
+def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None) -> torch.Tensor:
+    """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU; split-K partials are
+    added in split order as int4_cuda's reduce kernel does."""
+    from engine.quant_pack import GROUP
+    from kernels import int4_mma
+
+    x = x.contiguous()
+    M, K = x.shape
+    N = pw.N
+    cfg = int4_mma.mma_config(M, N, K, pw.fmt, config)
+    S = cfg["SPLIT_K"]
+    c = pw.mins if pw.mins is not None else pw.scales
+    sub = pw.sub if pw.sub is not None else pw.scales
+    n = int4_mma.SOURCE_DEFINES
+    o32 = out32 or S > 1
+    h = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["RT"], cfg["P"], cfg["U"]).split("\n", n)
+    lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + h[n] + LAUNCH_MMA)
+    y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
+    ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
+    lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight), _ptr(pw.scales),
+                   _ptr(c), _ptr(sub), _ptr(y), *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"],
+                                                     cfg["n_bt"], cfg["n_nt"]))
+    if not o32:
+        return y
+    acc = y[0].clone()
+    for s in range(1, S):
+        acc += y[s]
+    return acc if out32 else acc.to(x.dtype)
+
+
+__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "np"]

@@ -111,9 +111,14 @@ def test_choose_rule_table_and_policies(monkeypatch):
     monkeypatch.setattr(disp, "MEASURED", {})
     assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
     monkeypatch.setattr(disp.int4_cuda, "available", lambda: True)
-    assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "cuda"
+    monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
+    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma"
+    assert disp.choose(4, 5120, 17408, "q8_0", "fastest") == "cuda"            # a format cuda_mma does not take
+    assert disp.choose(8, 5120, 17408, "q8_0", "fastest") == "triton"
     assert disp.choose(16, 5120, 17408, "q4_0", "fastest") == "triton"
     assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
+    monkeypatch.setattr(disp.int4_mma, "available", lambda: False)
+    assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "cuda"
     monkeypatch.setattr(disp.int4_cuda, "available", lambda: False)
     assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "triton"
     monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_0"): {"invariant": "cuda", 1: "cuda", 2: "cuda",
@@ -136,9 +141,9 @@ def test_choose_rule_table_and_policies(monkeypatch):
 def test_runnable_fallbacks(monkeypatch):
     x = torch.zeros(2, 32)
     monkeypatch.setattr(disp, "_INTERPRETED", False)
-    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["ref", "ref", "dequant_cublas"]
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["ref", "ref", "ref", "dequant_cublas"]
     monkeypatch.setattr(disp, "_INTERPRETED", True)
-    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["triton", "triton", "dequant_cublas"]
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["triton", "triton", "triton", "dequant_cublas"]
 
 
 @pytest.mark.parametrize("policy", ["invariant", "fastest", "dequant_cublas", "cuda"])

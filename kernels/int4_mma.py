@@ -1,0 +1,512 @@
+"""W4A16 projection for small batches on tensor cores, y[M, N] = x[M, K] @ w[N, K]^T, in CUDA C++ compiled at
+run time (the same NVRTC bindings as kernels/int4_cuda.py), on the PackedWeight layout of engine/quant_pack.py
+(Q4_0 / Q4_1 / Q4_K; Q8_0 stays with the other kernels).
+
+Definition: kernels.int4_gemm.w4a16_linear_ref(x, pw, exact=True), i.e. x @ unpack_ref(w)^T with the file's
+exact weights: every group's integer dot product is taken on the tensor cores and scaled in fp32.
+
+Why: the CUDA-core kernel (int4_cuda) spends ~3.5 instructions per weight per lane (nibble to fp32, one FMA per
+sequence), so at B = 1 it is issue-bound long before HBM is, and its time grows with every sequence. Here a
+warp's mma.sync m16n8k16 takes 16 rows x 16 weights x 8 sequences in one instruction; what is left on the
+CUDA cores is turning nibbles into 16-bit integers, ~1.4 instructions per weight, the same for 1 and for 8
+sequences.
+
+The kernel (one warp = one 16-row tile; the batch tile BT <= 8 is the mma's n = 8 columns)
+  Weights as the A operand, untouched integers: lane (g, t) (g = lane / 4, t = lane % 4) loads word t of the
+  group's 16-byte record for rows g and g + 8 (a warp load covers 8 consecutive records: 128 contiguous
+  bytes). The word's eight nibbles s = 0..7 (weights 8t + s) become four bf16x2 / f16x2 pairs (s, s + 4) with
+  one mask-and-or into the exponent of 128 (bf16) or 1024 (fp16) and one fma that removes it (and Q4_0's 8):
+  exact small integers. Pairs (0,4), (1,5) feed the group's first mma, (2,6), (3,7) its second.
+  x as the B operand: the mma's k-slots of lane t are weights 8t + (0, 4, 1, 5) and 8t + (2, 6, 3, 7) of the
+  group, so x is staged once per block in shared memory in that order (one 16-byte load per lane per group).
+  Per group: D = mma(A_hi, B_hi, mma(A_lo, B_lo, 0)) is the exact-weight dot product P_g (fp32 tensor-core
+  accumulation), then acc = fma(s_g, P_g, acc) and, Q4_1 / Q4_K, acc = fma(c_g, X_g, acc) with X_g the
+  group's sum of x -- the same per-group formula as int4_cuda, so the two agree to fp32 rounding.
+  Block: RT row tiles x P phases = KW warps; phase p takes the split's groups p, p + P, ... in ascending
+  order with a ring of U groups of loads in flight (a slot is refilled as soon as it is used); the phases'
+  sums are added in phase order at the end; split-K partials go to a workspace and int4_cuda's reduce kernel
+  adds them in split order. x for the split's whole K range is staged before the loop, so the loop has no
+  barrier; that bounds a split to GMAX groups.
+
+Batch invariance: the split (and so every sum's order) comes from (N, K, fmt) only; BT only sets how much x is
+staged and which mma columns are live, and the columns of an mma are independent. So row m of y is bitwise
+the same whatever M is.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.quant_pack import GROUP, PackedWeight
+from kernels import int4_cuda
+
+FORMATS = ("q4_0", "q4_1", "q4_k")
+FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2}
+BTG = 8                        # sequences per batch tile: the mma's n
+BT_CHOICES = (1, 2, 4, 8)
+GMAX = 64                      # groups per split: x for BT = 8 (and its group sums) staged once in 48 KB
+ROWS_PER_TILE = 16             # the mma's m
+NUM_SMS = int4_cuda.NUM_SMS
+# launch shape: RT row tiles and P phases per block (KW = RT * P warps), U loads in flight per warp; the split
+# is the smallest count that keeps a split within GMAX groups and reaches TARGET_BLOCKS blocks (one batch
+# tile), unless SPLIT_K names it. Defaults and MEASURED from an H200 sweep over 7 layouts x 5 splits at
+# B = 1, 4, 8 (torch 2.11, cupy 14.2): one warp per row tile of 4-warp blocks (RT 4, P 1, U 4) was the best
+# or within 5% over B = 1 + 4 + 8 on 7 of 10 shapes; the entries are the other three (us at B = 1 / 4 / 8,
+# against the defaults').
+RT, P, U = 4, 1, 4
+TARGET_BLOCKS = 4 * NUM_SMS
+MAX_SPLIT = 32
+CONFIG_KEYS = ("RT", "P", "U", "SPLIT_K", "TARGET_BLOCKS")
+MEASURED: dict[tuple[int, int, str], dict] = {
+    (17408, 5120, "q4_0"): {"SPLIT_K": 6},                     # 22.8 / 25.8 / 27.7 vs 23.9 / 27.3 / 29.9
+    (5120, 12288, "q4_0"): {"RT": 8, "U": 8, "SPLIT_K": 26},   # 18.5 / 19.6 / 19.7 vs 19.4 / 21.6 / 21.4
+    (5120, 17408, "q4_k"): {"RT": 8, "SPLIT_K": 26},           # 32.9 / 36.7 / 36.0 vs 32.7 / 36.1 / 43.5
+}
+SMEM_LIMIT = 48 * 1024
+
+MMA_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+
+// FMT 0 q4_0, 1 q4_1, 2 q4_k; BT batch tile (<= 8); X_F16: x, y fp16 (else bf16); OUT32: y fp32 (the split-K
+// workspace, or an fp32 output); RT row tiles and P phases per block; U loads in flight per warp; GMAX groups
+// per split at most.
+#define KW (RT * P)
+#define NRAW (FMT == 2 ? 3 : FMT == 1 ? 2 : 1)   /* per row: q4_0 {d}; q4_1 {d, m}; q4_k {d, dmin, sc | mn << 8} */
+#define XROW (GMAX * 16 + 16)                   /* u32 words per staged x row (+16: LDS.128 without conflicts) */
+
+#ifndef ONEPASS_HOST_EMU
+__device__ __forceinline__ float h2f(u16 v) {
+    float f; asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(v)); return f;
+}
+__device__ __forceinline__ u16 f32_to_x(float f) {
+    u16 r;
+#if X_F16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#endif
+    return r;
+}
+__device__ __forceinline__ float x_to_f32(u32 v16) {
+#if X_F16
+    return h2f((u16)v16);
+#else
+    return __int_as_float(v16 << 16);
+#endif
+}
+__device__ __forceinline__ u32 ld_word(const u32* p) {       // weights: read once, keep L1 for x
+    u32 r; asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p)); return r;
+}
+__device__ __forceinline__ uint4 ld_x16(const uint4* p) {
+    uint4 r; asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
+}
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+    u32 r; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {   // packed 16-bit a * b + c (exact here)
+    u32 r;
+#if X_F16
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+#endif
+    return r;
+}
+// D = A (16 x 16, row) * B (16 x 8, col) + C, fp32 accumulation
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+#if X_F16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+#endif
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// the 16-bit pattern whose value is 2^7 (bf16) or 2^10 (fp16) with the unit in the low 4 bits; the fma's
+// addend takes that power (and q4_0's 8) back off
+#if X_F16
+#define MAGIC 0x64006400u
+#define ONE2 0x3C003C00u
+#define NEGOFF (FMT == 0 ? 0xE408E408u : 0xE400E400u)   /* -(1024 + 8), -1024 */
+#else
+#define MAGIC 0x43004300u
+#define ONE2 0x3F803F80u
+#define NEGOFF (FMT == 0 ? 0xC308C308u : 0xC300C300u)   /* -(128 + 8), -128 */
+#endif
+
+// nibbles s and s + 4 of w as a packed pair of exact integers (q4_0: q - 8)
+__device__ __forceinline__ u32 nib_pair(u32 w, int s) {
+    return fma2(and_or(s == 0 ? w : w >> (4 * s), 0x000F000Fu, MAGIC), ONE2, NEGOFF);
+}
+
+struct Slot {                  // one group's loads for the lane's two rows (g, g + 8)
+    u32 wa, wb;                // word t of each row's record
+    u32 ra[NRAW], rb[NRAW];    // raw scale bits per row
+};
+
+// the loads of one group into a slot: ia, ib are the (group, row) indexes g * N + row of the lane's two rows
+// (int32: the host checks G * N * 4 < 2^31), so the caller steps them by P * N per group
+__device__ __forceinline__ void load_slot(Slot& sl, const u32* __restrict__ qw, const u16* __restrict__ sc,
+                                          const u16* __restrict__ mn, const u16* __restrict__ sub,
+                                          int ia, int ib, int g, int na, int nb, int t, int N) {
+    sl.wa = ld_word(qw + (ia * 4 + t));
+    sl.wb = ld_word(qw + (ib * 4 + t));
+#if FMT == 2
+    const int so = (g >> 3) * N;
+    sl.ra[0] = sc[so + na]; sl.rb[0] = sc[so + nb];
+    sl.ra[1] = mn[so + na]; sl.rb[1] = mn[so + nb];
+    sl.ra[2] = sub[ia]; sl.rb[2] = sub[ib];
+#elif FMT == 1
+    sl.ra[0] = sc[ia]; sl.rb[0] = sc[ib];
+    sl.ra[1] = mn[ia]; sl.rb[1] = mn[ib];
+#else
+    sl.ra[0] = sc[ia]; sl.rb[0] = sc[ib];
+#endif
+}
+
+// the group's scale (and for q4_1 / q4_k its min term's factor) from one row's raw bits, in fp32 (exact)
+__device__ __forceinline__ float slot_scale(const u32 (&r)[NRAW]) {
+#if FMT == 2
+    return h2f((u16)r[0]) * (float)(r[2] & 0xFFu);
+#else
+    return h2f((u16)r[0]);
+#endif
+}
+__device__ __forceinline__ float slot_min(const u32 (&r)[NRAW]) {
+#if FMT == 2
+    return -(h2f((u16)r[1]) * (float)(r[2] >> 8));
+#elif FMT == 1
+    return h2f((u16)r[1]);
+#else
+    return 0.0f;
+#endif
+}
+
+// one group: two mmas on exact integers (x from the staged row xr, this lane's 16 bytes of group gi), then
+// the group's scale and, q4_1 / q4_k, its min term in fp32. live: the lane's B column is a sequence of the tile.
+__device__ __forceinline__ void apply_slot(float (&acc)[4], const Slot& sl, const u32* xr, int gi, int t, u32 live,
+                                           float x0, float x1) {
+    u32 a_lo[4], a_hi[4];
+    a_lo[0] = nib_pair(sl.wa, 0); a_lo[1] = nib_pair(sl.wb, 0);
+    a_lo[2] = nib_pair(sl.wa, 1); a_lo[3] = nib_pair(sl.wb, 1);
+    a_hi[0] = nib_pair(sl.wa, 2); a_hi[1] = nib_pair(sl.wb, 2);
+    a_hi[2] = nib_pair(sl.wa, 3); a_hi[3] = nib_pair(sl.wb, 3);
+    const uint4 xv = *reinterpret_cast<const uint4*>(xr + (gi * 4 + t) * 4);
+    const u32 b_lo[2] = {xv.x & live, xv.y & live}, b_hi[2] = {xv.z & live, xv.w & live};
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma16816(d, a_lo, b_lo);
+    mma16816(d, a_hi, b_hi);
+    const float sa = slot_scale(sl.ra), sb = slot_scale(sl.rb);
+    acc[0] = __fmaf_rn(sa, d[0], acc[0]);
+    acc[1] = __fmaf_rn(sa, d[1], acc[1]);
+    acc[2] = __fmaf_rn(sb, d[2], acc[2]);
+    acc[3] = __fmaf_rn(sb, d[3], acc[3]);
+#if FMT != 0
+    const float ca = slot_min(sl.ra), cb = slot_min(sl.rb);
+    acc[0] = __fmaf_rn(ca, x0, acc[0]);
+    acc[1] = __fmaf_rn(ca, x1, acc[1]);
+    acc[2] = __fmaf_rn(cb, x0, acc[2]);
+    acc[3] = __fmaf_rn(cb, x1, acc[3]);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(KW * 32)
+w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
+          const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
+          int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt)
+{
+    __shared__ __align__(16) u32 xs[BT][XROW];
+#if FMT != 0
+    __shared__ float xpart[BT][GMAX][4];
+    __shared__ float xsum[BT][GMAX];
+#endif
+    __shared__ float red[P > 1 ? P - 1 : 1][RT][32][4];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, t = lane & 3;
+    const int rt = warp % RT, ph = warp / RT;
+    int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
+    const int bt = pid % n_bt; pid /= n_bt;
+    const int nt = pid % n_nt;
+    const int s = pid / n_nt;
+    const int m0 = bt * BT;
+    const int n0 = (nt * RT + rt) * 16;
+    const int na = min(n0 + g8, N - 1), nb = min(n0 + g8 + 8, N - 1);   // rows past N re-read a valid row
+    const int g_lo = s * gps;
+    const int ng = min(G, g_lo + gps) - g_lo;   // groups of this split
+    const int ni = ng > ph ? (ng - ph + P - 1) / P : 0;   // groups of this warp: g_lo + ph + i * P
+
+    // 1. the first U groups' loads, before x is staged. The next load's (group, row) indexes step by P * N.
+    Slot ring[U];
+    const int step = P * N;
+    int gn = g_lo + ph, ia = gn * N + na, ib = gn * N + nb;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < ni) load_slot(ring[u], qw, sc, mn, sub, ia, ib, gn, na, nb, t, N);
+        ia += step; ib += step; gn += P;
+    }
+
+    // 2. x[m0 .. m0 + BT, split's K range) -> shared memory, 8 values per item, in the mma's k-slot order
+    for (int i = threadIdx.x; i < BT * ng * 4; i += KW * 32) {
+        const int b = i / (ng * 4), e = i - b * (ng * 4);         // e = group * 4 + word
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (m0 + b < M) v = ld_x16(reinterpret_cast<const uint4*>(x + (i64)(m0 + b) * sxm + (i64)g_lo * 32) + e);
+        // v holds weights 8w + 0..7 as (0,1) (2,3) (4,5) (6,7); the slots want (0,4) (1,5) (2,6) (3,7)
+        uint4 o;
+        o.x = prmt(v.x, v.z, 0x5410u);
+        o.y = prmt(v.x, v.z, 0x7632u);
+        o.z = prmt(v.y, v.w, 0x5410u);
+        o.w = prmt(v.y, v.w, 0x7632u);
+        *reinterpret_cast<uint4*>(&xs[b][e * 4]) = o;
+#if FMT != 0
+        // the item's 8 values summed in k order; the group's 4 items are added in word order below
+        float p = x_to_f32(v.x & 0xFFFFu);
+        p += x_to_f32(v.x >> 16);
+        p += x_to_f32(v.y & 0xFFFFu);
+        p += x_to_f32(v.y >> 16);
+        p += x_to_f32(v.z & 0xFFFFu);
+        p += x_to_f32(v.z >> 16);
+        p += x_to_f32(v.w & 0xFFFFu);
+        p += x_to_f32(v.w >> 16);
+        xpart[b][e >> 2][e & 3] = p;
+#endif
+    }
+    __syncthreads();
+#if FMT != 0
+    for (int i = threadIdx.x; i < BT * ng; i += KW * 32) {
+        const int b = i / ng, gi = i - b * ng;
+        xsum[b][gi] = ((xpart[b][gi][0] + xpart[b][gi][1]) + xpart[b][gi][2]) + xpart[b][gi][3];
+    }
+    __syncthreads();
+#endif
+
+    // 3. the warp's groups in order: full rounds of the ring (each slot refilled right after use), then the
+    //    last partial round from the loads already in flight
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const u32* xr = &xs[g8 < BT ? g8 : 0][0];
+    const u32 live = g8 < BT ? 0xFFFFFFFFu : 0u;
+#if FMT != 0
+    const float* xa = &xsum[2 * t < BT ? 2 * t : 0][0];
+    const float* xb = &xsum[2 * t + 1 < BT ? 2 * t + 1 : 0][0];
+    const float la = 2 * t < BT ? 1.0f : 0.0f, lb = 2 * t + 1 < BT ? 1.0f : 0.0f;
+#define XSUMS(gi) xa[gi] * la, xb[gi] * lb
+#else
+#define XSUMS(gi) 0.0f, 0.0f
+#endif
+    int i = 0;
+    for (; i + U <= ni; i += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int gi = ph + (i + u) * P;
+            apply_slot(acc, ring[u], xr, gi, t, live, XSUMS(gi));
+            if (i + u + U < ni) {                                  // warp-uniform
+                load_slot(ring[u], qw, sc, mn, sub, ia, ib, gn, na, nb, t, N);
+                ia += step; ib += step; gn += P;
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (i + u < ni) {
+            const int gi = ph + (i + u) * P;
+            apply_slot(acc, ring[u], xr, gi, t, live, XSUMS(gi));
+        }
+    }
+#undef XSUMS
+
+    // 4. the phases' sums in phase order, by phase 0; lane (g, t) holds rows g, g + 8 x sequences 2t, 2t + 1
+#if P > 1
+    if (ph > 0) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) red[ph - 1][rt][lane][j] = acc[j];
+    }
+    __syncthreads();
+    if (ph != 0) return;
+#pragma unroll
+    for (int q = 0; q < P - 1; ++q) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j] += red[q][rt][lane][j];
+    }
+#endif
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int n = n0 + g8 + (j >= 2 ? 8 : 0), b = 2 * t + (j & 1), m = m0 + b;
+        if (n < N && b < BT && m < M) {
+#if OUT32
+            reinterpret_cast<float*>(y)[(i64)s * sys + (i64)m * sym + n] = acc[j];
+#else
+            reinterpret_cast<u16*>(y)[(i64)m * sym + n] = f32_to_x(acc[j]);
+#endif
+        }
+    }
+}
+"""
+
+
+def available() -> bool:
+    """Whether the kernel can run here: a CUDA device of compute capability >= 8.0 (mma.sync bf16) and an
+    NVRTC binding (int4_cuda's)."""
+    if not int4_cuda.available():
+        return False
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+def supports(fmt: str) -> bool:
+    return fmt in FORMATS
+
+
+SOURCE_DEFINES = 8
+
+
+def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int) -> str:
+    """The full source of one instantiation: SOURCE_DEFINES #define lines, then MMA_SOURCE."""
+    head = (f"#define FMT {FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n#define OUT32 {int(out32)}\n"
+            f"#define RT {rt}\n#define P {p}\n#define U {u}\n#define GMAX {GMAX}\n")
+    return head + MMA_SOURCE
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, device: torch.device):
+    how = int4_cuda._compiler()
+    if how is None:
+        raise RuntimeError("int4_mma: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u), "w4a16_mma", how, device)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """{"RT", "P", "U"} and one of "SPLIT_K" / "TARGET_BLOCKS": the defaults, MEASURED[(N, K, fmt)], then config
+    (a layer naming one split key drops the other)."""
+    out = {"RT": RT, "P": P, "U": U, "TARGET_BLOCKS": TARGET_BLOCKS}
+    for layer in (MEASURED.get((N, K, fmt)), config):
+        if not layer:
+            continue
+        if set(layer) - set(CONFIG_KEYS) or {"SPLIT_K", "TARGET_BLOCKS"} <= set(layer):
+            raise ValueError(f"int4_mma: config {layer} for {(N, K, fmt)}: keys are {CONFIG_KEYS}, one split key")
+        if "SPLIT_K" in layer or "TARGET_BLOCKS" in layer:
+            out.pop("SPLIT_K", None)
+            out.pop("TARGET_BLOCKS", None)
+        out.update({k: int(v) for k, v in layer.items()})
+    if not (1 <= out["RT"] * out["P"] <= 16 and 1 <= out["U"] <= 16) or min(out.values()) < 1:
+        raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= 16, 1 <= U <= 16, "
+                         f"positive values")
+    return out
+
+
+def _smem(fmt: str, bt: int, rt: int, p: int) -> int:
+    xs = bt * (GMAX * 16 + 16) * 4
+    xsum = 0 if fmt == "q4_0" else bt * GMAX * 4 * (4 + 1)        # xpart, xsum
+    return xs + xsum + max(p - 1, 1) * rt * 32 * 4 * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _split(G: int, n_nt: int, target: int | None, split_k: int | None) -> tuple[int, int]:
+    if G == 0:
+        return 1, 0
+    lo = _cdiv(G, GMAX)                          # a split holds at most GMAX groups
+    if split_k is not None:
+        S = max(lo, min(split_k, G))
+    else:
+        S = lo
+        while S < max(lo, MAX_SPLIT) and n_nt * S < target and _cdiv(G, S + 1) >= 4:
+            S += 1
+    gps = _cdiv(G, S)
+    return _cdiv(G, gps), gps
+
+
+def batch_tile(M: int) -> int:
+    return next((b for b in BT_CHOICES if M <= b), BTG)
+
+
+def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """The launch for x [M, K]; the split and the warp layout come from (N, K, fmt) and config only."""
+    c = shape_config(N, K, fmt, config)
+    n_nt = _cdiv(N, ROWS_PER_TILE * c["RT"])
+    S, gps = _split(K // GROUP, n_nt, c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
+    bt = batch_tile(M)
+    n_bt = _cdiv(M, bt)
+    if _smem(fmt, BTG, c["RT"], c["P"]) > SMEM_LIMIT:
+        raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {_smem(fmt, BTG, c['RT'], c['P'])} B of shared memory")
+    return {"BT": bt, "RT": c["RT"], "P": c["P"], "U": c["U"], "SPLIT_K": S, "groups_per_split": gps,
+            "grid": n_bt * n_nt * S, "block": c["RT"] * c["P"] * 32, "n_bt": n_bt, "n_nt": n_nt,
+            "workspace_floats": S * M * N if S > 1 else 0}
+
+
+def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
+    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    need = max([mma_config(max_rows, n, k, f, config)["workspace_floats"] for n, k, f in shapes if supports(f)],
+               default=0)
+    if need:
+        int4_cuda._SPLITK.get(device, need)
+
+
+def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
+              config: dict | None = None) -> torch.Tensor:
+    """y = x @ w^T for a packed Q4_0 / Q4_1 / Q4_K weight on tensor cores (module docstring). x [M, K] bf16 /
+    fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None."""
+    assert isinstance(pw, PackedWeight), f"w4a16_mma: pw must be a PackedWeight, got {type(pw).__name__}"
+    if not supports(pw.fmt):
+        raise ValueError(f"w4a16_mma: format {pw.fmt} not supported (only {FORMATS}); use the Triton or CUDA-core kernel")
+    assert x.dim() == 2 and x.shape[1] == pw.K, f"w4a16_mma: x {tuple(x.shape)} vs weight [{pw.N}, {pw.K}]"
+    assert x.dtype in (torch.bfloat16, torch.float16), f"w4a16_mma: x dtype {x.dtype} not supported (bf16 / fp16)"
+    assert x.is_cuda and pw.qweight.device == x.device, "w4a16_mma: x and the weight must be on one CUDA device"
+    M, K = x.shape
+    N = pw.N
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert out.shape == (M, N) and out.dtype in (x.dtype, torch.float32), \
+        f"w4a16_mma: out {tuple(out.shape)} {out.dtype}, expected {(M, N)} {x.dtype} or float32"
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
+    if x.stride(1) != 1 or (M > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
+        x = x.contiguous()
+    if out.stride(1) != 1:
+        return out.copy_(w4a16_mma(x, pw, config=config))
+    cfg = mma_config(M, N, K, pw.fmt, config)
+    x_f16 = x.dtype == torch.float16
+    out32 = out.dtype == torch.float32
+    G = K // GROUP
+    c = pw.mins if pw.mins is not None else pw.scales
+    sub = pw.sub if pw.sub is not None else pw.scales
+    assert sub.data_ptr() % 2 == 0, "w4a16_mma: the kernel reads sub's (sc, mn) pairs as 16-bit words"
+    assert G * N * 4 < 2 ** 31, f"w4a16_mma: {G} x {N} (group, row) words overflow the kernel's int32 index"
+    S, dev = cfg["SPLIT_K"], x.device
+    sxm = x.stride(0) if M > 1 else K
+    sym = out.stride(0) if M > 1 else N
+    shape = (cfg["RT"], cfg["P"], cfg["U"])
+    if S == 1:
+        k = _kernel(pw.fmt, cfg["BT"], x_f16, out32, *shape, dev)
+        k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0, M, N, G,
+                                     cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
+        return out
+    ws = int4_cuda._SPLITK.get(dev, S * M * N)
+    k = _kernel(pw.fmt, cfg["BT"], x_f16, True, *shape, dev)
+    k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N, M, N, G,
+                                 cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
+    r = int4_cuda._kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, int4_cuda.KW, int4_cuda.CG, dev)
+    r(_cdiv(M * N, 256), 256, [ws, out, sym, M, N, S], dev)
+    return out
+
+
+__all__ = ["w4a16_mma", "available", "supports", "mma_config", "shape_config", "reserve_workspace", "MMA_SOURCE",
+           "source", "MEASURED", "FORMATS"]

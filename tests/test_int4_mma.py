@@ -1,0 +1,189 @@
+"""kernels/int4_mma.py (mma.sync W4A16 kernel for small batches) against x @ unpack_ref(w)^T (exact weights).
+
+CPU: tests/cuda_emu.py runs the source with g++ (mma.sync emulated with PTX's fragment layout): every format,
+rows past the 16-row tile and past the block, partial groups per warp, split-K, batch tiles of 1/2/4/8 and
+several tiles, fp16 x, bf16 output = the fp32 result rounded once, and rows bitwise independent of M. The launch
+rule: a split never holds more than GMAX groups, and nothing but (N, K, fmt) sets it.
+GPU (`gpu` marker): the same on the tensor cores for odd and issue shapes, B = 1..256, batch invariance, CUDA
+graph capture with out= (nothing allocated), and the dispatch's cuda_mma variant (Q8_0 falls back).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quant_pack import unpack_ref
+from kernels import int4_dispatch as disp, int4_mma
+from tests import cuda_emu
+from tests.test_int4_gemm import _check, _weight, _x  # noqa: F401  (also sets the interpreter flag)
+
+ON_GPU = torch.cuda.is_available()
+needs_mma = pytest.mark.skipif(ON_GPU and not int4_mma.available(), reason="no NVRTC binding or no sm_80+ device")
+MMA_FMTS = list(int4_mma.FORMATS)
+
+
+@pytest.fixture
+def seed() -> int:
+    import os
+
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={s}")
+    return s
+
+
+# (N, K, fmt, Ms, config): N = 40 / 33 / 72 leave rows past a 16-row tile and past the block; the configs give
+# one and several phases (P), ring depths U that do and do not divide a warp's groups, and explicit splits
+EMU = [(40, 256, "q4_0", (1, 3, 9), {"RT": 1, "P": 2, "U": 2}),
+       (72, 1024, "q4_1", (2, 8, 17), {"RT": 2, "P": 2, "U": 3, "SPLIT_K": 3}),
+       (33, 768, "q4_k", (5,), {"RT": 1, "P": 3, "U": 4}),
+       (40, 2048, "q4_0", (4,), {"RT": 2, "P": 1, "U": 2, "SPLIT_K": 1}),     # one split of GMAX groups
+       (64, 1280, "q4_k", (1, 8), None)]
+
+
+def _emulated_matches_ref(seed, N, K, fmt, Ms, config):
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    x_all = _x(seed, max(Ms), K, xs, device="cpu")
+    y_all = cuda_emu.w4a16_mma_emulated(x_all, pw, out32=True, config=config)
+    ref = x_all.float() @ unpack_ref(pw).T
+    err = (y_all - ref).abs().max().item()
+    cfg = int4_mma.mma_config(max(Ms), N, K, fmt, config)
+    assert err <= 1e-4 * (1 + ref.abs().max().item()), f"seed={seed} {fmt} {N}x{K} {cfg}: max err {err}"
+    for M in Ms:
+        y = cuda_emu.w4a16_mma_emulated(x_all[:M], pw, out32=True, config=config)
+        assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} {N}x{K} {config}: M={M} rows differ from M={max(Ms)}"
+    y16 = cuda_emu.w4a16_mma_emulated(x_all, pw, config=config)
+    assert torch.equal(y16, y_all.to(torch.bfloat16)), "bf16 output is not the fp32 result rounded once"
+    x16 = x_all.half()
+    _check(cuda_emu.w4a16_mma_emulated(x16, pw, config=config), (x16.float() @ unpack_ref(pw).T).half(), seed,
+           f"{fmt} fp16")
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_source_emulated_matches_ref(seed, case):
+    _emulated_matches_ref(seed, *case)
+
+
+def test_emulated_cases_cover_the_launch_shapes():
+    cfgs = [int4_mma.mma_config(m, *c[:3], c[4]) for c in EMU for m in c[3]]
+    assert any(c["SPLIT_K"] > 1 for c in cfgs) and any(c["SPLIT_K"] == 1 for c in cfgs)
+    assert {c["BT"] for c in cfgs} >= {1, 2, 4, 8} and any(c["n_bt"] > 1 for c in cfgs)
+    assert {c["P"] for c in cfgs} >= {1, 2, 3}
+    assert any(c["groups_per_split"] % (c["P"] * c["U"]) for c in cfgs)      # a partial round of the ring
+
+
+def test_split_rule_is_shape_only_and_bounded():
+    for N, K in [(5120, 17408), (17408, 5120), (5120, 12288), (4096, 4096), (2048, 8192), (40, 2560)]:
+        G = K // 32
+        c1 = int4_mma.mma_config(1, N, K, "q4_0")
+        assert c1["groups_per_split"] <= int4_mma.GMAX and c1["SPLIT_K"] * c1["groups_per_split"] >= G
+        assert (c1["SPLIT_K"] - 1) * c1["groups_per_split"] < G                  # no empty split
+        for M in (2, 8, 9, 200):
+            c = int4_mma.mma_config(M, N, K, "q4_0")
+            assert (c["SPLIT_K"], c["groups_per_split"]) == (c1["SPLIT_K"], c1["groups_per_split"])
+    assert int4_mma.mma_config(1, 40, 2560, "q4_0", {"SPLIT_K": 1})["SPLIT_K"] == 2     # GMAX wins
+    for bad in ({"RT": 0}, {"RT": 8, "P": 4}, {"U": 17}, {"SPLIT_K": 2, "TARGET_BLOCKS": 8}, {"KW": 4}):
+        with pytest.raises(ValueError):
+            int4_mma.mma_config(1, 64, 1024, "q4_0", bad)
+
+
+def test_q8_0_is_refused_and_dispatch_falls_back():
+    pw, _ = _weight("q8_0", 16, 64, 0, device="cpu")
+    with pytest.raises(ValueError, match="q8_0"):
+        int4_mma.w4a16_mma(torch.zeros(1, 64, dtype=torch.bfloat16), pw)
+    assert not int4_mma.supports("q8_0") and int4_mma.supports("q4_k")
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+
+def _ref(x, pw):
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return (x.float() @ unpack_ref(pw).T).to(x.dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+ODD = [(40, 256, "q4_0"), (72, 1024, "q4_1"), (33, 768, "q4_k"), (1000, 1088, "q4_0"), (95, 1280, "q4_k"),
+       (130, 96, "q4_1")]
+ISSUE = [(5120, 17408), (17408, 5120), (5120, 12288), (4096, 4096), (2048, 8192)]
+
+
+@pytest.mark.gpu
+@needs_mma
+@pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in MMA_FMTS], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_matches_ref(seed, case):
+    N, K, fmt = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    Ms = (1, 2, 3, 4, 5, 8, 9, 16, 31, 64, 129, 256) if N * K < 1 << 24 else (1, 2, 4, 8, 17, 64, 256)
+    for M in Ms:
+        x = _x(seed + M, M, K, xs, device="cuda")
+        _check(int4_mma.w4a16_mma(x, pw), _ref(x, pw), seed,
+               f"cuda_mma {fmt} N={N} K={K} M={M} cfg={int4_mma.mma_config(M, N, K, fmt)}")
+    x = _x(seed, 6, K, xs, torch.float16, device="cuda")
+    _check(int4_mma.w4a16_mma(x, pw), _ref(x, pw), seed, f"cuda_mma {fmt} N={N} K={K} fp16")
+
+
+@pytest.mark.gpu
+@needs_mma
+@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (4096, 4096, "q4_0"), (2048, 8192, "q4_k")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_batch_invariant_fp32(seed, case):
+    """Rows are bitwise equal whatever M (so whichever batch tile and tile index), fp32 out."""
+    N, K, fmt = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    x = _x(seed, 100, K, xs, device="cuda")
+    y_all = int4_mma.w4a16_mma(x, pw, torch.empty(100, N, device="cuda"))
+    for M in (1, 2, 3, 7, 8, 9, 33):
+        for lo in (0, 100 - M):
+            y = int4_mma.w4a16_mma(x[lo:lo + M], pw, torch.empty(M, N, device="cuda"))
+            assert torch.equal(y, y_all[lo:lo + M]), f"seed={seed} {fmt}: rows {lo}..{lo + M} differ at M={M}"
+
+
+@pytest.mark.gpu
+@needs_mma
+def test_mma_strided_and_graph_capture(seed):
+    N, K, fmt = 2048, 8192, "q4_0"
+    assert int4_mma.mma_config(8, N, K, fmt)["SPLIT_K"] > 1       # the workspace and the reduce kernel
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    big = _x(seed, 8, 2 * K, xs, device="cuda")
+    _check(int4_mma.w4a16_mma(big[:, ::2], pw), _ref(big[:, ::2], pw), seed, "strided x (copied)")
+    x = big[:, :K]                                                 # row stride 2K
+    out_big = torch.empty(8, 2 * N, dtype=x.dtype, device="cuda")
+    out = out_big[:, N:]
+    int4_mma.w4a16_mma(x, pw, out)
+    _check(out, _ref(x, pw), seed, "row-strided x and out")
+    disp.reserve(x.device, x.dtype, [pw], 8)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        int4_mma.w4a16_mma(x, pw, out)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        before = torch.cuda.memory_allocated()
+        int4_mma.w4a16_mma(x, pw, out)
+        after = torch.cuda.memory_allocated()
+    assert after == before, f"allocated {after - before} bytes during capture"
+    x.copy_(_x(seed + 1, 8, K, xs, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, int4_mma.w4a16_mma(x, pw))
+
+
+@pytest.mark.gpu
+@needs_mma
+def test_mma_agrees_with_cuda_core_kernel(seed):
+    """Same per-group formula as int4_cuda (only the group sums' order differs): close to fp32 rounding."""
+    from kernels import int4_cuda
+
+    if not int4_cuda.available():
+        pytest.skip("no CUDA-core kernel here")
+    pw, xs = _weight("q4_k", 5120, 4096, seed % 1000, device="cuda")
+    x = _x(seed, 8, 4096, xs, device="cuda")
+    a = int4_mma.w4a16_mma(x, pw, torch.empty(8, 5120, device="cuda"))
+    b = int4_cuda.w4a16_cuda(x, pw, torch.empty(8, 5120, device="cuda"))
+    assert (a - b).abs().max().item() <= 1e-4 * (1 + b.abs().max().item())
