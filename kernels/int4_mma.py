@@ -11,7 +11,8 @@ warp's mma.sync m16n8k16 takes 16 rows x 16 weights x 8 sequences in one instruc
 CUDA cores is turning nibbles into 16-bit integers, ~1.4 instructions per weight, the same for 1 and for 8
 sequences.
 
-The kernel (one warp = one 16-row tile; the batch tile BT <= 8 is the mma's n = 8 columns)
+The kernel (one warp = one 16-row tile; a batch tile of BT <= 8 sequences is the mma's n = 8 columns, 16 are two
+such blocks sharing the dequantized A fragments)
   Weights as the A operand, untouched integers: lane (g, t) (g = lane / 4, t = lane % 4) loads word t of the
   group's 16-byte record for rows g and g + 8 (a warp load covers 8 consecutive records: 128 contiguous
   bytes). The word's eight nibbles s = 0..7 (weights 8t + s) become four bf16x2 / f16x2 pairs (s, s + 4) with
@@ -29,7 +30,8 @@ The kernel (one warp = one 16-row tile; the batch tile BT <= 8 is the mma's n = 
   barrier; that bounds a split to GMAX groups.
 
 Batch invariance: the split (and so every sum's order) comes from (N, K, fmt) only; BT only sets how much x is
-staged and which mma columns are live, and the columns of an mma are independent. So row m of y is bitwise
+staged, which mma columns are live and whether a lane runs one or two column blocks, and the columns of an
+mma are independent. So row m of y is bitwise
 the same whatever M is.
 """
 from __future__ import annotations
@@ -43,9 +45,9 @@ from kernels import int4_cuda
 
 FORMATS = ("q4_0", "q4_1", "q4_k")
 FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2}
-BTG = 8                        # sequences per batch tile: the mma's n
-BT_CHOICES = (1, 2, 4, 8)
-GMAX = 64                      # groups per split: x for BT = 8 (and its group sums) staged once in 48 KB
+BTG = 16                       # sequences per batch tile: one or two blocks of the mma's n = 8
+BT_CHOICES = (1, 2, 4, 8, 16)
+GMAX = 32                      # groups per split: x for BT = 16 (and its group sums) staged once in 48 KB
 ROWS_PER_TILE = 16             # the mma's m
 NUM_SMS = int4_cuda.NUM_SMS
 # launch shape: RT row tiles and P phases per block (KW = RT * P warps), U loads in flight per warp; the split
@@ -53,7 +55,8 @@ NUM_SMS = int4_cuda.NUM_SMS
 # tile), unless SPLIT_K names it. Defaults and MEASURED from an H200 sweep over 7 layouts x 5 splits at
 # B = 1, 4, 8 (torch 2.11, cupy 14.2): one warp per row tile of 4-warp blocks (RT 4, P 1, U 4) was the best
 # or within 5% over B = 1 + 4 + 8 on 7 of 10 shapes; the entries are the other three (us at B = 1 / 4 / 8,
-# against the defaults').
+# against the defaults'). The floor of one split per GMAX = 32 groups (so that 16 sequences' x fits) cost
+# up to 5% there at B <= 8 where longer splits were faster (5120x17408 Q4_0: 17 splits instead of 9).
 RT, P, U = 4, 1, 4
 TARGET_BLOCKS = 4 * NUM_SMS
 MAX_SPLIT = 32
@@ -71,10 +74,11 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
 
-// FMT 0 q4_0, 1 q4_1, 2 q4_k; BT batch tile (<= 8); X_F16: x, y fp16 (else bf16); OUT32: y fp32 (the split-K
+// FMT 0 q4_0, 1 q4_1, 2 q4_k; BT batch tile (<= 16); X_F16: x, y fp16 (else bf16); OUT32: y fp32 (the split-K
 // workspace, or an fp32 output); RT row tiles and P phases per block; U loads in flight per warp; GMAX groups
 // per split at most.
 #define KW (RT * P)
+#define NB (BT > 8 ? 2 : 1)                     /* the mma's 8-column blocks per tile (16 sequences: 2) */
 #define NRAW (FMT == 2 ? 3 : FMT == 1 ? 2 : 1)   /* per row: q4_0 {d}; q4_1 {d, m}; q4_k {d, dmin, sc | mn << 8} */
 #define XROW (GMAX * 16 + 16)                   /* u32 words per staged x row (+16: LDS.128 without conflicts) */
 
@@ -193,32 +197,41 @@ __device__ __forceinline__ float slot_min(const u32 (&r)[NRAW]) {
 #endif
 }
 
-// one group: two mmas on exact integers (x from the staged row xr, this lane's 16 bytes of group gi), then
-// the group's scale and, q4_1 / q4_k, its min term in fp32. live: the lane's B column is a sequence of the tile.
-__device__ __forceinline__ void apply_slot(float (&acc)[4], const Slot& sl, const u32* xr, int gi, int t, u32 live,
-                                           float x0, float x1) {
+// one group: per 8-column block c, two mmas on exact integers (x from the staged row xr[c], this lane's 16 bytes
+// of group gi), then the group's scale and, q4_1 / q4_k, its min term (sums xs[.][gi] of the lane's two
+// columns, 0 where a column is past the tile) in fp32. live[c]: the lane's B column is a sequence of the tile.
+__device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl, const u32* const (&xr)[NB],
+                                           const u32 (&live)[NB], const float* const (&xs2)[2 * NB],
+                                           const float (&l2)[2 * NB], int gi, int t) {
     u32 a_lo[4], a_hi[4];
     a_lo[0] = nib_pair(sl.wa, 0); a_lo[1] = nib_pair(sl.wb, 0);
     a_lo[2] = nib_pair(sl.wa, 1); a_lo[3] = nib_pair(sl.wb, 1);
     a_hi[0] = nib_pair(sl.wa, 2); a_hi[1] = nib_pair(sl.wb, 2);
     a_hi[2] = nib_pair(sl.wa, 3); a_hi[3] = nib_pair(sl.wb, 3);
-    const uint4 xv = *reinterpret_cast<const uint4*>(xr + (gi * 4 + t) * 4);
-    const u32 b_lo[2] = {xv.x & live, xv.y & live}, b_hi[2] = {xv.z & live, xv.w & live};
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma16816(d, a_lo, b_lo);
-    mma16816(d, a_hi, b_hi);
     const float sa = slot_scale(sl.ra), sb = slot_scale(sl.rb);
-    acc[0] = __fmaf_rn(sa, d[0], acc[0]);
-    acc[1] = __fmaf_rn(sa, d[1], acc[1]);
-    acc[2] = __fmaf_rn(sb, d[2], acc[2]);
-    acc[3] = __fmaf_rn(sb, d[3], acc[3]);
 #if FMT != 0
     const float ca = slot_min(sl.ra), cb = slot_min(sl.rb);
-    acc[0] = __fmaf_rn(ca, x0, acc[0]);
-    acc[1] = __fmaf_rn(ca, x1, acc[1]);
-    acc[2] = __fmaf_rn(cb, x0, acc[2]);
-    acc[3] = __fmaf_rn(cb, x1, acc[3]);
 #endif
+#pragma unroll
+    for (int c = 0; c < NB; ++c) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(xr[c] + (gi * 4 + t) * 4);
+        const u32 b_lo[2] = {xv.x & live[c], xv.y & live[c]}, b_hi[2] = {xv.z & live[c], xv.w & live[c]};
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma16816(d, a_lo, b_lo);
+        mma16816(d, a_hi, b_hi);
+        float* ac = acc + 4 * c;
+        ac[0] = __fmaf_rn(sa, d[0], ac[0]);
+        ac[1] = __fmaf_rn(sa, d[1], ac[1]);
+        ac[2] = __fmaf_rn(sb, d[2], ac[2]);
+        ac[3] = __fmaf_rn(sb, d[3], ac[3]);
+#if FMT != 0
+        const float x0 = xs2[2 * c][gi] * l2[2 * c], x1 = xs2[2 * c + 1][gi] * l2[2 * c + 1];
+        ac[0] = __fmaf_rn(ca, x0, ac[0]);
+        ac[1] = __fmaf_rn(ca, x1, ac[1]);
+        ac[2] = __fmaf_rn(cb, x0, ac[2]);
+        ac[3] = __fmaf_rn(cb, x1, ac[3]);
+#endif
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(KW * 32)
@@ -231,7 +244,9 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     __shared__ float xpart[BT][GMAX][4];
     __shared__ float xsum[BT][GMAX];
 #endif
-    __shared__ float red[P > 1 ? P - 1 : 1][RT][32][4];
+#if P > 1
+    __shared__ float red[P - 1][RT][32][4 * NB];
+#endif
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;
@@ -293,23 +308,34 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 
     // 3. the warp's groups in order: full rounds of the ring (each slot refilled right after use), then the
     //    last partial round from the loads already in flight
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const u32* xr = &xs[g8 < BT ? g8 : 0][0];
-    const u32 live = g8 < BT ? 0xFFFFFFFFu : 0u;
+    float acc[4 * NB];
+#pragma unroll
+    for (int j = 0; j < 4 * NB; ++j) acc[j] = 0.0f;
+    const u32* xr[NB];
+    u32 live[NB];
+    const float* xs2[2 * NB];
+    float l2[2 * NB];
+#pragma unroll
+    for (int c = 0; c < NB; ++c) {
+        const int b = 8 * c + g8;                                  // the lane's B column
+        xr[c] = &xs[b < BT ? b : 0][0];
+        live[c] = b < BT ? 0xFFFFFFFFu : 0u;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {                              // the lane's D columns
+            const int bd = 8 * c + 2 * t + h;
 #if FMT != 0
-    const float* xa = &xsum[2 * t < BT ? 2 * t : 0][0];
-    const float* xb = &xsum[2 * t + 1 < BT ? 2 * t + 1 : 0][0];
-    const float la = 2 * t < BT ? 1.0f : 0.0f, lb = 2 * t + 1 < BT ? 1.0f : 0.0f;
-#define XSUMS(gi) xa[gi] * la, xb[gi] * lb
+            xs2[2 * c + h] = &xsum[bd < BT ? bd : 0][0];
 #else
-#define XSUMS(gi) 0.0f, 0.0f
+            xs2[2 * c + h] = nullptr;                              // no min term
 #endif
+            l2[2 * c + h] = bd < BT ? 1.0f : 0.0f;
+        }
+    }
     int i = 0;
     for (; i + U <= ni; i += U) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int gi = ph + (i + u) * P;
-            apply_slot(acc, ring[u], xr, gi, t, live, XSUMS(gi));
+            apply_slot(acc, ring[u], xr, live, xs2, l2, ph + (i + u) * P, t);
             if (i + u + U < ni) {                                  // warp-uniform
                 load_slot(ring[u], qw, sc, mn, sub, ia, ib, gn, na, nb, t, N);
                 ia += step; ib += step; gn += P;
@@ -318,30 +344,26 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        if (i + u < ni) {
-            const int gi = ph + (i + u) * P;
-            apply_slot(acc, ring[u], xr, gi, t, live, XSUMS(gi));
-        }
+        if (i + u < ni) apply_slot(acc, ring[u], xr, live, xs2, l2, ph + (i + u) * P, t);
     }
-#undef XSUMS
 
-    // 4. the phases' sums in phase order, by phase 0; lane (g, t) holds rows g, g + 8 x sequences 2t, 2t + 1
+    // 4. the phases' sums in phase order, by phase 0; lane (g, t) holds rows g, g + 8 x sequences 8c + 2t, + 1
 #if P > 1
     if (ph > 0) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) red[ph - 1][rt][lane][j] = acc[j];
+        for (int j = 0; j < 4 * NB; ++j) red[ph - 1][rt][lane][j] = acc[j];
     }
     __syncthreads();
     if (ph != 0) return;
 #pragma unroll
     for (int q = 0; q < P - 1; ++q) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j] += red[q][rt][lane][j];
+        for (int j = 0; j < 4 * NB; ++j) acc[j] += red[q][rt][lane][j];
     }
 #endif
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int n = n0 + g8 + (j >= 2 ? 8 : 0), b = 2 * t + (j & 1), m = m0 + b;
+    for (int j = 0; j < 4 * NB; ++j) {
+        const int n = n0 + g8 + ((j & 3) >= 2 ? 8 : 0), b = 8 * (j >> 2) + 2 * t + (j & 1), m = m0 + b;
         if (n < N && b < BT && m < M) {
 #if OUT32
             reinterpret_cast<float*>(y)[(i64)s * sys + (i64)m * sym + n] = acc[j];
@@ -408,9 +430,11 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
 
 
 def _smem(fmt: str, bt: int, rt: int, p: int) -> int:
+    """Static shared memory of one block (the kernel's xs, xpart, xsum, red)."""
+    nb = 2 if bt > 8 else 1
     xs = bt * (GMAX * 16 + 16) * 4
     xsum = 0 if fmt == "q4_0" else bt * GMAX * 4 * (4 + 1)        # xpart, xsum
-    return xs + xsum + max(p - 1, 1) * rt * 32 * 4 * 4
+    return xs + xsum + (p - 1) * rt * 32 * 4 * nb * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -428,8 +452,13 @@ def _split(G: int, n_nt: int, target: int | None, split_k: int | None) -> tuple[
     return _cdiv(G, gps), gps
 
 
-def batch_tile(M: int) -> int:
-    return next((b for b in BT_CHOICES if M <= b), BTG)
+def batch_tile(M: int, gps: int, fmt: str, rt: int, p: int) -> int:
+    """The smallest of 1/2/4/8/16 holding M, 16 above (more tiles over the grid); 8 instead of 16 where a
+    16-sequence block would not fit in shared memory (phase sums of many warps). Bit-neutral: an mma's
+    columns are independent."""
+    if M <= 8:
+        return next(b for b in BT_CHOICES if M <= b)
+    return 16 if _smem(fmt, 16, rt, p) <= SMEM_LIMIT else 8
 
 
 def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
@@ -437,10 +466,10 @@ def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> 
     c = shape_config(N, K, fmt, config)
     n_nt = _cdiv(N, ROWS_PER_TILE * c["RT"])
     S, gps = _split(K // GROUP, n_nt, c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
-    bt = batch_tile(M)
+    if _smem(fmt, 8, c["RT"], c["P"]) > SMEM_LIMIT:                # 16 falls back to 8 (batch_tile)
+        raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {_smem(fmt, 8, c['RT'], c['P'])} B of shared memory")
+    bt = batch_tile(M, gps, fmt, c["RT"], c["P"])
     n_bt = _cdiv(M, bt)
-    if _smem(fmt, BTG, c["RT"], c["P"]) > SMEM_LIMIT:
-        raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {_smem(fmt, BTG, c['RT'], c['P'])} B of shared memory")
     return {"BT": bt, "RT": c["RT"], "P": c["P"], "U": c["U"], "SPLIT_K": S, "groups_per_split": gps,
             "grid": n_bt * n_nt * S, "block": c["RT"] * c["P"] * 32, "n_bt": n_bt, "n_nt": n_nt,
             "workspace_floats": S * M * N if S > 1 else 0}

@@ -35,9 +35,9 @@ def seed() -> int:
 # one and several phases (P), ring depths U that do and do not divide a warp's groups, and explicit splits
 EMU = [(40, 256, "q4_0", (1, 3, 9), {"RT": 1, "P": 2, "U": 2}),
        (72, 1024, "q4_1", (2, 8, 17), {"RT": 2, "P": 2, "U": 3, "SPLIT_K": 3}),
-       (33, 768, "q4_k", (5,), {"RT": 1, "P": 3, "U": 4}),
-       (40, 2048, "q4_0", (4,), {"RT": 2, "P": 1, "U": 2, "SPLIT_K": 1}),     # one split of GMAX groups
-       (64, 1280, "q4_k", (1, 8), None)]
+       (33, 768, "q4_k", (5, 12), {"RT": 1, "P": 3, "U": 4}),
+       (40, 1024, "q4_0", (4, 16), {"RT": 2, "P": 1, "U": 2, "SPLIT_K": 1}),     # one split of GMAX groups
+       (64, 1280, "q4_k", (1, 8, 20), None)]
 
 
 def _emulated_matches_ref(seed, N, K, fmt, Ms, config):
@@ -67,7 +67,7 @@ def test_mma_source_emulated_matches_ref(seed, case):
 def test_emulated_cases_cover_the_launch_shapes():
     cfgs = [int4_mma.mma_config(m, *c[:3], c[4]) for c in EMU for m in c[3]]
     assert any(c["SPLIT_K"] > 1 for c in cfgs) and any(c["SPLIT_K"] == 1 for c in cfgs)
-    assert {c["BT"] for c in cfgs} >= {1, 2, 4, 8} and any(c["n_bt"] > 1 for c in cfgs)
+    assert {c["BT"] for c in cfgs} >= {1, 2, 4, 8, 16} and any(c["n_bt"] > 1 for c in cfgs)
     assert {c["P"] for c in cfgs} >= {1, 2, 3}
     assert any(c["groups_per_split"] % (c["P"] * c["U"]) for c in cfgs)      # a partial round of the ring
 
@@ -81,7 +81,10 @@ def test_split_rule_is_shape_only_and_bounded():
         for M in (2, 8, 9, 200):
             c = int4_mma.mma_config(M, N, K, "q4_0")
             assert (c["SPLIT_K"], c["groups_per_split"]) == (c1["SPLIT_K"], c1["groups_per_split"])
-    assert int4_mma.mma_config(1, 40, 2560, "q4_0", {"SPLIT_K": 1})["SPLIT_K"] == 2     # GMAX wins
+    assert int4_mma.mma_config(1, 40, 2560, "q4_0", {"SPLIT_K": 1})["SPLIT_K"] == -(-80 // int4_mma.GMAX)  # GMAX wins
+    # 16-sequence tiles where the block's shared memory holds them, else tiles of 8 (same bits)
+    assert int4_mma.mma_config(16, 5120, 4096, "q4_k", {"RT": 4, "P": 1})["BT"] == 16
+    assert int4_mma.mma_config(16, 5120, 4096, "q4_k", {"RT": 8, "P": 2})["BT"] == 8
     for bad in ({"RT": 0}, {"RT": 8, "P": 4}, {"U": 17}, {"SPLIT_K": 2, "TARGET_BLOCKS": 8}, {"KW": 4}):
         with pytest.raises(ValueError):
             int4_mma.mma_config(1, 64, 1024, "q4_0", bad)
