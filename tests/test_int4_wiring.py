@@ -193,6 +193,23 @@ def test_table_entries_from_recorded_runs(tmp_path, capsys):
     assert "(5120, 17408, 'q4_0'): {'invariant': 'triton', 1: 'cuda'" in printed
 
 
+def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
+    """H200 times (us) of 2048x8192 Q4_0 at B = 1..128: cuda_mma has the smaller total (144 vs 148 us) but is
+    1.76x the fastest at B = 128, where Triton is never worse than 1.66x: the invariant pick is Triton."""
+    import pandas as pd
+
+    B = [1, 2, 4, 8, 16, 32, 64, 128]
+    t = {"triton": [12.8, 13.1, 14.8, 14.6, 18.1, 19.1, 25.1, 30.2],
+         "cuda_mma": [8.7, 9.0, 9.5, 9.2, 10.9, 17.3, 28.4, 51.0],
+         "dequant_cublas": [23.8, 23.7, 23.4, 22.3, 22.6, 23.0, 23.6, 29.0]}
+    assert sum(t["cuda_mma"]) < sum(t["triton"])
+    df = pd.DataFrame([{"params.micro.n": "2048", "params.micro.k": "8192", "params.micro.fmt": "q4_0",
+                        "params.batch.size": str(b), **{f"metrics.{v}_us": t[v][i] for v in t}}
+                       for i, b in enumerate(B)])
+    entry = disp.table_entries(df)[(2048, 8192, "q4_0")]
+    assert entry["invariant"] == "triton" and entry[1] == "cuda_mma" and entry[128] == "dequant_cublas"
+
+
 def test_cuda_module_imports_and_configures_without_cupy():
     from kernels import int4_cuda
 
