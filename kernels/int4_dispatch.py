@@ -25,9 +25,10 @@ The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4
 prints the entries to paste). Until a shape is measured the rule decides:
   invariant: "triton" (the CUDA kernels serve one batch tile of <= 8 sequences per weight pass, so over
              every B Triton's tensor-core tiles are the safe single choice);
-  fastest:   "cuda_mma" for M <= 8 where it runs (Q4_0 / Q4_1 / Q4_K), else "cuda" for M <= 4 (Q8_0), when
-             NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched prefill); else
-             "triton".
+  fastest:   "cuda_mma" for M <= 16 (one tile) where it runs (Q4_0 / Q4_1 / Q4_K), else "cuda" for M <= 4
+             (Q8_0), when NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched
+             prefill); else "triton". (H200, the 27B hybrid's four Q4_K shapes at B = 16: cuda_mma 44.9 /
+             93.7 / 35.9 / 22.2 us against Triton 56.2 / 106.4 / 35.5 / 26.5.)
 A variant that cannot run here (no CuPy / NVRTC, a format cuda_mma does not take, or the CPU) falls back to
 "triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
 """
@@ -86,7 +87,7 @@ def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
     """The documented rule for shapes MEASURED has no entry for."""
     if policy == "invariant":
         return "triton"
-    if M <= 8 and int4_mma.supports(fmt) and int4_mma.available():
+    if M <= 16 and int4_mma.supports(fmt) and int4_mma.available():
         return "cuda_mma"
     if M <= 4 and int4_cuda.available():
         return "cuda"

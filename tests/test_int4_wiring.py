@@ -112,10 +112,10 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
     monkeypatch.setattr(disp.int4_cuda, "available", lambda: True)
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
-    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma"
+    assert disp.choose(16, 5120, 17408, "q4_0", "fastest") == "cuda_mma"
     assert disp.choose(4, 5120, 17408, "q8_0", "fastest") == "cuda"            # a format cuda_mma does not take
     assert disp.choose(8, 5120, 17408, "q8_0", "fastest") == "triton"
-    assert disp.choose(16, 5120, 17408, "q4_0", "fastest") == "triton"
+    assert disp.choose(17, 5120, 17408, "q4_0", "fastest") == "triton"
     assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
     monkeypatch.setattr(disp.int4_mma, "available", lambda: False)
     assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "cuda"
