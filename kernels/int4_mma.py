@@ -8,8 +8,9 @@ exact weights: every group's integer dot product is taken on the tensor cores an
 Why: the CUDA-core kernel (int4_cuda) spends ~3.5 instructions per weight per lane (nibble to fp32, one FMA per
 sequence), so at B = 1 it is issue-bound long before HBM is, and its time grows with every sequence. Here a
 warp's mma.sync m16n8k16 takes 16 rows x 16 weights x 8 sequences in one instruction; what is left on the
-CUDA cores is turning nibbles into 16-bit integers, ~1.4 instructions per weight, the same for 1 and for 8
-sequences.
+CUDA cores is turning nibbles into 16-bit integers (a shift, a mask-and-or and a packed fma per pair of
+weights: 1.5 instructions per weight), the same for 1 and for 8 sequences, plus per group 2 mmas and 4 fp32
+scalings per 8 sequences (SASS of the inner loop: ~33 instructions per 16 weights per lane).
 
 The kernel (one warp = one 16-row tile; a batch tile of BT <= 8 sequences is the mma's n = 8 columns, 16 are two
 such blocks sharing the dequantized A fragments)
@@ -31,8 +32,7 @@ such blocks sharing the dequantized A fragments)
 
 Batch invariance: the split (and so every sum's order) comes from (N, K, fmt) only; BT only sets how much x is
 staged, which mma columns are live and whether a lane runs one or two column blocks, and the columns of an
-mma are independent. So row m of y is bitwise
-the same whatever M is.
+mma are independent. So row m of y is bitwise the same whatever M is.
 """
 from __future__ import annotations
 
