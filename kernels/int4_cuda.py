@@ -534,53 +534,70 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
 # --------------------------------------------------------------------------------------------------
 # host entry point
 
-def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
-               config: dict | None = None) -> torch.Tensor:
-    """y = x @ w^T for a packed weight with the CUDA kernel (module docstring). x [M, K] bf16/fp16 with
-    unit column stride; out [M, N] (unit column stride) of x's dtype or float32, allocated when None.
-    config: a launch shape overriding MEASURED / the defaults for this call (tuning sweeps; see shape_config)."""
-    assert isinstance(pw, PackedWeight), f"w4a16_cuda: pw must be a PackedWeight, got {type(pw).__name__}"
-    assert x.dim() == 2 and x.shape[1] == pw.K, f"w4a16_cuda: x {tuple(x.shape)} vs weight [{pw.N}, {pw.K}]"
-    assert x.dtype in _DTYPES, f"w4a16_cuda: x dtype {x.dtype} not supported (bf16 / fp16)"
-    assert x.is_cuda and pw.qweight.device == x.device, "w4a16_cuda: x and the weight must be on one CUDA device"
+def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None, plan, kernel,
+               x_needs_copy, words_per_pair: int) -> torch.Tensor:
+    """The host path shared by the CUDA W4A16 kernels (this one and kernels/int4_mma.py), whose kernels take the
+    same arguments (x, qweight, scales, mins, sub, y, sxm, sym, sys, M, N, G, groups per split, n_bt, n_nt):
+    argument checks, empty shapes, copies of x / out the kernel cannot read or write in place, then one launch
+    and, split-K, the partials into the workspace and the split-order reduce.
+    plan(M, N, K, fmt) -> the launch dict; kernel(cfg, x_f16, out32, device) -> the compiled kernel;
+    x_needs_copy(x) -> whether x must be made contiguous first; words_per_pair: the kernel's int32 index
+    reaches G * N * words_per_pair."""
+    assert isinstance(pw, PackedWeight), f"{name}: pw must be a PackedWeight, got {type(pw).__name__}"
+    assert x.dim() == 2 and x.shape[1] == pw.K, f"{name}: x {tuple(x.shape)} vs weight [{pw.N}, {pw.K}]"
+    assert x.dtype in _DTYPES, f"{name}: x dtype {x.dtype} not supported (bf16 / fp16)"
+    assert x.is_cuda and pw.qweight.device == x.device, f"{name}: x and the weight must be on one CUDA device"
     M, K = x.shape
     N = pw.N
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     assert out.shape == (M, N) and out.dtype in (x.dtype, torch.float32), \
-        f"w4a16_cuda: out {tuple(out.shape)} {out.dtype}, expected {(M, N)} {x.dtype} or float32"
+        f"{name}: out {tuple(out.shape)} {out.dtype}, expected {(M, N)} {x.dtype} or float32"
     if M == 0 or N == 0:
         return out
     if K == 0:
         return out.zero_()
-    if x.stride(1) != 1 or M > 1 and x.stride(0) < K:
+    if x_needs_copy(x):
         x = x.contiguous()
     if out.stride(1) != 1:
-        return out.copy_(w4a16_cuda(x, pw, config=config))
-    cfg = cuda_config(M, N, K, pw.fmt, config)
+        return out.copy_(run_packed(name, x, pw, None, plan, kernel, x_needs_copy, words_per_pair))
+    cfg = plan(M, N, K, pw.fmt)
     x_f16 = x.dtype == torch.float16
     out32 = out.dtype == torch.float32
     G = K // GROUP
     c = pw.mins if pw.mins is not None else pw.scales
     sub = pw.sub if pw.sub is not None else pw.scales
-    assert sub.data_ptr() % 2 == 0, "w4a16_cuda: the kernel reads sub's (sc, mn) pairs as 16-bit words"
-    assert G * N < 2 ** 31, f"w4a16_cuda: {G} x {N} (group, row) pairs overflow the kernel's int32 index"
+    assert sub.data_ptr() % 2 == 0, f"{name}: the kernel reads sub's (sc, mn) pairs as 16-bit words"
+    assert G * N * words_per_pair < 2 ** 31, f"{name}: {G} x {N} (group, row) pairs overflow the kernel's int32 index"
     S, dev = cfg["SPLIT_K"], x.device
     sxm = x.stride(0) if M > 1 else K
     sym = out.stride(0) if M > 1 else N
+    tail = [M, N, G, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]]
     if S == 1:
-        k = _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, out32, cfg["KW"], cfg["CG"], dev)
-        k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0, M, N, G,
-                                     cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
+        kernel(cfg, x_f16, out32, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0,
+                                                                   *tail], dev)
         return out
     ws = _SPLITK.get(dev, S * M * N)
-    k = _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, True, cfg["KW"], cfg["CG"], dev)
-    k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N, M, N, G,
-                                 cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
+    kernel(cfg, x_f16, True, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N,
+                                                              *tail], dev)
     r = _kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, KW, CG, dev)   # format- and shape-free
     r(_cdiv(M * N, 256), 256, [ws, out, sym, M, N, S], dev)
     return out
 
 
-__all__ = ["w4a16_cuda", "available", "compiler", "cuda_config", "shape_config", "split_rule", "reserve_workspace",
+def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
+               config: dict | None = None) -> torch.Tensor:
+    """y = x @ w^T for a packed weight with the CUDA kernel (module docstring). x [M, K] bf16/fp16 with
+    unit column stride; out [M, N] (unit column stride) of x's dtype or float32, allocated when None.
+    config: a launch shape overriding MEASURED / the defaults for this call (tuning sweeps; see shape_config)."""
+    return run_packed(
+        "w4a16_cuda", x, pw, out,
+        plan=lambda M, N, K, fmt: cuda_config(M, N, K, fmt, config),
+        kernel=lambda cfg, x_f16, out32, dev: _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, out32, cfg["KW"],
+                                                      cfg["CG"], dev),
+        x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]),
+        words_per_pair=1)
+
+
+__all__ = ["w4a16_cuda", "run_packed", "available", "compiler", "cuda_config", "shape_config", "split_rule", "reserve_workspace",
            "CUDA_SOURCE", "source", "BTG", "MEASURED"]

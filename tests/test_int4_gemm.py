@@ -56,13 +56,6 @@ TOL = {torch.bfloat16: dict(rtol=1e-2, atol=1e-2), torch.float16: dict(rtol=4e-3
 SMALL = {"q4_0": (72, 160), "q4_1": (72, 160), "q8_0": (72, 160), "q4_k": (72, 512)}
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={s}")
-    return s
-
-
 def random_raw(fmt: str, N: int, K: int, seed: int, wide: bool = False, device: str = "cpu") -> torch.Tensor:
     """Random GGUF bytes [N, bytes per row]: random quant bytes; fp16 scale fields finite. wide: any finite
     fp16 bit pattern (zeros, subnormals, +-65504); else moderate magnitudes (randn x 10^U(-0.5, 0.5))."""

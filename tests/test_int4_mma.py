@@ -13,22 +13,14 @@ import pytest
 import torch
 
 from engine.quant_pack import unpack_ref
-from kernels import int4_dispatch as disp, int4_mma
+from kernels import int4_mma
 from tests import cuda_emu
+from tests.test_int4_cuda import ISSUE, gpu_matches_ref, gpu_rows_independent_of_m, gpu_strided_and_graph_capture
 from tests.test_int4_gemm import _check, _weight, _x  # noqa: F401  (also sets the interpreter flag)
 
 ON_GPU = torch.cuda.is_available()
 needs_mma = pytest.mark.skipif(ON_GPU and not int4_mma.available(), reason="no NVRTC binding or no sm_80+ device")
 MMA_FMTS = list(int4_mma.FORMATS)
-
-
-@pytest.fixture
-def seed() -> int:
-    import os
-
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={s}")
-    return s
 
 
 # (N, K, fmt, Ms, config): N = 40 / 33 / 72 leave rows past a 16-row tile and past the block; the configs give
@@ -100,33 +92,15 @@ def test_q8_0_is_refused_and_dispatch_falls_back():
 # --------------------------------------------------------------------------------------------------
 # GPU
 
-def _ref(x, pw):
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return (x.float() @ unpack_ref(pw).T).to(x.dtype)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
 ODD = [(40, 256, "q4_0"), (72, 1024, "q4_1"), (33, 768, "q4_k"), (1000, 1088, "q4_0"), (95, 1280, "q4_k"),
        (130, 96, "q4_1")]
-ISSUE = [(5120, 17408), (17408, 5120), (5120, 12288), (4096, 4096), (2048, 8192)]
 
 
 @pytest.mark.gpu
 @needs_mma
 @pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in MMA_FMTS], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_matches_ref(seed, case):
-    N, K, fmt = case
-    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
-    Ms = (1, 2, 3, 4, 5, 8, 9, 16, 31, 64, 129, 256) if N * K < 1 << 24 else (1, 2, 4, 8, 17, 64, 256)
-    for M in Ms:
-        x = _x(seed + M, M, K, xs, device="cuda")
-        _check(int4_mma.w4a16_mma(x, pw), _ref(x, pw), seed,
-               f"cuda_mma {fmt} N={N} K={K} M={M} cfg={int4_mma.mma_config(M, N, K, fmt)}")
-    x = _x(seed, 6, K, xs, torch.float16, device="cuda")
-    _check(int4_mma.w4a16_mma(x, pw), _ref(x, pw), seed, f"cuda_mma {fmt} N={N} K={K} fp16")
+    gpu_matches_ref(int4_mma.w4a16_mma, lambda M, N, K, fmt: int4_mma.mma_config(M, N, K, fmt), "cuda_mma", seed, *case)
 
 
 @pytest.mark.gpu
@@ -134,47 +108,15 @@ def test_mma_matches_ref(seed, case):
 @pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (4096, 4096, "q4_0"), (2048, 8192, "q4_k")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_batch_invariant_fp32(seed, case):
-    """Rows are bitwise equal whatever M (so whichever batch tile and tile index), fp32 out."""
-    N, K, fmt = case
-    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
-    x = _x(seed, 100, K, xs, device="cuda")
-    y_all = int4_mma.w4a16_mma(x, pw, torch.empty(100, N, device="cuda"))
-    for M in (1, 2, 3, 7, 8, 9, 33):
-        for lo in (0, 100 - M):
-            y = int4_mma.w4a16_mma(x[lo:lo + M], pw, torch.empty(M, N, device="cuda"))
-            assert torch.equal(y, y_all[lo:lo + M]), f"seed={seed} {fmt}: rows {lo}..{lo + M} differ at M={M}"
+    """Rows are bitwise equal whatever M (tiles of 1..16 sequences, several tiles), fp32 out."""
+    gpu_rows_independent_of_m(int4_mma.w4a16_mma, seed, *case)
 
 
 @pytest.mark.gpu
 @needs_mma
 def test_mma_strided_and_graph_capture(seed):
-    N, K, fmt = 2048, 8192, "q4_0"
-    assert int4_mma.mma_config(8, N, K, fmt)["SPLIT_K"] > 1       # the workspace and the reduce kernel
-    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
-    big = _x(seed, 8, 2 * K, xs, device="cuda")
-    _check(int4_mma.w4a16_mma(big[:, ::2], pw), _ref(big[:, ::2], pw), seed, "strided x (copied)")
-    x = big[:, :K]                                                 # row stride 2K
-    out_big = torch.empty(8, 2 * N, dtype=x.dtype, device="cuda")
-    out = out_big[:, N:]
-    int4_mma.w4a16_mma(x, pw, out)
-    _check(out, _ref(x, pw), seed, "row-strided x and out")
-    disp.reserve(x.device, x.dtype, [pw], 8)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        int4_mma.w4a16_mma(x, pw, out)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        before = torch.cuda.memory_allocated()
-        int4_mma.w4a16_mma(x, pw, out)
-        after = torch.cuda.memory_allocated()
-    assert after == before, f"allocated {after - before} bytes during capture"
-    x.copy_(_x(seed + 1, 8, K, xs, device="cuda"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, int4_mma.w4a16_mma(x, pw))
+    assert int4_mma.mma_config(8, 2048, 8192, "q4_0")["SPLIT_K"] > 1    # the workspace and the reduce kernel
+    gpu_strided_and_graph_capture(int4_mma.w4a16_mma, seed, 2048, 8192, "q4_0")
 
 
 @pytest.mark.gpu

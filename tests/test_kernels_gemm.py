@@ -61,13 +61,6 @@ SHAPES = [
 ]
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={s}")
-    return s
-
-
 def _inputs(seed: int, M: int, N: int, K: int, dtype=torch.bfloat16, device=DEV):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(dtype)
