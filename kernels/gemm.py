@@ -52,9 +52,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
+from kernels.triton_compat import tl, triton
 from kernels.workspace import SplitKWorkspace, block_m_from_env
 
 NUM_SMS = 132                 # H200; a constant so the config rule is machine-independent
@@ -143,10 +142,24 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def cast_out(acc, y_ptr, RNE_BF16: tl.constexpr):
+    """acc (fp32) -> y's dtype. RNE_BF16 (interpreter, bf16 out only): round to nearest even by hand,
+    because the interpreter's fp32 -> bf16 cast truncates; compiled casts are already RNE."""
+    if RNE_BF16:
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(y_ptr.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, stride_yn,
-                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # y = ((p0 + p1) + p2) + ... in fp32, then one rounding: a fixed order per element
+def splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, stride_yn,
+                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         RNE_BF16: tl.constexpr):
+    # y = ((p0 + p1) + p2) + ... in fp32, then one rounding: a fixed order per element. Shared with the
+    # int4 kernels (kernels/int4_gemm.py).
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -155,7 +168,7 @@ def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, 
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(p + s * stride_ws, mask=mask, other=0.0)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptrs, cast_out(acc, y_ptr, RNE_BF16), mask=mask)
 
 
 # whether triton.jit produced interpreter objects (TRITON_INTERPRET=1 when triton was imported)
@@ -343,7 +356,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts)
         rbm = min(16, _next_pow2(rows))
         rbn = 256
-        _splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
+        splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
             ws, ys, rows, N, rows * N, N, ys.stride(0), ys.stride(1),
-            SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, num_warps=4)
+            SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=False, num_warps=4)
     return out

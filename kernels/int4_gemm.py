@@ -77,6 +77,7 @@ import os
 import torch
 
 from engine.quant_pack import GROUP, PackedWeight, unpack_ref
+from kernels.gemm import cast_out, splitk_reduce_kernel
 from kernels.triton_compat import tl, triton
 from kernels.workspace import SplitKWorkspace, block_m_from_env
 
@@ -254,18 +255,6 @@ def _words_values(w, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: tl.const
 
 
 @triton.jit
-def _cast_out(acc, y_ptr, RNE_BF16: tl.constexpr):
-    """acc (fp32) -> y's dtype. RNE_BF16 (interpreter, bf16 out only): round to nearest even by hand,
-    because the interpreter's fp32 -> bf16 cast truncates; compiled casts are already RNE."""
-    if RNE_BF16:
-        bits = acc.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return acc.to(y_ptr.dtype.element_ty)
-
-
-@triton.jit
 def _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm, stride_xk,
                kb_lo, kb_hi, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr, EVEN_K: tl.constexpr,
                W_EVICT: tl.constexpr, UPCAST: tl.constexpr, DEQ_ASM: tl.constexpr, X_F16: tl.constexpr):
@@ -310,7 +299,7 @@ def _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w
         else:
             s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
             wv = v * s[:, :, None]
-        wk = _cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, UPCAST and not X_F16)    # one rounding per weight
+        wk = cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, UPCAST and not X_F16)    # one rounding per weight
         if UPCAST:   # interpreter: exact products, fp64 block sums rounded to fp32 (see the module docstring)
             acc = acc + tl.dot(wk.to(tl.float64), tl.trans(xk.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
         else:
@@ -432,23 +421,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, y_ptr, M, N, G,
     y_ptrs = (y_ptr + pid_s.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[None, :] * stride_ym
               + offs_n.to(tl.int64)[:, None] * stride_yn)
     mask = (offs_n[:, None] < N) & row_ok[None, :]
-    tl.store(y_ptrs, _cast_out(acc, y_ptr, RNE_BF16), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, stride_yn,
-                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          RNE_BF16: tl.constexpr):
-    # y = ((p0 + p1) + p2) + ... in fp32, then one rounding: a fixed order per element
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    p = ws_ptr + offs_m.to(tl.int64)[:, None] * stride_wm + offs_n[None, :]
-    acc = tl.load(p, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p + s * stride_ws, mask=mask, other=0.0)
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, _cast_out(acc, y_ptr, RNE_BF16), mask=mask)
+    tl.store(y_ptrs, cast_out(acc, y_ptr, RNE_BF16), mask=mask)
 
 
 # whether triton.jit produced interpreter objects (TRITON_INTERPRET=1 when triton was imported)
@@ -667,7 +640,7 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=False, **consts)
         rbm = min(16, _next_pow2(rows))
         rbn = 256
-        _splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
+        splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
             ws, ys, rows, N, rows * N, N, ys.stride(0), ys.stride(1),
             SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=rne, num_warps=4)
     return out
