@@ -402,6 +402,7 @@ class _Kernel:
 
     def __init__(self, src: str, name: str, how: str, device: torch.device):
         self.how, self.name = how, name
+        self._smem_set = 0
         if how == "cupy":
             with _cupy.cuda.Device(device.index or 0):
                 mod = _cupy.RawModule(code=src, options=("--std=c++14",))
@@ -412,8 +413,16 @@ class _Kernel:
             with torch.cuda.device(device):
                 self.fn = torch.cuda._compile_kernel(src, name)
 
-    def __call__(self, grid: int, block: int, args: list, device: torch.device) -> None:
+    def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
+        """Launch on torch's current stream; shared_mem: dynamic shared memory in bytes (above 48 KB the kernel's
+        limit is raised once, as CUDA requires)."""
         stream = torch.cuda.current_stream(device)
+        if shared_mem > self._smem_set and shared_mem > 48 * 1024:
+            if self.how == "cupy":
+                self.fn.max_dynamic_shared_size_bytes = shared_mem
+            else:
+                self.fn.set_shared_memory_config(shared_mem)
+            self._smem_set = shared_mem
         if self.how == "cupy":
             import numpy as np
 
@@ -423,9 +432,9 @@ class _Kernel:
                 ext = self._streams[ptr] = _cupy.cuda.ExternalStream(ptr, device.index or 0)
             cargs = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else np.int32(a) for a in args)
             with _cupy.cuda.Device(device.index or 0), ext:
-                self.fn((grid,), (block,), cargs)
+                self.fn((grid,), (block,), cargs, shared_mem=shared_mem)
         else:
-            self.fn(grid=(grid, 1, 1), block=(block, 1, 1), args=list(args), stream=stream)
+            self.fn(grid=(grid, 1, 1), block=(block, 1, 1), args=list(args), shared_mem=shared_mem, stream=stream)
 
 
 @functools.lru_cache(maxsize=None)
@@ -575,11 +584,11 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
     tail = [M, N, G, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]]
     if S == 1:
         kernel(cfg, x_f16, out32, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0,
-                                                                   *tail], dev)
+                                                                   *tail], dev, cfg.get("smem", 0))
         return out
     ws = _SPLITK.get(dev, S * M * N)
     kernel(cfg, x_f16, True, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N,
-                                                              *tail], dev)
+                                                              *tail], dev, cfg.get("smem", 0))
     r = _kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, KW, CG, dev)   # format- and shape-free
     r(_cdiv(M * N, 256), 256, [ws, out, sym, M, N, S], dev)
     return out

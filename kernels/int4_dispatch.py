@@ -3,8 +3,8 @@ shape among four variants:
 
   "triton"          kernels/int4_gemm.py: tensor-core W4A16 kernel, any B, batch-invariant
   "cuda"            kernels/int4_cuda.py: CUDA-core W4A16 kernel for small B (CuPy / NVRTC), batch-invariant
-  "cuda_mma"        kernels/int4_mma.py: mma.sync kernel for small B (tiles of 8 sequences; Q4_0 / Q4_1 /
-                    Q4_K; NVRTC like "cuda"), batch-invariant
+  "cuda_mma"        kernels/int4_mma.py: mma.sync kernel for small B (tiles of up to 32 sequences; Q4_0 /
+                    Q4_1 / Q4_K; NVRTC like "cuda"), batch-invariant
   "dequant_cublas"  dequantize the packed weight into a reusable per-device workspace (one bf16/fp16 [N, K]
                     buffer shared by every projection: memory = the largest single matrix, never a second
                     copy of the model), then torch.matmul. Not batch-invariant (cuBLAS picks its algorithm

@@ -10,17 +10,24 @@ sequence), so at B = 1 it is issue-bound long before HBM is, and its time grows 
 warp's mma.sync m16n8k16 takes 16 rows x 16 weights x 8 sequences in one instruction; what is left on the
 CUDA cores is turning nibbles into 16-bit integers (a shift, a mask-and-or and a packed fma per pair of
 weights: 1.5 instructions per weight), the same for 1 and for 8 sequences, plus per group 2 mmas and 4 fp32
-scalings per 8 sequences (SASS of the inner loop: ~33 instructions per 16 weights per lane).
+scalings per 8 sequences. SASS of the inner loop (sm_90, bf16, Q4_0, B = 1): ~42 instructions per group per
+warp (16 rows x 32 weights), 22 of them the nibble conversion; Q4_K ~80 (three 16-bit loads per row, and its
+6-bit scale and min made floats per group).
 
-The kernel (one warp = one 16-row tile; a batch tile of BT <= 8 sequences is the mma's n = 8 columns, 16 are two
-such blocks sharing the dequantized A fragments)
+The kernel (one warp = one 16-row tile; a batch tile of BT <= 8 sequences is the mma's n = 8 columns, 16 and 32
+are two and four such blocks sharing the dequantized A fragments)
   Weights as the A operand, untouched integers: lane (g, t) (g = lane / 4, t = lane % 4) loads word t of the
   group's 16-byte record for rows g and g + 8 (a warp load covers 8 consecutive records: 128 contiguous
   bytes). The word's eight nibbles s = 0..7 (weights 8t + s) become four bf16x2 / f16x2 pairs (s, s + 4) with
   one mask-and-or into the exponent of 128 (bf16) or 1024 (fp16) and one fma that removes it (and Q4_0's 8):
-  exact small integers. Pairs (0,4), (1,5) feed the group's first mma, (2,6), (3,7) its second.
+  exact small integers. Pairs (0,4), (1,5) feed the group's first mma, (2,6), (3,7) its second. The loads
+  step through the layout with pointers; where N % 16 == 0 (every model shape) row g + 8 is a constant
+  offset from row g, so one pointer per tensor serves both rows.
   x as the B operand: the mma's k-slots of lane t are weights 8t + (0, 4, 1, 5) and 8t + (2, 6, 3, 7) of the
-  group, so x is staged once per block in shared memory in that order (one 16-byte load per lane per group).
+  group, so x is staged once per block in shared memory in that order (one 16-byte load per lane per group):
+  every 16-byte piece copied at once with cp.async (from L2; one load at a time would put a round trip per
+  piece on every block's start), then each thread reorders its own pieces. A tile of BT < 8 sequences gets a
+  row of zeros that the mma's spare columns read, so no lane masks its operands.
   Per group: D = mma(A_hi, B_hi, mma(A_lo, B_lo, 0)) is the exact-weight dot product P_g (fp32 tensor-core
   accumulation), then acc = fma(s_g, P_g, acc) and, Q4_1 / Q4_K, acc = fma(c_g, X_g, acc) with X_g the
   group's sum of x -- the same per-group formula as int4_cuda, so the two agree to fp32 rounding.
@@ -30,9 +37,15 @@ such blocks sharing the dequantized A fragments)
   adds them in split order. x for the split's whole K range is staged before the loop, so the loop has no
   barrier; that bounds a split to GMAX groups.
 
-Batch invariance: the split (and so every sum's order) comes from (N, K, fmt) only; BT only sets how much x is
-staged, which mma columns are live and whether a lane runs one or two column blocks, and the columns of an
-mma are independent. So row m of y is bitwise the same whatever M is.
+Tried and dropped (H200): streaming the weights through a per-warp cp.async ring in shared memory (8 groups in
+flight without registers) was slower at B = 1 (25.2 against 21.8 us on 17408x5120 Q4_0, ncu): ncu put the
+register-ring kernel at 63% issue-active with few long-scoreboard stalls, so the bytes in flight were not what
+limited it, and the ring's addressing and warp barriers added 50% more instructions.
+
+Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
+is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
+independent; the row tiles per block and the ring depth (RT / U, or RT16 / U16 for tiles of 16+) do not touch
+a warp's sums. So row m of y is bitwise the same whatever M is.
 """
 from __future__ import annotations
 
@@ -45,28 +58,35 @@ from kernels import int4_cuda
 
 FORMATS = ("q4_0", "q4_1", "q4_k")
 FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2}
-BTG = 16                       # sequences per batch tile: one or two blocks of the mma's n = 8
-BT_CHOICES = (1, 2, 4, 8, 16)
-GMAX = 32                      # groups per split: x for BT = 16 (and its group sums) staged once in 48 KB
+BTG = 32                       # sequences per batch tile: up to four blocks of the mma's n = 8
+BT_CHOICES = (1, 2, 4, 8, 16, 32)
+GMAX = 32                      # groups per split: x for BT = 32 (and its group sums) staged once in < 99 KB
 ROWS_PER_TILE = 16             # the mma's m
 NUM_SMS = int4_cuda.NUM_SMS
-# launch shape: RT row tiles and P phases per block (KW = RT * P warps), U loads in flight per warp; the split
-# is the smallest count that keeps a split within GMAX groups and reaches TARGET_BLOCKS blocks (one batch
-# tile), unless SPLIT_K names it. Defaults and MEASURED from an H200 sweep over 7 layouts x 5 splits at
-# B = 1, 4, 8 (torch 2.11, cupy 14.2): one warp per row tile of 4-warp blocks (RT 4, P 1, U 4) was the best
-# or within 5% over B = 1 + 4 + 8 on 7 of 10 shapes; the entries are the other three (us at B = 1 / 4 / 8,
-# against the defaults'). The floor of one split per GMAX = 32 groups (so that 16 sequences' x fits) cost
-# up to 5% there at B <= 8 where longer splits were faster (5120x17408 Q4_0: 17 splits instead of 9).
+# launch shape: RT row tiles and P phases per block (KW = RT * P warps), U loads in flight per warp, for tiles of up
+# to 8 sequences; RT16, U16 for tiles of 16 and 32. The split is the smallest count that keeps a split within
+# GMAX groups and reaches TARGET_BLOCKS blocks (RT row tiles, one batch tile), unless SPLIT_K names it. The split
+# and P fix the bits; RT and U do not (a warp's sums are its own), so RT16 / U16 may differ from RT / U.
+# Defaults and MEASURED from an H200 sweep (torch 2.11, cupy 14.2) of 5 layouts x 2 splits at B = 1, 4, 8, 16,
+# 32: one warp per row tile of 4-warp blocks, 4 groups in flight (RT 4, P 1, U 4) was the best or within 5% at
+# B = 1 on 4 of 8 shapes; the entries are the others (us at B = 1 / 4 / 8 against the defaults'). For 16 and 32
+# sequences, 16-warp blocks (RT16 16, U16 4) were the fastest on 7 of 8 shapes at B = 32 (5120x12288 Q4_0:
+# 31.5 us against 46.9 with 8-warp blocks and 37.2 for bf16 cuBLAS). Rings of 8 groups spilled under the
+# register cap (below) and lost everywhere.
 RT, P, U = 4, 1, 4
+RT16, U16 = 16, 4
 TARGET_BLOCKS = 4 * NUM_SMS
 MAX_SPLIT = 32
-CONFIG_KEYS = ("RT", "P", "U", "SPLIT_K", "TARGET_BLOCKS")
+CONFIG_KEYS = ("RT", "P", "U", "RT16", "U16", "SPLIT_K", "TARGET_BLOCKS")
 MEASURED: dict[tuple[int, int, str], dict] = {
-    (17408, 5120, "q4_0"): {"SPLIT_K": 6},                     # 22.8 / 25.8 / 27.7 vs 23.9 / 27.3 / 29.9
-    (5120, 12288, "q4_0"): {"RT": 8, "U": 8, "SPLIT_K": 26},   # 18.5 / 19.6 / 19.7 vs 19.4 / 21.6 / 21.4
-    (5120, 17408, "q4_k"): {"RT": 8, "SPLIT_K": 26},           # 32.9 / 36.7 / 36.0 vs 32.7 / 36.1 / 43.5
+    (17408, 5120, "q4_0"): {"RT": 8, "SPLIT_K": 5},            # 21.1 / 22.7 / 24.1 vs 21.3 / 23.1 / 23.9
+    (5120, 12288, "q4_0"): {"SPLIT_K": 12},                    # 16.0 / 17.6 / 19.0 vs 16.2 / 18.0 / 19.3
+    (2048, 8192, "q4_0"): {"P": 2},                            # 8.0 / 8.4 / 8.7 vs 8.4 / 8.9 / 9.3
+    (5120, 17408, "q4_k"): {"RT": 8, "SPLIT_K": 26},           # 29.1 / 33.2 / 33.6 vs 31.5 / 36.3 / 41.1
+    (34816, 5120, "q4_k"): {"RT": 8},                          # 51.3 / 58.6 / 60.2 vs 54.0 / 63.0 / 74.5
+    (10240, 5120, "q4_k"): {"RT": 8, "SPLIT_K": 7},            # 21.3 / 24.6 / 24.2 vs 22.2 / 25.1 / 28.2
 }
-SMEM_LIMIT = 48 * 1024
+SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 
 MMA_SOURCE = r"""
 typedef unsigned int u32;
@@ -74,13 +94,21 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
 
-// FMT 0 q4_0, 1 q4_1, 2 q4_k; BT batch tile (<= 16); X_F16: x, y fp16 (else bf16); OUT32: y fp32 (the split-K
+// FMT 0 q4_0, 1 q4_1, 2 q4_k; BT batch tile (<= 32); X_F16: x, y fp16 (else bf16); OUT32: y fp32 (the split-K
 // workspace, or an fp32 output); RT row tiles and P phases per block; U loads in flight per warp; GMAX groups
 // per split at most.
 #define KW (RT * P)
-#define NB (BT > 8 ? 2 : 1)                     /* the mma's 8-column blocks per tile (16 sequences: 2) */
+#define NB ((BT + 7) / 8)                       /* the mma's 8-column blocks per tile */
 #define NRAW (FMT == 2 ? 3 : FMT == 1 ? 2 : 1)   /* per row: q4_0 {d}; q4_1 {d, m}; q4_k {d, dmin, sc | mn << 8} */
 #define XROW (GMAX * 16 + 16)                   /* u32 words per staged x row (+16: LDS.128 without conflicts) */
+#define XR (BT % 8 ? BT + 1 : BT)               /* staged rows: BT, and a row of zeros for the mma's spare columns */
+// blocks per SM the registers must allow: up to 8 sequences and a ring of up to 4 groups, 56 registers a thread
+// (1792 a warp: ~36 warps of weight loads in flight per SM; unbounded, NVRTC took 63); otherwise what it takes
+#define MIN_BLOCKS (BT <= 8 && U <= 4 ? (65536 / 1792) / KW : 1)
+// dynamic shared memory, in this order (kernels/int4_mma.py's smem_bytes is the same sum)
+#define XS_BYTES (XR * XROW * 4)                                 /* xs[XR][XROW] */
+#define XP_BYTES (FMT != 0 ? (BT * 4 + XR) * GMAX * 4 : 0)       /* xpart[BT][GMAX][4], xsum[XR][GMAX] */
+#define SMEM_TOTAL (XS_BYTES + XP_BYTES + (P - 1) * RT * 32 * 4 * NB * 4)   /* + red[P - 1][RT][32][4 * NB] */
 
 #ifndef ONEPASS_HOST_EMU
 __device__ __forceinline__ float h2f(u16 v) {
@@ -105,6 +133,15 @@ __device__ __forceinline__ float x_to_f32(u32 v16) {
 __device__ __forceinline__ u32 ld_word(const u32* p) {       // weights: read once, keep L1 for x
     u32 r; asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p)); return r;
 }
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r; asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p)); return r;
+}
+// 16 bytes global -> shared, asynchronously (bytes = 0: zero fill, nothing read)
+__device__ __forceinline__ void cp_async16_s(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 __device__ __forceinline__ uint4 ld_x16(const uint4* p) {
     uint4 r; asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
@@ -159,37 +196,75 @@ struct Slot {                  // one group's loads for the lane's two rows (g, 
     u32 ra[NRAW], rb[NRAW];    // raw scale bits per row
 };
 
-// the loads of one group into a slot: ia, ib are the (group, row) indexes g * N + row of the lane's two rows
-// (int32: the host checks G * N * 4 < 2^31), so the caller steps them by P * N per group
-__device__ __forceinline__ void load_slot(Slot& sl, const u32* __restrict__ qw, const u16* __restrict__ sc,
-                                          const u16* __restrict__ mn, const u16* __restrict__ sub,
-                                          int ia, int ib, int g, int na, int nb, int t, int N) {
-    sl.wa = ld_word(qw + (ia * 4 + t));
-    sl.wb = ld_word(qw + (ib * 4 + t));
-#if FMT == 2
-    const int so = (g >> 3) * N;
-    sl.ra[0] = sc[so + na]; sl.rb[0] = sc[so + nb];
-    sl.ra[1] = mn[so + na]; sl.rb[1] = mn[so + nb];
-    sl.ra[2] = sub[ia]; sl.rb[2] = sub[ib];
-#elif FMT == 1
-    sl.ra[0] = sc[ia]; sl.rb[0] = sc[ib];
-    sl.ra[1] = mn[ia]; sl.rb[1] = mn[ib];
-#else
-    sl.ra[0] = sc[ia]; sl.rb[0] = sc[ib];
+// Where the lane's next group comes from: row a's word t and raw bits, stepped by P groups per load. Row b is
+// 8 rows on: a constant offset when N16 (N % 16 == 0, every model shape), else its own pointers (rows past N
+// re-read row N - 1). q4_k's d and dmin are per super-block: s, m point at row a's column and g picks the row.
+struct Cursor {
+    const u32* w;
+    const u16 *s, *m, *u;      // q4_0 {d}; q4_1 {d, m}; q4_k {d, dmin, sub (sc | mn << 8)}
+#if !N16
+    const u32* wb;
+    const u16 *sb, *mb, *ub;
 #endif
+    int g;
+};
+#if N16
+#define ROW_B(c, f, rows) ((c).f + 8 * (rows))
+#else
+#define ROW_B(c, f, rows) ((c).f##b)
+#endif
+
+__device__ __forceinline__ void load_slot(Slot& sl, Cursor& c, int N) {
+    const int step = P * N;
+    sl.wa = ld_word(c.w);
+    sl.wb = ld_word(ROW_B(c, w, 4));
+    c.w += step * 4;
+#if !N16
+    c.wb += step * 4;
+#endif
+#if FMT == 2
+    const int so = (c.g >> 3) * N;
+    sl.ra[0] = c.s[so]; sl.rb[0] = ROW_B(c, s, 1)[so];
+    sl.ra[1] = c.m[so]; sl.rb[1] = ROW_B(c, m, 1)[so];
+    sl.ra[2] = c.u[0]; sl.rb[2] = ROW_B(c, u, 1)[0];
+    c.u += step;
+#if !N16
+    c.ub += step;
+#endif
+#else
+    sl.ra[0] = c.s[0]; sl.rb[0] = ROW_B(c, s, 1)[0];
+    c.s += step;
+#if !N16
+    c.sb += step;
+#endif
+#if FMT == 1
+    sl.ra[1] = c.m[0]; sl.rb[1] = ROW_B(c, m, 1)[0];
+    c.m += step;
+#if !N16
+    c.mb += step;
+#endif
+#endif
+#endif
+    c.g += P;
+}
+
+// a byte of r (sel 0x7440: byte 0, 0x7441: byte 1) as a float, exactly: one prmt puts it under the exponent of
+// 2^23 (where its unit is 1), one fadd takes 2^23 off (an I2F is a quarter-rate instruction)
+__device__ __forceinline__ float byte_f32(u32 r, u32 sel) {
+    return __int_as_float(prmt(r, 0x4B000000u, sel)) - 8388608.0f;
 }
 
 // the group's scale (and for q4_1 / q4_k its min term's factor) from one row's raw bits, in fp32 (exact)
 __device__ __forceinline__ float slot_scale(const u32 (&r)[NRAW]) {
 #if FMT == 2
-    return h2f((u16)r[0]) * (float)(r[2] & 0xFFu);
+    return h2f((u16)r[0]) * byte_f32(r[2], 0x7440u);
 #else
     return h2f((u16)r[0]);
 #endif
 }
 __device__ __forceinline__ float slot_min(const u32 (&r)[NRAW]) {
 #if FMT == 2
-    return -(h2f((u16)r[1]) * (float)(r[2] >> 8));
+    return -(h2f((u16)r[1]) * byte_f32(r[2], 0x7441u));
 #elif FMT == 1
     return h2f((u16)r[1]);
 #else
@@ -198,11 +273,10 @@ __device__ __forceinline__ float slot_min(const u32 (&r)[NRAW]) {
 }
 
 // one group: per 8-column block c, two mmas on exact integers (x from the staged row xr[c], this lane's 16 bytes
-// of group gi), then the group's scale and, q4_1 / q4_k, its min term (sums xs[.][gi] of the lane's two
-// columns, 0 where a column is past the tile) in fp32. live[c]: the lane's B column is a sequence of the tile.
+// of group gi; the zero row where the lane's column is past the tile), then the group's scale and, q4_1 / q4_k,
+// its min term (sums xs2[.][gi] of the lane's two columns, the zero row's past the tile) in fp32.
 __device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl, const u32* const (&xr)[NB],
-                                           const u32 (&live)[NB], const float* const (&xs2)[2 * NB],
-                                           const float (&l2)[2 * NB], int gi, int t) {
+                                           const float* const (&xs2)[2 * NB], int gi, int t) {
     u32 a_lo[4], a_hi[4];
     a_lo[0] = nib_pair(sl.wa, 0); a_lo[1] = nib_pair(sl.wb, 0);
     a_lo[2] = nib_pair(sl.wa, 1); a_lo[3] = nib_pair(sl.wb, 1);
@@ -215,7 +289,7 @@ __device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl,
 #pragma unroll
     for (int c = 0; c < NB; ++c) {
         const uint4 xv = *reinterpret_cast<const uint4*>(xr[c] + (gi * 4 + t) * 4);
-        const u32 b_lo[2] = {xv.x & live[c], xv.y & live[c]}, b_hi[2] = {xv.z & live[c], xv.w & live[c]};
+        const u32 b_lo[2] = {xv.x, xv.y}, b_hi[2] = {xv.z, xv.w};
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         mma16816(d, a_lo, b_lo);
         mma16816(d, a_hi, b_hi);
@@ -225,7 +299,7 @@ __device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl,
         ac[2] = __fmaf_rn(sb, d[2], ac[2]);
         ac[3] = __fmaf_rn(sb, d[3], ac[3]);
 #if FMT != 0
-        const float x0 = xs2[2 * c][gi] * l2[2 * c], x1 = xs2[2 * c + 1][gi] * l2[2 * c + 1];
+        const float x0 = xs2[2 * c][gi], x1 = xs2[2 * c + 1][gi];
         ac[0] = __fmaf_rn(ca, x0, ac[0]);
         ac[1] = __fmaf_rn(ca, x1, ac[1]);
         ac[2] = __fmaf_rn(cb, x0, ac[2]);
@@ -234,18 +308,23 @@ __device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(KW * 32)
+extern "C" __global__ void __launch_bounds__(KW * 32, MIN_BLOCKS)
 w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
           const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
           int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt)
 {
-    __shared__ __align__(16) u32 xs[BT][XROW];
+#ifdef ONEPASS_HOST_EMU
+    unsigned char* smem = g_smem;
+#else
+    extern __shared__ __align__(16) unsigned char smem[];
+#endif
+    u32 (*xs)[XROW] = reinterpret_cast<u32 (*)[XROW]>(smem);
 #if FMT != 0
-    __shared__ float xpart[BT][GMAX][4];
-    __shared__ float xsum[BT][GMAX];
+    float (*xpart)[GMAX][4] = reinterpret_cast<float (*)[GMAX][4]>(smem + XS_BYTES);
+    float (*xsum)[GMAX] = reinterpret_cast<float (*)[GMAX]>(smem + XS_BYTES + BT * GMAX * 16);
 #endif
 #if P > 1
-    __shared__ float red[P - 1][RT][32][4 * NB];
+    float (*red)[RT][32][4 * NB] = reinterpret_cast<float (*)[RT][32][4 * NB]>(smem + XS_BYTES + XP_BYTES);
 #endif
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -257,51 +336,88 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     const int s = pid / n_nt;
     const int m0 = bt * BT;
     const int n0 = (nt * RT + rt) * 16;
-    const int na = min(n0 + g8, N - 1), nb = min(n0 + g8 + 8, N - 1);   // rows past N re-read a valid row
     const int g_lo = s * gps;
     const int ng = min(G, g_lo + gps) - g_lo;   // groups of this split
     const int ni = ng > ph ? (ng - ph + P - 1) / P : 0;   // groups of this warp: g_lo + ph + i * P
 
-    // 1. the first U groups' loads, before x is staged. The next load's (group, row) indexes step by P * N.
+    // 1. the first U groups' loads, before x is staged
+    Cursor cur;
+    {
+        const int g0 = g_lo + ph, na = min(n0 + g8, N - 1);
+        const i64 ia = (i64)g0 * N + na;
+        cur.w = qw + ia * 4 + t;
+        cur.g = g0;
+#if FMT == 2
+        cur.s = sc + na; cur.m = mn + na; cur.u = sub + ia;
+#else
+        cur.s = sc + ia; cur.m = FMT == 1 ? mn + ia : nullptr; cur.u = nullptr;
+#endif
+#if !N16
+        const int nb = min(n0 + g8 + 8, N - 1);                    // rows past N re-read a valid row
+        const i64 ib = (i64)g0 * N + nb;
+        cur.wb = qw + ib * 4 + t;
+#if FMT == 2
+        cur.sb = sc + nb; cur.mb = mn + nb; cur.ub = sub + ib;
+#else
+        cur.sb = sc + ib; cur.mb = FMT == 1 ? mn + ib : nullptr; cur.ub = nullptr;
+#endif
+#endif
+    }
     Slot ring[U];
-    const int step = P * N;
-    int gn = g_lo + ph, ia = gn * N + na, ib = gn * N + nb;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        if (u < ni) load_slot(ring[u], qw, sc, mn, sub, ia, ib, gn, na, nb, t, N);
-        ia += step; ib += step; gn += P;
+        if (u < ni) load_slot(ring[u], cur, N);
     }
 
-    // 2. x[m0 .. m0 + BT, split's K range) -> shared memory, 8 values per item, in the mma's k-slot order
-    for (int i = threadIdx.x; i < BT * ng * 4; i += KW * 32) {
-        const int b = i / (ng * 4), e = i - b * (ng * 4);         // e = group * 4 + word
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (m0 + b < M) v = ld_x16(reinterpret_cast<const uint4*>(x + (i64)(m0 + b) * sxm + (i64)g_lo * 32) + e);
-        // v holds weights 8w + 0..7 as (0,1) (2,3) (4,5) (6,7); the slots want (0,4) (1,5) (2,6) (3,7)
-        uint4 o;
-        o.x = prmt(v.x, v.z, 0x5410u);
-        o.y = prmt(v.x, v.z, 0x7632u);
-        o.z = prmt(v.y, v.w, 0x5410u);
-        o.w = prmt(v.y, v.w, 0x7632u);
-        *reinterpret_cast<uint4*>(&xs[b][e * 4]) = o;
+    // 2. x[m0 .. m0 + BT, split's K range) -> shared memory, 8 values per item: every item's 16 bytes copied
+    //    at once (cp.async: in flight together, no registers held beside the weight ring; rows past M and the
+    //    zero row b = BT are zero-filled), then each thread puts its own items in the mma's k-slot order
+    const int items = XR * ng * 4, row_items = ng * 4;
+    {
+        int b = 0, e = threadIdx.x;                                // item i = b * row_items + e
+        for (int i = threadIdx.x; i < items; i += KW * 32) {
+            while (e >= row_items) { e -= row_items; ++b; }
+            const bool live = b < BT && m0 + b < M;
+            const u16* src = x + (i64)(live ? m0 + b : 0) * sxm + (i64)g_lo * 32 + e * 8;
+            cp_async16_s(smem_addr(&xs[b][e * 4]), src, live ? 16 : 0);
+            e += KW * 32;
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+    }
+    {
+        int b = 0, e = threadIdx.x;
+        for (int i = threadIdx.x; i < items; i += KW * 32) {
+            while (e >= row_items) { e -= row_items; ++b; }
+            uint4* slot = reinterpret_cast<uint4*>(&xs[b][e * 4]);
+            const uint4 v = *slot;
+            // v holds weights 8w + 0..7 as (0,1) (2,3) (4,5) (6,7); the slots want (0,4) (1,5) (2,6) (3,7)
+            uint4 o;
+            o.x = prmt(v.x, v.z, 0x5410u);
+            o.y = prmt(v.x, v.z, 0x7632u);
+            o.z = prmt(v.y, v.w, 0x5410u);
+            o.w = prmt(v.y, v.w, 0x7632u);
+            *slot = o;
 #if FMT != 0
-        // the item's 8 values summed in k order; the group's 4 items are added in word order below
-        float p = x_to_f32(v.x & 0xFFFFu);
-        p += x_to_f32(v.x >> 16);
-        p += x_to_f32(v.y & 0xFFFFu);
-        p += x_to_f32(v.y >> 16);
-        p += x_to_f32(v.z & 0xFFFFu);
-        p += x_to_f32(v.z >> 16);
-        p += x_to_f32(v.w & 0xFFFFu);
-        p += x_to_f32(v.w >> 16);
-        xpart[b][e >> 2][e & 3] = p;
+            // the item's 8 values summed in k order; the group's 4 items are added in word order below
+            float p = x_to_f32(v.x & 0xFFFFu);
+            p += x_to_f32(v.x >> 16);
+            p += x_to_f32(v.y & 0xFFFFu);
+            p += x_to_f32(v.y >> 16);
+            p += x_to_f32(v.z & 0xFFFFu);
+            p += x_to_f32(v.z >> 16);
+            p += x_to_f32(v.w & 0xFFFFu);
+            p += x_to_f32(v.w >> 16);
+            if (b < BT) xpart[b][e >> 2][e & 3] = p;
 #endif
+            e += KW * 32;
+        }
     }
     __syncthreads();
 #if FMT != 0
-    for (int i = threadIdx.x; i < BT * ng; i += KW * 32) {
+    for (int i = threadIdx.x; i < XR * ng; i += KW * 32) {
         const int b = i / ng, gi = i - b * ng;
-        xsum[b][gi] = ((xpart[b][gi][0] + xpart[b][gi][1]) + xpart[b][gi][2]) + xpart[b][gi][3];
+        xsum[b][gi] = b < BT ? ((xpart[b][gi][0] + xpart[b][gi][1]) + xpart[b][gi][2]) + xpart[b][gi][3] : 0.0f;
     }
     __syncthreads();
 #endif
@@ -312,39 +428,32 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 #pragma unroll
     for (int j = 0; j < 4 * NB; ++j) acc[j] = 0.0f;
     const u32* xr[NB];
-    u32 live[NB];
     const float* xs2[2 * NB];
-    float l2[2 * NB];
 #pragma unroll
     for (int c = 0; c < NB; ++c) {
         const int b = 8 * c + g8;                                  // the lane's B column
-        xr[c] = &xs[b < BT ? b : 0][0];
-        live[c] = b < BT ? 0xFFFFFFFFu : 0u;
+        xr[c] = &xs[b < BT ? b : BT][0];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {                              // the lane's D columns
             const int bd = 8 * c + 2 * t + h;
 #if FMT != 0
-            xs2[2 * c + h] = &xsum[bd < BT ? bd : 0][0];
+            xs2[2 * c + h] = &xsum[bd < BT ? bd : BT][0];
 #else
             xs2[2 * c + h] = nullptr;                              // no min term
 #endif
-            l2[2 * c + h] = bd < BT ? 1.0f : 0.0f;
         }
     }
     int i = 0;
     for (; i + U <= ni; i += U) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            apply_slot(acc, ring[u], xr, live, xs2, l2, ph + (i + u) * P, t);
-            if (i + u + U < ni) {                                  // warp-uniform
-                load_slot(ring[u], qw, sc, mn, sub, ia, ib, gn, na, nb, t, N);
-                ia += step; ib += step; gn += P;
-            }
+            apply_slot(acc, ring[u], xr, xs2, ph + (i + u) * P, t);
+            if (i + u + U < ni) load_slot(ring[u], cur, N);        // warp-uniform
         }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        if (i + u < ni) apply_slot(acc, ring[u], xr, live, xs2, l2, ph + (i + u) * P, t);
+        if (i + u < ni) apply_slot(acc, ring[u], xr, xs2, ph + (i + u) * P, t);
     }
 
     // 4. the phases' sums in phase order, by phase 0; lane (g, t) holds rows g, g + 8 x sequences 8c + 2t, + 1
@@ -388,22 +497,22 @@ def supports(fmt: str) -> bool:
     return fmt in FORMATS
 
 
-SOURCE_DEFINES = 8
+SOURCE_DEFINES = 9
 
 
-def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int) -> str:
-    """The full source of one instantiation: SOURCE_DEFINES #define lines, then MMA_SOURCE."""
+def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool) -> str:
+    """The full source of one instantiation: SOURCE_DEFINES #define lines, then MMA_SOURCE. n16: N % 16 == 0."""
     head = (f"#define FMT {FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n#define OUT32 {int(out32)}\n"
-            f"#define RT {rt}\n#define P {p}\n#define U {u}\n#define GMAX {GMAX}\n")
+            f"#define RT {rt}\n#define P {p}\n#define U {u}\n#define GMAX {GMAX}\n#define N16 {int(n16)}\n")
     return head + MMA_SOURCE
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, device: torch.device):
+def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, device: torch.device):
     how = int4_cuda._compiler()
     if how is None:
         raise RuntimeError("int4_mma: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
-    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u), "w4a16_mma", how, device)
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16), "w4a16_mma", how, device)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -413,7 +522,7 @@ def _cdiv(a: int, b: int) -> int:
 def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     """{"RT", "P", "U"} and one of "SPLIT_K" / "TARGET_BLOCKS": the defaults, MEASURED[(N, K, fmt)], then config
     (a layer naming one split key drops the other)."""
-    out = {"RT": RT, "P": P, "U": U, "TARGET_BLOCKS": TARGET_BLOCKS}
+    out = {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16, "TARGET_BLOCKS": TARGET_BLOCKS}
     for layer in (MEASURED.get((N, K, fmt)), config):
         if not layer:
             continue
@@ -423,18 +532,22 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
             out.pop("SPLIT_K", None)
             out.pop("TARGET_BLOCKS", None)
         out.update({k: int(v) for k, v in layer.items()})
-    if not (1 <= out["RT"] * out["P"] <= 16 and 1 <= out["U"] <= 16) or min(out.values()) < 1:
-        raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= 16, 1 <= U <= 16, "
-                         f"positive values")
+    if not any("RT16" in (layer or {}) for layer in (MEASURED.get((N, K, fmt)), config)):
+        out["RT16"] = max(1, min(out["RT16"], 16 // out["P"]))       # the default within 16 warps
+    if (not all(1 <= out[r] * out["P"] <= 16 and 1 <= out[u] <= 16 for r, u in (("RT", "U"), ("RT16", "U16")))
+            or min(out.values()) < 1):
+        raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= 16, 1 <= U <= 16 (and "
+                         f"RT16, U16 alike), positive values")
     return out
 
 
-def _smem(fmt: str, bt: int, rt: int, p: int) -> int:
-    """Static shared memory of one block (the kernel's xs, xpart, xsum, red)."""
-    nb = 2 if bt > 8 else 1
-    xs = bt * (GMAX * 16 + 16) * 4
-    xsum = 0 if fmt == "q4_0" else bt * GMAX * 4 * (4 + 1)        # xpart, xsum
-    return xs + xsum + (p - 1) * rt * 32 * 4 * nb * 4
+def smem_bytes(fmt: str, bt: int, rt: int, p: int) -> int:
+    """Dynamic shared memory of one block (the kernel's SMEM_TOTAL): x staged (BT rows, and a row of zeros when
+    BT is not a multiple of 8), its group sums (Q4_1 / Q4_K), the phases' sums."""
+    xr = bt + 1 if bt % 8 else bt
+    xs = xr * (GMAX * 16 + 16) * 4
+    xsum = 0 if fmt == "q4_0" else (bt * 4 + xr) * GMAX * 4
+    return xs + xsum + (p - 1) * rt * 32 * 4 * _cdiv(bt, 8) * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -452,27 +565,29 @@ def _split(G: int, n_nt: int, target: int | None, split_k: int | None) -> tuple[
     return _cdiv(G, gps), gps
 
 
-def batch_tile(M: int, gps: int, fmt: str, rt: int, p: int) -> int:
-    """The smallest of 1/2/4/8/16 holding M, 16 above (more tiles over the grid); 8 instead of 16 where a
-    16-sequence block would not fit in shared memory (phase sums of many warps). Bit-neutral: an mma's
-    columns are independent."""
-    if M <= 8:
-        return next(b for b in BT_CHOICES if M <= b)
-    return 16 if _smem(fmt, 16, rt, p) <= SMEM_LIMIT else 8
+def batch_tile(M: int, fmt: str, c: dict) -> int:
+    """The smallest of BT_CHOICES holding M, the largest above (more tiles over the grid), halved while a block
+    would not fit in SMEM_LIMIT. Bit-neutral: an mma's columns are independent."""
+    bt = next((b for b in BT_CHOICES if M <= b), BT_CHOICES[-1])
+    while bt > 8 and smem_bytes(fmt, bt, c["RT16"], c["P"]) > SMEM_LIMIT:
+        bt //= 2
+    return bt
 
 
 def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
-    """The launch for x [M, K]; the split and the warp layout come from (N, K, fmt) and config only."""
+    """The launch for x [M, K]. The split and P (which fix the bits) come from (N, K, fmt) and config only; the
+    row tiles per block and the ring depth are RT, U for tiles of up to 8 sequences and RT16, U16 above."""
     c = shape_config(N, K, fmt, config)
-    n_nt = _cdiv(N, ROWS_PER_TILE * c["RT"])
-    S, gps = _split(K // GROUP, n_nt, c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
-    if _smem(fmt, 8, c["RT"], c["P"]) > SMEM_LIMIT:                # 16 falls back to 8 (batch_tile)
-        raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {_smem(fmt, 8, c['RT'], c['P'])} B of shared memory")
-    bt = batch_tile(M, gps, fmt, c["RT"], c["P"])
-    n_bt = _cdiv(M, bt)
-    return {"BT": bt, "RT": c["RT"], "P": c["P"], "U": c["U"], "SPLIT_K": S, "groups_per_split": gps,
-            "grid": n_bt * n_nt * S, "block": c["RT"] * c["P"] * 32, "n_bt": n_bt, "n_nt": n_nt,
-            "workspace_floats": S * M * N if S > 1 else 0}
+    S, gps = _split(K // GROUP, _cdiv(N, ROWS_PER_TILE * c["RT"]), c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
+    if smem_bytes(fmt, 8, c["RT"], c["P"]) > SMEM_LIMIT:
+        raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {smem_bytes(fmt, 8, c['RT'], c['P'])} B of shared "
+                         f"memory (limit {SMEM_LIMIT})")
+    bt = batch_tile(M, fmt, c)
+    rt, u = (c["RT"], c["U"]) if bt <= 8 else (c["RT16"], c["U16"])
+    n_bt, n_nt = _cdiv(M, bt), _cdiv(N, ROWS_PER_TILE * rt)
+    return {"BT": bt, "RT": rt, "P": c["P"], "U": u, "SPLIT_K": S, "groups_per_split": gps,
+            "grid": n_bt * n_nt * S, "block": rt * c["P"] * 32, "n_bt": n_bt, "n_nt": n_nt,
+            "smem": smem_bytes(fmt, bt, rt, c["P"]), "workspace_floats": S * M * N if S > 1 else 0}
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
@@ -496,7 +611,7 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
         "w4a16_mma", x, pw, out,
         plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config),
         kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["RT"], cfg["P"], cfg["U"],
-                                                      dev),
+                                                      pw.N % 16 == 0, dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4)

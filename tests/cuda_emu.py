@@ -1,6 +1,7 @@
 """Run the CUDA sources of kernels/int4_cuda.py and kernels/int4_mma.py on the CPU: the same source text
 compiled by g++ with a shim (blocks one after another, each block's threads as std::threads meeting at a
-std::barrier for __syncthreads, __shared__ as function statics shared by the block's threads, the inline-PTX
+std::barrier for __syncthreads, __shared__ as function statics shared by the block's threads (dynamic shared
+memory: one buffer of the host's size, checked against the kernel's; cp.async as an immediate copy), the inline-PTX
 helpers replaced by bit-exact C++, and mma.sync m16n8k16 as a warp-wide exchange of fragments through
 memory, with PTX's fragment layout). It checks the kernels' indexing, fragment mapping, masking, staging,
 split-K and reduction order without a GPU; it says nothing about speed, about the PTX helpers themselves or
@@ -42,7 +43,7 @@ using std::min;
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 typedef unsigned short u16_;
@@ -91,6 +92,14 @@ extern "C" void launch_reduce(int grid, const float* ws, void* y, int sym, int M
 # the extra helpers of kernels/int4_mma.py's source
 SHIM_MMA = r"""
 static inline unsigned ld_word(const unsigned* p) { return *p; }
+static unsigned char* g_smem;          // the block's dynamic shared memory
+// cp.async as an immediate copy (the emulator cannot check the waits; the GPU tests do)
+static inline unsigned smem_addr(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
+static inline void cp_async16_s(unsigned dst, const void* src, int bytes) {
+    if (bytes) std::memcpy(g_smem + dst, src, 16); else std::memset(g_smem + dst, 0, 16);
+}
+static inline void cp_async_commit() {}
+static inline void cp_async_wait_all() {}
 static inline uint4 ld_x16(const uint4* p) { return *p; }
 static inline unsigned prmt(unsigned a, unsigned b, unsigned sel) {
     unsigned char by[8]; std::memcpy(by, &a, 4); std::memcpy(by + 4, &b, 4);
@@ -130,10 +139,13 @@ static inline void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigne
 """
 
 LAUNCH_MMA = r"""
-extern "C" void launch_mma(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
+extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
                            const u16* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
-                           int n_bt, int n_nt) {
+                           int n_bt, int n_nt, int smem_bytes) {
+    if (smem_bytes != SMEM_TOTAL) return -1;          // the host's shared-memory size must be the kernel's
     const int nw = block / 32;
+    std::vector<uint4> smem((SMEM_TOTAL + 15) / 16);
+    g_smem = reinterpret_cast<unsigned char*>(smem.data());
     for (int b = 0; b < grid; ++b) {
         blockIdx.x = b;
         std::barrier<> bar(block);
@@ -147,6 +159,7 @@ extern "C" void launch_mma(int grid, int block, const u16* x, const u32* qw, con
             ts.emplace_back([=] { threadIdx.x = t; w4a16_mma(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
         for (auto& t : ts) t.join();
     }
+    return 0;
 }
 """
 
@@ -227,13 +240,15 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
     sub = pw.sub if pw.sub is not None else pw.scales
     n = int4_mma.SOURCE_DEFINES
     o32 = out32 or S > 1
-    h = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["RT"], cfg["P"], cfg["U"]).split("\n", n)
+    h = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["RT"], cfg["P"], cfg["U"],
+                        N % 16 == 0).split("\n", n)
     lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + h[n] + LAUNCH_MMA)
     y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
-    lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight), _ptr(pw.scales),
-                   _ptr(c), _ptr(sub), _ptr(y), *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"],
-                                                     cfg["n_bt"], cfg["n_nt"]))
+    rc = lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
+                        _ptr(pw.scales), _ptr(c), _ptr(sub), _ptr(y),
+                        *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]))
+    assert rc == 0, f"int4_mma.smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
     if not o32:
         return y
     acc = y[0].clone()

@@ -26,10 +26,12 @@ MMA_FMTS = list(int4_mma.FORMATS)
 # (N, K, fmt, Ms, config): N = 40 / 33 / 72 leave rows past a 16-row tile and past the block; the configs give
 # one and several phases (P), ring depths U that do and do not divide a warp's groups, and explicit splits
 EMU = [(40, 256, "q4_0", (1, 3, 9), {"RT": 1, "P": 2, "U": 2}),
-       (72, 1024, "q4_1", (2, 8, 17), {"RT": 2, "P": 2, "U": 3, "SPLIT_K": 3}),
+       (72, 1024, "q4_1", (2, 8, 17, 40), {"RT": 2, "P": 2, "U": 3, "RT16": 1, "U16": 2, "SPLIT_K": 3}),
        (33, 768, "q4_k", (5, 12), {"RT": 1, "P": 3, "U": 4}),
        (40, 1024, "q4_0", (4, 16), {"RT": 2, "P": 1, "U": 2, "SPLIT_K": 1}),     # one split of GMAX groups
-       (64, 1280, "q4_k", (1, 8, 20), None)]
+       (64, 1280, "q4_k", (1, 8, 20), None),
+       (48, 768, "q4_0", (2, 6), {"RT": 1, "P": 2, "U": 2}),                       # N % 16 == 0: row b at + 8 rows
+       (32, 512, "q4_1", (3,), {"RT": 2, "P": 1, "U": 3})]
 
 
 def _emulated_matches_ref(seed, N, K, fmt, Ms, config):
@@ -59,7 +61,7 @@ def test_mma_source_emulated_matches_ref(seed, case):
 def test_emulated_cases_cover_the_launch_shapes():
     cfgs = [int4_mma.mma_config(m, *c[:3], c[4]) for c in EMU for m in c[3]]
     assert any(c["SPLIT_K"] > 1 for c in cfgs) and any(c["SPLIT_K"] == 1 for c in cfgs)
-    assert {c["BT"] for c in cfgs} >= {1, 2, 4, 8, 16} and any(c["n_bt"] > 1 for c in cfgs)
+    assert {c["BT"] for c in cfgs} >= {1, 2, 4, 8, 16, 32} and any(c["n_bt"] > 1 for c in cfgs)
     assert {c["P"] for c in cfgs} >= {1, 2, 3}
     assert any(c["groups_per_split"] % (c["P"] * c["U"]) for c in cfgs)      # a partial round of the ring
 
@@ -76,8 +78,13 @@ def test_split_rule_is_shape_only_and_bounded():
     assert int4_mma.mma_config(1, 40, 2560, "q4_0", {"SPLIT_K": 1})["SPLIT_K"] == -(-80 // int4_mma.GMAX)  # GMAX wins
     # 16-sequence tiles where the block's shared memory holds them, else tiles of 8 (same bits)
     assert int4_mma.mma_config(16, 5120, 4096, "q4_k", {"RT": 4, "P": 1})["BT"] == 16
-    assert int4_mma.mma_config(16, 5120, 4096, "q4_k", {"RT": 8, "P": 2})["BT"] == 8
-    for bad in ({"RT": 0}, {"RT": 8, "P": 4}, {"U": 17}, {"SPLIT_K": 2, "TARGET_BLOCKS": 8}, {"KW": 4}):
+    assert int4_mma.mma_config(32, 5120, 4096, "q4_k", {"RT": 8, "P": 2})["BT"] == 16    # 32 would not fit
+    assert int4_mma.mma_config(32, 5120, 4096, "q4_0")["BT"] == 32 and int4_mma.mma_config(33, 5120, 4096, "q4_0")["n_bt"] == 2
+    # tiles of 16+ sequences take RT16 / U16; the split (the bits) stays the shape's
+    small, big = (int4_mma.mma_config(m, 5120, 4096, "q4_0", {"RT": 2, "U": 6, "RT16": 8, "U16": 3}) for m in (8, 16))
+    assert (small["RT"], small["U"], big["RT"], big["U"]) == (2, 6, 8, 3)
+    assert (small["SPLIT_K"], small["groups_per_split"]) == (big["SPLIT_K"], big["groups_per_split"])
+    for bad in ({"RT": 0}, {"RT": 8, "P": 4}, {"U": 17}, {"RT16": 0}, {"SPLIT_K": 2, "TARGET_BLOCKS": 8}, {"KW": 4}):
         with pytest.raises(ValueError):
             int4_mma.mma_config(1, 64, 1024, "q4_0", bad)
 
