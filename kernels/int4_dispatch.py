@@ -52,15 +52,21 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 
 # (N, K, fmt) -> {"invariant": variant, B bucket: variant, ...}, from the int4_gemm experiment on the H200
 # (python -m kernels.int4_dispatch prints these lines from a recorded run). Empty until measured.
-# Measured on the H200 (torch 2.11, triton 3.6, cupy 14.2; experiment int4_gemm, commit 97b8bca, Q4_0):
+# Measured on the H200 (torch 2.11, triton 3.6, cupy 14.2; experiment int4_gemm, commit 69732ea: the issue's
+# five Q4_0 shapes at B = 1..128, and the 27B hybrid's five Q4_K projections at B = 1, 8, 16, 32, 64, 128):
 # the fastest variant per B bucket, and the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B).
 MEASURED: dict[tuple[int, int, str], dict] = {
-    (2048, 8192, 'q4_0'): {'invariant': 'triton', 1: 'cuda', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'dequant_cublas', 128: 'dequant_cublas'},
-    (4096, 4096, 'q4_0'): {'invariant': 'triton', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
-    (5120, 12288, 'q4_0'): {'invariant': 'triton', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
-    (5120, 17408, 'q4_0'): {'invariant': 'triton', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
-    (17408, 5120, 'q4_0'): {'invariant': 'cuda_mma', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'dequant_cublas'},
+    (2048, 8192, 'q4_0'): {'invariant': 'triton', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'dequant_cublas', 128: 'dequant_cublas'},
+    (4096, 4096, 'q4_0'): {'invariant': 'triton', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (5120, 6144, 'q4_k'): {'invariant': 'triton', 1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'dequant_cublas'},
+    (5120, 12288, 'q4_0'): {'invariant': 'cuda_mma', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (5120, 17408, 'q4_0'): {'invariant': 'cuda_mma', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (5120, 17408, 'q4_k'): {'invariant': 'triton', 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (14336, 5120, 'q4_k'): {'invariant': 'triton', 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'dequant_cublas'},
+    (16384, 5120, 'q4_k'): {'invariant': 'triton', 1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
+    (17408, 5120, 'q4_0'): {'invariant': 'cuda_mma', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'dequant_cublas'},
+    (34816, 5120, 'q4_k'): {'invariant': 'triton', 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
 }
 
 _policy = os.environ.get("ONEPASS_INT4_VARIANT", "").strip() or "invariant"
