@@ -117,7 +117,7 @@ def build(cfg) -> Built:
     if packed:
         from kernels.int4_dispatch import set_policy
 
-        set_policy(cfg.engine.int4)
+        set_policy(cfg.engine.int4, max_batch=cfg.batch.size)   # the invariant pick for this engine's batch
     memo = (OmegaConf.to_yaml(cfg.model), OmegaConf.to_yaml(cfg.engine), cfg.kv_cache.ctx, cfg.scheduler.mode)
     if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:  # a sweep's next job: same weights, no regeneration
         b = _IN_MEMORY["built"]

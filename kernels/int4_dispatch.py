@@ -14,7 +14,12 @@ shape among four variants:
 
 Policies (``set_policy`` / ``engine.int4``):
   "invariant" (default): one variant per (N, K, fmt) for every M, so B greedy streams stay bit-exact with
-              the single stream (the seed's verify); only "triton", "cuda" and "cuda_mma" qualify.
+              the single stream (the seed's verify); only "triton", "cuda" and "cuda_mma" qualify. Given the
+              engine's batch (``set_policy(..., max_batch=B)``, as harness/run.py does with batch.size), the
+              pick is the fastest batch-invariant variant at B ("invariant_at"; the next measured B up):
+              still one kernel per shape for every M the engine runs (its prefill rows included), so its
+              streams equal its single stream; engines built for different B may differ in the last bits,
+              as engine.gemm=cublas engines do.
   "fastest":  per (N, K, fmt, B bucket), any variant; like engine.gemm=cublas, B streams may then differ
               from the single stream in the last bits.
   "triton" | "cuda" | "cuda_mma" | "dequant_cublas": force one variant (benchmarks, tests). ``ONEPASS_INT4_VARIANT``
@@ -23,8 +28,9 @@ Policies (``set_policy`` / ``engine.int4``):
 The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4_gemm
 (``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db`` or ``--csv experiments/int4_gemm/runs.csv``
 prints the entries to paste). Until a shape is measured the rule decides:
-  invariant: "triton" (the CUDA kernels serve one batch tile of <= 8 sequences per weight pass, so over
-             every B Triton's tensor-core tiles are the safe single choice);
+  invariant: "cuda_mma" for an engine of at most 16 sequences where it runs, else "triton" (the CUDA kernels
+             serve one batch tile per weight pass, so over every B Triton's tensor-core tiles are the safe
+             single choice);
   fastest:   "cuda_mma" for M <= 16 (one tile) where it runs (Q4_0 / Q4_1 / Q4_K), else "cuda" for M <= 4
              (Q8_0), when NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched
              prefill); else "triton". (H200, the 27B hybrid's four Q4_K shapes at B = 16: cuda_mma 44.9 /
@@ -54,19 +60,20 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # (python -m kernels.int4_dispatch prints these lines from a recorded run). Empty until measured.
 # Measured on the H200 (torch 2.11, triton 3.6, cupy 14.2; experiment int4_gemm, commit 69732ea: the issue's
 # five Q4_0 shapes at B = 1..128, and the 27B hybrid's five Q4_K projections at B = 1, 8, 16, 32, 64, 128):
-# the fastest variant per B bucket, and the one kernel per shape whose worst ratio to the fastest over B is
-# smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B).
+# the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
+# smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
+# the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
 MEASURED: dict[tuple[int, int, str], dict] = {
-    (2048, 8192, 'q4_0'): {'invariant': 'triton', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'dequant_cublas', 128: 'dequant_cublas'},
-    (4096, 4096, 'q4_0'): {'invariant': 'triton', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
-    (5120, 6144, 'q4_k'): {'invariant': 'triton', 1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'dequant_cublas'},
-    (5120, 12288, 'q4_0'): {'invariant': 'cuda_mma', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
-    (5120, 17408, 'q4_0'): {'invariant': 'cuda_mma', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
-    (5120, 17408, 'q4_k'): {'invariant': 'triton', 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
-    (14336, 5120, 'q4_k'): {'invariant': 'triton', 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'dequant_cublas'},
-    (16384, 5120, 'q4_k'): {'invariant': 'triton', 1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
-    (17408, 5120, 'q4_0'): {'invariant': 'cuda_mma', 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'dequant_cublas'},
-    (34816, 5120, 'q4_k'): {'invariant': 'triton', 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
+    (2048, 8192, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'dequant_cublas', 128: 'dequant_cublas'},
+    (4096, 4096, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (5120, 6144, 'q4_k'): {'invariant': 'triton', 'invariant_at': {1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'}, 1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'dequant_cublas'},
+    (5120, 12288, 'q4_0'): {'invariant': 'cuda_mma', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (5120, 17408, 'q4_0'): {'invariant': 'cuda_mma', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (5120, 17408, 'q4_k'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
+    (14336, 5120, 'q4_k'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'dequant_cublas'},
+    (16384, 5120, 'q4_k'): {'invariant': 'triton', 'invariant_at': {1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'}, 1: 'cuda', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
+    (17408, 5120, 'q4_0'): {'invariant': 'cuda_mma', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'dequant_cublas'},
+    (34816, 5120, 'q4_k'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'triton', 64: 'triton', 128: 'triton'},
 }
 
 _policy = os.environ.get("ONEPASS_INT4_VARIANT", "").strip() or "invariant"
@@ -74,11 +81,16 @@ if _policy not in POLICIES:
     raise ValueError(f"ONEPASS_INT4_VARIANT={_policy!r}: choose one of {POLICIES}")
 
 
-def set_policy(policy: str) -> None:
-    global _policy
+_max_batch: int | None = None      # the engine's batch, for the invariant pick (None: every B measured)
+
+
+def set_policy(policy: str, max_batch: int | None = None) -> None:
+    global _policy, _max_batch
     if policy not in POLICIES:
         raise ValueError(f"int4 policy {policy!r}: choose one of {POLICIES}")
-    _policy = policy
+    if max_batch is not None and int(max_batch) < 1:
+        raise ValueError(f"int4 policy: max_batch={max_batch}; need at least one sequence")
+    _policy, _max_batch = policy, (None if max_batch is None else int(max_batch))
 
 
 def get_policy() -> str:
@@ -92,7 +104,8 @@ def bucket(M: int) -> int:
 def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
     """The documented rule for shapes MEASURED has no entry for."""
     if policy == "invariant":
-        return "triton"
+        small = _max_batch is not None and _max_batch <= 16
+        return "cuda_mma" if small and int4_mma.supports(fmt) and int4_mma.available() else "triton"
     if M <= 16 and int4_mma.supports(fmt) and int4_mma.available():
         return "cuda_mma"
     if M <= 4 and int4_cuda.available():
@@ -110,6 +123,10 @@ def choose(M: int, N: int, K: int, fmt: str, policy: str | None = None) -> str:
     entry = MEASURED.get((N, K, fmt), {})
     if policy == "invariant":
         v = entry.get("invariant")
+        at = entry.get("invariant_at") or {}
+        if _max_batch is not None and at:                      # the pick for an engine of _max_batch sequences
+            keys = sorted(at)
+            v = at[next((b for b in keys if b >= _max_batch), keys[-1])]
         return v if v in INVARIANT_VARIANTS else rule(M, N, K, fmt, policy)
     v = entry.get(bucket(M))
     return v if v in VARIANTS else rule(M, N, K, fmt, policy)
@@ -270,7 +287,9 @@ def table_entries(df) -> dict[tuple[int, int, str], dict]:
     every B) whose worst ratio to the fastest variant over the measured B is smallest, ties to the smaller
     total time. Not the smallest total: microseconds at B = 1 then weigh as much as at B = 128, where a
     small-batch kernel is several times slower (on the H200 a total-time pick of cuda_mma for Llama-1B's
-    down projection cost 13% of end-to-end tok/s at B = 128)."""
+    down projection cost 13% of end-to-end tok/s at B = 128). "invariant_at": {B: the fastest batch-invariant
+    variant at B}, the pick for an engine built for B sequences (its full-batch steps are what it runs most).
+    """
     import pandas as pd
 
     def col(c):
@@ -285,9 +304,21 @@ def table_entries(df) -> dict[tuple[int, int, str], dict]:
     for (n, k, fmt), grp in d.dropna(subset=["N", "K", "B"]).groupby(["N", "K", "fmt"]):
         entry: dict = {}
         best = grp[list(VARIANTS)].min(axis=1)
-        score = {v: ((grp[v] / best).max(), grp[v].sum()) for v in INVARIANT_VARIANTS if grp[v].notna().all()}
-        if score:
-            entry["invariant"] = min(score, key=score.get)
+
+        def pick(rows):
+            score = {v: ((rows[v] / best[rows.index]).max(), rows[v].sum()) for v in INVARIANT_VARIANTS
+                     if rows[v].notna().all()}
+            return min(score, key=score.get) if score else None
+
+        if pick(grp):
+            entry["invariant"] = pick(grp)
+        at = {}
+        for _, r in grp.sort_values("B").iterrows():
+            times = {v: r[v] for v in INVARIANT_VARIANTS if r[v] == r[v]}
+            if times:
+                at[int(r["B"])] = min(times, key=times.get)
+        if at:
+            entry["invariant_at"] = at
         for _, r in grp.sort_values("B").iterrows():
             times = {v: r[v] for v in VARIANTS if r[v] == r[v]}
             if times:

@@ -136,6 +136,28 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(1, 64, 64, "q4_0", "invariant") == "triton"
     with pytest.raises(ValueError):
         disp.set_policy("fast")
+    with pytest.raises(ValueError):
+        disp.set_policy("invariant", max_batch=0)
+
+
+def test_invariant_pick_for_the_engine_batch(monkeypatch):
+    """Given the engine's batch, the invariant policy takes the fastest batch-invariant kernel at that B (the next
+    measured B up, the last beyond), the same for every M the engine runs; without it, the all-B pick."""
+    monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_k"): {"invariant": "triton",
+                                                                   "invariant_at": {1: "cuda", 8: "cuda_mma",
+                                                                                    32: "triton"}}})
+    monkeypatch.setattr(disp, "_max_batch", None)
+    monkeypatch.setattr(disp, "_policy", disp._policy)          # restored after the test
+    assert disp.choose(1, 5120, 17408, "q4_k", "invariant") == "triton"
+    for max_batch, want in ((1, "cuda"), (5, "cuda_mma"), (8, "cuda_mma"), (20, "triton"), (512, "triton")):
+        disp.set_policy("invariant", max_batch=max_batch)
+        assert {disp.choose(m, 5120, 17408, "q4_k") for m in (1, max_batch, 22 * max_batch)} == {want}
+    # unmeasured shapes: cuda_mma for an engine of <= 16 sequences where it runs, else Triton
+    monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
+    disp.set_policy("invariant", max_batch=16)
+    assert disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma" and disp.choose(1, 4096, 4096, "q8_0") == "triton"
+    disp.set_policy("invariant", max_batch=17)
+    assert disp.choose(1, 4096, 4096, "q4_0") == "triton"
 
 
 def test_runnable_fallbacks(monkeypatch):
@@ -184,13 +206,15 @@ def test_table_entries_from_recorded_runs(tmp_path, capsys):
     rows.append({**rows[0], "params.micro.n": "2048", "params.micro.k": "8192", "metrics.cuda_ok": 0})
     df = pd.DataFrame(rows)
     entries = disp.table_entries(df)
-    assert entries[(5120, 17408, "q4_0")] == {"invariant": "triton", 1: "cuda", 16: "triton", 128: "dequant_cublas"}
-    assert entries[(2048, 8192, "q4_0")] == {"invariant": "triton", 1: "triton"}   # cuda failed verification
+    assert entries[(5120, 17408, "q4_0")] == {"invariant": "triton", 1: "cuda", 16: "triton", 128: "dequant_cublas",
+                                              "invariant_at": {1: "cuda", 16: "triton", 128: "triton"}}
+    assert entries[(2048, 8192, "q4_0")] == {"invariant": "triton", 1: "triton",   # cuda failed verification
+                                             "invariant_at": {1: "triton"}}
     path = tmp_path / "runs.csv"
     df.to_csv(path, index=False)
     assert disp.main(["--csv", str(path)]) == 0
     printed = capsys.readouterr().out
-    assert "(5120, 17408, 'q4_0'): {'invariant': 'triton', 1: 'cuda'" in printed
+    assert "(5120, 17408, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda'" in printed
 
 
 def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
@@ -208,6 +232,9 @@ def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
                        for i, b in enumerate(B)])
     entry = disp.table_entries(df)[(2048, 8192, "q4_0")]
     assert entry["invariant"] == "triton" and entry[1] == "cuda_mma" and entry[128] == "dequant_cublas"
+    # an engine built for B sequences takes the fastest batch-invariant kernel at B
+    assert entry["invariant_at"] == {1: "cuda_mma", 2: "cuda_mma", 4: "cuda_mma", 8: "cuda_mma", 16: "cuda_mma",
+                                     32: "cuda_mma", 64: "triton", 128: "triton"}
 
 
 def test_cuda_module_imports_and_configures_without_cupy():
