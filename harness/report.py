@@ -27,9 +27,9 @@ def table(name: str):
     return deco
 
 
-def runs_from_store(name: str, uri: str) -> pd.DataFrame:
+def runs_from_store(name: str, uri: str, newest: bool = True) -> pd.DataFrame:
     """The newest sweep (or, without sweeps, every finished run) tagged with this table; where several
-    experiment files record into one table, the newest sweep of each."""
+    experiment files record into one table, the newest sweep of each. newest=False: every finished run."""
     import mlflow
 
     from harness.tracking import check_reachable
@@ -41,7 +41,7 @@ def runs_from_store(name: str, uri: str) -> pd.DataFrame:
         return df
     if "tags.onepass.kind" in df:
         df = df[df["tags.onepass.kind"].fillna("") != "sweep"]
-    if "tags.sweep_id" in df and df["tags.sweep_id"].notna().any():
+    if newest and "tags.sweep_id" in df and df["tags.sweep_id"].notna().any():
         source = df["tags.experiment_file"].fillna("") if "tags.experiment_file" in df else pd.Series("", index=df.index)
         newest = df.sort_values("start_time").dropna(subset=["tags.sweep_id"]).groupby(source)["tags.sweep_id"].last()
         df = df[df["tags.sweep_id"].isin(set(newest))]
@@ -210,7 +210,7 @@ def int4_gemm(df: pd.DataFrame):
     })
     d["_n"] = num(df, "params.micro.n")
     d["_k"] = num(df, "params.micro.k")
-    d = d.sort_values(["_n", "_k", "format", "B"], ascending=[False, True, True, True]).drop(columns=["_n", "_k"])
+    d = d.sort_values(["format", "_n", "_k", "B"], ascending=[True, False, True, True]).drop(columns=["_n", "_k"])
     md = d.to_markdown(index=False, floatfmt=("", "", ".0f", ".1f", ".1f", ".1f", ".1f", ".1f", "", ".2f", ".2f", "", ""))
     return md.replace("nan", "—"), None
 
@@ -411,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: the tracking store when it has runs for the table, else experiments/<name>/runs.csv")
     ap.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
     ap.add_argument("--record", action="store_true", help="also write the store's runs to experiments/<name>/runs.csv")
+    ap.add_argument("--all-sweeps", action="store_true",
+                    help="take every finished run in the store, not only the newest sweep of each experiment file")
     ap.add_argument("--out", default=str(REPORTS))
     args = ap.parse_args(argv)
     names = args.names or sorted(n for n in TABLES if (EXPERIMENTS / n).is_dir())
@@ -423,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         df, source = pd.DataFrame(), ""
         if args.source in ("auto", "store"):
             try:
-                df, source = runs_from_store(name, args.uri), f"the tracking store {args.uri}"
+                df, source = runs_from_store(name, args.uri, newest=not args.all_sweeps), f"the tracking store {args.uri}"
             except Exception as e:
                 print(f"[report] {name}: tracking store unavailable ({e})", file=sys.stderr)
         if df.empty and args.source in ("auto", "csv"):

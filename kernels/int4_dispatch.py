@@ -26,8 +26,8 @@ Policies (``set_policy`` / ``engine.int4``):
               does the same from the environment.
 
 The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4_gemm
-(``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db`` or ``--csv experiments/int4_gemm/runs.csv``
-prints the entries to paste). Until a shape is measured the rule decides:
+(``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db [--all-sweeps]`` or ``--csv
+experiments/int4_gemm/runs.csv`` prints the entries to paste). Until a shape is measured the rule decides:
   invariant: "cuda_mma" for an engine of at most 16 sequences where it runs, else "triton" (the CUDA kernels
              serve one batch tile per weight pass, so over every B Triton's tensor-core tiles are the safe
              single choice);
@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "int4_gemm runs (the newest sweep in the store, or a runs.csv).")
     ap.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
     ap.add_argument("--csv", default=None, help="experiments/int4_gemm/runs.csv instead of the store")
+    ap.add_argument("--all-sweeps", action="store_true",
+                    help="every finished int4_gemm run in the store, not only the newest sweep (e.g. a Q4_0 job "
+                         "and a Q4_K job of one commit)")
     args = ap.parse_args(argv)
     if args.csv:
         import pandas as pd
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from harness.report import runs_from_store
 
-        df = runs_from_store("int4_gemm", args.uri)
+        df = runs_from_store("int4_gemm", args.uri, newest=not args.all_sweeps)
     if df.empty:
         print("no int4_gemm runs found", file=sys.stderr)
         return 1

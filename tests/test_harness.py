@@ -146,3 +146,18 @@ def test_prefix_cache_needs_paged_kv(tmp_path):
     cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=auto"))
     with pytest.raises(ConfigError, match="layout=paged"):
         run_job(cfg, tmp_path / "out")
+
+
+def test_store_reads_the_newest_sweep_unless_told_all(tmp_path):
+    """runs_from_store: the newest sweep per experiment file by default (a rerun replaces the old one); every
+    finished run with newest=False (two jobs of one commit recorded into one table, e.g. int4_gemm's Q4_0
+    and Q4_K sweeps)."""
+    uri = f"sqlite:///{tmp_path}/store.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("t")
+    for sweep, value in (("s1", 1.0), ("s2", 2.0), ("s2", 3.0)):
+        with mlflow.start_run(tags={"table": "tbl", "sweep_id": sweep, "experiment_file": "tbl.yaml"}):
+            mlflow.log_metric("v", value)
+    newest = report.runs_from_store("tbl", uri)
+    assert sorted(newest["metrics.v"]) == [2.0, 3.0]
+    assert sorted(report.runs_from_store("tbl", uri, newest=False)["metrics.v"]) == [1.0, 2.0, 3.0]
