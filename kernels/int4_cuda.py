@@ -452,20 +452,27 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
-    """The launch shape of (N, K, fmt): {"KW", "CG"} and one of "SPLIT_K" / "TARGET_BLOCKS". Layers, each
-    replacing the keys it names: the module defaults, MEASURED[(N, K, fmt)], then ``config``; a layer naming
-    one split key drops the other (naming both is an error)."""
-    out = {"KW": KW, "CG": CG, "TARGET_BLOCKS": TARGET_BLOCKS}
-    for layer in (MEASURED.get((N, K, fmt)), config):
+def layered_config(name: str, shape: tuple, base: dict, layers: tuple, keys: tuple) -> dict:
+    """base, then each layer (MEASURED's entry, a call's config=; None skipped) replacing the keys it names; a
+    layer naming one split key ("SPLIT_K" / "TARGET_BLOCKS") drops the other, naming both is an error."""
+    out = dict(base)
+    for layer in layers:
         if not layer:
             continue
-        if set(layer) - set(CONFIG_KEYS) or {"SPLIT_K", "TARGET_BLOCKS"} <= set(layer):
-            raise ValueError(f"int4_cuda: config {layer} for {(N, K, fmt)}: keys are {CONFIG_KEYS}, one split key")
+        if set(layer) - set(keys) or {"SPLIT_K", "TARGET_BLOCKS"} <= set(layer):
+            raise ValueError(f"{name}: config {layer} for {shape}: keys are {keys}, one split key")
         if "SPLIT_K" in layer or "TARGET_BLOCKS" in layer:
             out.pop("SPLIT_K", None)
             out.pop("TARGET_BLOCKS", None)
         out.update({k: int(v) for k, v in layer.items()})
+    return out
+
+
+def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """The launch shape of (N, K, fmt): {"KW", "CG"} and one of "SPLIT_K" / "TARGET_BLOCKS": the module
+    defaults, MEASURED[(N, K, fmt)], then ``config`` (layered_config)."""
+    out = layered_config("int4_cuda", (N, K, fmt), {"KW": KW, "CG": CG, "TARGET_BLOCKS": TARGET_BLOCKS},
+                         (MEASURED.get((N, K, fmt)), config), CONFIG_KEYS)
     kw, cg = out["KW"], out["CG"]
     if not (1 <= kw <= MAX_KW and cg % kw == 0 and 1 <= cg // kw <= MAX_UPW) or min(out.values()) < 1:
         raise ValueError(f"int4_cuda: config {out} for {(N, K, fmt)}: need 1 <= KW <= {MAX_KW}, CG a positive "

@@ -520,19 +520,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
-    """{"RT", "P", "U"} and one of "SPLIT_K" / "TARGET_BLOCKS": the defaults, MEASURED[(N, K, fmt)], then config
-    (a layer naming one split key drops the other)."""
-    out = {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16, "TARGET_BLOCKS": TARGET_BLOCKS}
-    for layer in (MEASURED.get((N, K, fmt)), config):
-        if not layer:
-            continue
-        if set(layer) - set(CONFIG_KEYS) or {"SPLIT_K", "TARGET_BLOCKS"} <= set(layer):
-            raise ValueError(f"int4_mma: config {layer} for {(N, K, fmt)}: keys are {CONFIG_KEYS}, one split key")
-        if "SPLIT_K" in layer or "TARGET_BLOCKS" in layer:
-            out.pop("SPLIT_K", None)
-            out.pop("TARGET_BLOCKS", None)
-        out.update({k: int(v) for k, v in layer.items()})
-    if not any("RT16" in (layer or {}) for layer in (MEASURED.get((N, K, fmt)), config)):
+    """{"RT", "P", "U", "RT16", "U16"} and one of "SPLIT_K" / "TARGET_BLOCKS": the defaults, MEASURED[(N, K, fmt)],
+    then config (int4_cuda.layered_config)."""
+    layers = (MEASURED.get((N, K, fmt)), config)
+    out = int4_cuda.layered_config("int4_mma", (N, K, fmt), {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16,
+                                                             "TARGET_BLOCKS": TARGET_BLOCKS}, layers, CONFIG_KEYS)
+    if not any("RT16" in (layer or {}) for layer in layers):
         out["RT16"] = max(1, min(out["RT16"], 16 // out["P"]))       # the default within 16 warps
     if (not all(1 <= out[r] * out["P"] <= 16 and 1 <= out[u] <= 16 for r, u in (("RT", "U"), ("RT16", "U16")))
             or min(out.values()) < 1):

@@ -61,26 +61,30 @@ EMU_SHAPES = [(72, 160, "q4_1", (1, 9), {"KW": 2, "CG": 4, "SPLIT_K": 2}),
               (40, 2080, "q8_0", (1, 9), {"KW": 4, "CG": 64, "SPLIT_K": 1})]
 
 
-def _emulated_matches_ref(seed, N, K, fmt, Ms, config=None, fp16=True):
-    """fp32 output vs the fp32 reference, rows bitwise independent of M (batch invariance), bf16 output =
-    the fp32 result rounded once, fp16 x."""
+def emulated_matches_ref(emulate, plan, seed, N, K, fmt, Ms, config=None, fp16=True):
+    """A CUDA kernel's source run on the CPU (emulate: a tests/cuda_emu.py launcher; plan(M, N, K, fmt, config)
+    its launch config): fp32 output vs the fp32 reference, rows bitwise independent of M (batch invariance),
+    bf16 output = the fp32 result rounded once, fp16 x."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
-    cfg = int4_cuda.cuda_config(max(Ms), N, K, fmt, config)
+    cfg = plan(max(Ms), N, K, fmt, config)
     x_all = _x(seed, max(Ms), K, xs, device="cpu")
-    y_all = cuda_emu.w4a16_emulated(x_all, pw, out32=True, config=config)
+    y_all = emulate(x_all, pw, out32=True, config=config)
     ref = x_all.float() @ unpack_ref(pw).T
     err = (y_all - ref).abs().max().item()
     assert err <= 1e-4 * (1 + ref.abs().max().item()), f"seed={seed} {fmt} {N}x{K} {cfg}: max err {err}"
     for M in Ms:
-        y = cuda_emu.w4a16_emulated(x_all[:M], pw, out32=True, config=config)
+        y = emulate(x_all[:M], pw, out32=True, config=config)
         assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} {N}x{K} {config}: M={M} rows differ from M={max(Ms)}"
-    y16 = cuda_emu.w4a16_emulated(x_all, pw, config=config)
+    y16 = emulate(x_all, pw, config=config)
     assert torch.equal(y16, y_all.to(torch.bfloat16)), "bf16 output is not the fp32 result rounded once"
     if fp16:
         x16 = x_all.half()
-        _check(cuda_emu.w4a16_emulated(x16, pw, config=config), (x16.float() @ unpack_ref(pw).T).half(), seed,
-               f"{fmt} fp16")
+        _check(emulate(x16, pw, config=config), (x16.float() @ unpack_ref(pw).T).half(), seed, f"{fmt} fp16")
     return pw, x_all, y_all
+
+
+def _emulated_matches_ref(seed, N, K, fmt, Ms, config=None, fp16=True):
+    return emulated_matches_ref(cuda_emu.w4a16_emulated, int4_cuda.cuda_config, seed, N, K, fmt, Ms, config, fp16)
 
 
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")

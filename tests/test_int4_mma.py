@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quant_pack import unpack_ref
 from kernels import int4_mma
 from tests import cuda_emu
-from tests.test_int4_cuda import ISSUE, gpu_matches_ref, gpu_rows_independent_of_m, gpu_strided_and_graph_capture
-from tests.test_int4_gemm import _check, _weight, _x  # noqa: F401  (also sets the interpreter flag)
+from tests.test_int4_cuda import (ISSUE, emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
+                                  gpu_strided_and_graph_capture)
+from tests.test_int4_gemm import _weight, _x  # noqa: F401  (also sets the interpreter flag)
 
 ON_GPU = torch.cuda.is_available()
 needs_mma = pytest.mark.skipif(ON_GPU and not int4_mma.available(), reason="no NVRTC binding or no sm_80+ device")
@@ -34,28 +34,10 @@ EMU = [(40, 256, "q4_0", (1, 3, 9), {"RT": 1, "P": 2, "U": 2}),
        (32, 512, "q4_1", (3,), {"RT": 2, "P": 1, "U": 3})]
 
 
-def _emulated_matches_ref(seed, N, K, fmt, Ms, config):
-    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
-    x_all = _x(seed, max(Ms), K, xs, device="cpu")
-    y_all = cuda_emu.w4a16_mma_emulated(x_all, pw, out32=True, config=config)
-    ref = x_all.float() @ unpack_ref(pw).T
-    err = (y_all - ref).abs().max().item()
-    cfg = int4_mma.mma_config(max(Ms), N, K, fmt, config)
-    assert err <= 1e-4 * (1 + ref.abs().max().item()), f"seed={seed} {fmt} {N}x{K} {cfg}: max err {err}"
-    for M in Ms:
-        y = cuda_emu.w4a16_mma_emulated(x_all[:M], pw, out32=True, config=config)
-        assert torch.equal(y, y_all[:M]), f"seed={seed} {fmt} {N}x{K} {config}: M={M} rows differ from M={max(Ms)}"
-    y16 = cuda_emu.w4a16_mma_emulated(x_all, pw, config=config)
-    assert torch.equal(y16, y_all.to(torch.bfloat16)), "bf16 output is not the fp32 result rounded once"
-    x16 = x_all.half()
-    _check(cuda_emu.w4a16_mma_emulated(x16, pw, config=config), (x16.float() @ unpack_ref(pw).T).half(), seed,
-           f"{fmt} fp16")
-
-
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
 @pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_source_emulated_matches_ref(seed, case):
-    _emulated_matches_ref(seed, *case)
+    emulated_matches_ref(cuda_emu.w4a16_mma_emulated, int4_mma.mma_config, seed, *case)
 
 
 def test_emulated_cases_cover_the_launch_shapes():

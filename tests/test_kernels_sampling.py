@@ -28,7 +28,6 @@ in every failure message.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -38,15 +37,7 @@ from engine.sampler import SamplingParams, filter_logits
 from kernels.sampling import (argmax_ref, argmax_triton, keep_threshold_ref, make_workspace, philox4x32_ref,
                               philox_uniform_ref, sample_ref, sample_triton, uniform_triton)
 from tests.interpreter import run_in_interpreter
-
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
-SEED = int(os.environ.get("KERNEL_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
-
-needs_kernel = pytest.mark.skipif(
-    not (HAS_CUDA or INTERPRET),
-    reason="CPU without TRITON_INTERPRET=1: run by test_cpu_kernels_in_interpreter_subprocess in a child process")
+from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, needs_kernel
 
 
 @pytest.fixture
@@ -54,14 +45,6 @@ def small_chunks(monkeypatch):
     """Several chunks per row at tiny vocabularies (CPU); the real chunking on the GPU."""
     if DEV.type == "cpu":
         monkeypatch.setattr(KS, "MAX_CHUNK", 64)
-
-
-def _gen(salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed(SEED * 1000 + salt)
-
-
-def _msg(what: str) -> str:
-    return f"{what} (seed {SEED}; rerun with KERNEL_TEST_SEED={SEED})"
 
 
 def _logits(g, R, V, dtype, scale=3.0):
