@@ -5,6 +5,8 @@ shape among four variants:
   "cuda"            kernels/int4_cuda.py: CUDA-core W4A16 kernel for small B (CuPy / NVRTC), batch-invariant
   "cuda_mma"        kernels/int4_mma.py: mma.sync kernel for small B (tiles of up to 32 sequences; Q4_0 /
                     Q4_1 / Q4_K; NVRTC like "cuda"), batch-invariant
+  "cuda_mma_fold"   the same kernel's folded form: group scales folded into bf16 / fp16 weights
+                    (engine.quant_pack.unpack_folded), one fp32 accumulation across K; batch-invariant
   "dequant_cublas"  dequantize the packed weight into a reusable per-device workspace (one bf16/fp16 [N, K]
                     buffer shared by every projection: memory = the largest single matrix, never a second
                     copy of the model), then torch.matmul. Not batch-invariant (cuBLAS picks its algorithm
@@ -14,7 +16,7 @@ shape among four variants:
 
 Policies (``set_policy`` / ``engine.int4``):
   "invariant" (default): one variant per (N, K, fmt) for every M, so B greedy streams stay bit-exact with
-              the single stream (the seed's verify); only "triton", "cuda" and "cuda_mma" qualify. Given the
+              the single stream (the seed's verify); only "triton", "cuda" and the two mma forms qualify. Given the
               engine's batch (``set_policy(..., max_batch=B)``, as harness/run.py does with batch.size), the
               pick is the fastest batch-invariant variant at B ("invariant_at"; the next measured B up):
               still one kernel per shape for every M the engine runs (its prefill rows included), so its
@@ -22,19 +24,20 @@ Policies (``set_policy`` / ``engine.int4``):
               as engine.gemm=cublas engines do.
   "fastest":  per (N, K, fmt, B bucket), any variant; like engine.gemm=cublas, B streams may then differ
               from the single stream in the last bits.
-  "triton" | "cuda" | "cuda_mma" | "dequant_cublas": force one variant (benchmarks, tests). ``ONEPASS_INT4_VARIANT``
+  "triton" | "cuda" | "cuda_mma" | "cuda_mma_fold" | "dequant_cublas": force one variant (benchmarks, tests).
+              ``ONEPASS_INT4_VARIANT``
               does the same from the environment.
 
 The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4_gemm
 (``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db [--all-sweeps]`` or ``--csv
 experiments/int4_gemm/runs.csv`` prints the entries to paste). Until a shape is measured the rule decides:
-  invariant: "cuda_mma" for an engine of at most 16 sequences where it runs, else "triton" (the CUDA kernels
-             serve one batch tile per weight pass, so over every B Triton's tensor-core tiles are the safe
-             single choice);
-  fastest:   "cuda_mma" for M <= 16 (one tile) where it runs (Q4_0 / Q4_1 / Q4_K), else "cuda" for M <= 4
-             (Q8_0), when NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched
-             prefill); else "triton". (H200, the 27B hybrid's four Q4_K shapes at B = 16: cuda_mma 44.9 /
-             93.7 / 35.9 / 22.2 us against Triton 56.2 / 106.4 / 35.5 / 26.5.)
+  invariant: for an engine of at most 8 sequences "cuda_mma", of at most 32 "cuda_mma_fold", where they run
+             (Q4_0 / Q4_1 / Q4_K), else "triton" (the CUDA kernels serve one batch tile of <= 32 per weight
+             pass, so past that Triton's tensor-core tiles are the safe single choice);
+  fastest:   by M the same ("cuda_mma" to 8, "cuda_mma_fold" to 32), else "cuda" for M <= 4 (Q8_0), when
+             NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched prefill); else
+             "triton". (H200, the 27B hybrid's Q4_K 34816x5120 / 16384x5120 / 5120x6144 / 5120x17408 at
+             B = 32: cuda_mma_fold 97 / 48 / 24 / 49 us, cuda_mma 136 / 69 / 38 / 67, Triton 123 / 57 / 33 / 73.)
 A variant that cannot run here (no CuPy / NVRTC, a format cuda_mma does not take, or the CPU) falls back to
 "triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
 """
@@ -51,8 +54,9 @@ from kernels import int4_cuda, int4_mma
 from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _expand, w4a16_linear, w4a16_linear_ref
 from kernels.triton_compat import tl, triton
 
-VARIANTS = ("triton", "cuda", "cuda_mma", "dequant_cublas")
-INVARIANT_VARIANTS = ("triton", "cuda", "cuda_mma")
+VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "dequant_cublas")
+INVARIANT_VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold")
+MMA_VARIANTS = ("cuda_mma", "cuda_mma_fold")
 POLICIES = ("invariant", "fastest") + VARIANTS
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
 
@@ -103,11 +107,13 @@ def bucket(M: int) -> int:
 
 def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
     """The documented rule for shapes MEASURED has no entry for."""
+    mma = int4_mma.supports(fmt) and int4_mma.available()
     if policy == "invariant":
-        small = _max_batch is not None and _max_batch <= 16
-        return "cuda_mma" if small and int4_mma.supports(fmt) and int4_mma.available() else "triton"
-    if M <= 16 and int4_mma.supports(fmt) and int4_mma.available():
-        return "cuda_mma"
+        if mma and _max_batch is not None and _max_batch <= 32:
+            return "cuda_mma" if _max_batch <= 8 else "cuda_mma_fold"
+        return "triton"
+    if mma and M <= 32:
+        return "cuda_mma" if M <= 8 else "cuda_mma_fold"
     if M <= 4 and int4_cuda.available():
         return "cuda"
     if M > 256:
@@ -142,7 +148,7 @@ def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
         return "triton" if _INTERPRETED else "ref"
     if variant == "cuda" and not int4_cuda.available():
         return "triton"
-    if variant == "cuda_mma" and not (int4_mma.available() and (fmt is None or int4_mma.supports(fmt))):
+    if variant in MMA_VARIANTS and not (int4_mma.available() and (fmt is None or int4_mma.supports(fmt))):
         return "triton"
     return variant
 
@@ -265,8 +271,8 @@ def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tens
         return y if out is None else out.copy_(y)
     if v == "cuda":
         return int4_cuda.w4a16_cuda(x, pw, out)
-    if v == "cuda_mma":
-        return int4_mma.w4a16_mma(x, pw, out)
+    if v in MMA_VARIANTS:
+        return int4_mma.w4a16_mma(x, pw, out, fold=v == "cuda_mma_fold")
     if v == "dequant_cublas":
         return dequant_matmul(x, pw, out)
     return w4a16_linear(x, pw, out)

@@ -37,6 +37,17 @@ are two and four such blocks sharing the dequantized A fragments)
   adds them in split order. x for the split's whole K range is staged before the loop, so the loop has no
   barrier; that bounds a split to GMAX groups.
 
+The folded form (fold=True, the dispatch's "cuda_mma_fold"; definition: x @ unpack_folded(w, x.dtype)^T, see
+engine/quant_pack.py). Each group's scale and offset are rounded to x's dtype, one more packed fma per pair turns
+the exact integers into the weights q * s + c, and the mmas accumulate into acc across the whole K range: no fp32
+scaling per group and column block, and no group sums of x (Q4_1 / Q4_K), so nothing but x is staged.
+It works on quads of 4 groups (apply_quad): each lane loads a whole 16-byte group record per row and that group's
+scales, and an mma's k range spans the quad's 4 groups, so loads and scale work per group drop to a quarter. SASS
+per group (sm_90, bf16): Q4_K 53 instructions at B = 1 (the exact form: 85), 63 at B = 32 (120); Q4_0 42 (42).
+H200: 34816x5120 Q4_K 41.5 us at B = 1 (2.4 TB/s; exact form 51.3), 91 us at B = 32 (136). Launch shapes of its
+own (FOLD_TILES); splits of whole quads. Its bits differ from the exact form's (rounded weights), so it is a
+variant of its own.
+
 Tried and dropped (H200): streaming the weights through a per-warp cp.async ring in shared memory (8 groups in
 flight without registers) was slower at B = 1 (25.2 against 21.8 us on 17408x5120 Q4_0, ncu): ncu put the
 register-ring kernel at 63% issue-active with few long-scoreboard stalls, so the bytes in flight were not what
@@ -44,8 +55,8 @@ limited it, and the ring's addressing and warp barriers added 50% more instructi
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
-independent; the row tiles per block and the ring depth (RT / U, or RT16 / U16 for tiles of 16+) do not touch
-a warp's sums. So row m of y is bitwise the same whatever M is.
+independent; the row tiles per block, the ring depth and the register budget (RT / U, RT16 / U16 / MINB16 for
+tiles of 16+) do not touch a warp's sums. So row m of y is bitwise the same whatever M is, in either form.
 """
 from __future__ import annotations
 
@@ -75,9 +86,10 @@ NUM_SMS = int4_cuda.NUM_SMS
 # register cap (below) and lost everywhere.
 RT, P, U = 4, 1, 4
 RT16, U16 = 16, 4
+MINB16 = 1          # tiles of 16+: blocks per SM the registers must allow (1: what the compiler takes)
 TARGET_BLOCKS = 4 * NUM_SMS
 MAX_SPLIT = 32
-CONFIG_KEYS = ("RT", "P", "U", "RT16", "U16", "SPLIT_K", "TARGET_BLOCKS")
+CONFIG_KEYS = ("RT", "P", "U", "MINB", "RT16", "U16", "MINB16", "SPLIT_K", "TARGET_BLOCKS")
 MEASURED: dict[tuple[int, int, str], dict] = {
     (17408, 5120, "q4_0"): {"RT": 8, "SPLIT_K": 5},            # 21.1 / 22.7 / 24.1 vs 21.3 / 23.1 / 23.9
     (5120, 12288, "q4_0"): {"SPLIT_K": 12},                    # 16.0 / 17.6 / 19.0 vs 16.2 / 18.0 / 19.3
@@ -86,6 +98,13 @@ MEASURED: dict[tuple[int, int, str], dict] = {
     (34816, 5120, "q4_k"): {"RT": 8},                          # 51.3 / 58.6 / 60.2 vs 54.0 / 63.0 / 74.5
     (10240, 5120, "q4_k"): {"RT": 8, "SPLIT_K": 7},            # 21.3 / 24.6 / 24.2 vs 22.2 / 25.1 / 28.2
 }
+# The folded form's launch shapes (its U and U16 count quads of 4 groups). H200 sweep of 6 layouts on 10 shapes (the
+# 27B hybrid's five Q4_K projections, five Q4_0), B = 1, 4, 8, 16, 32: 8-warp blocks with 2 quads in flight for tiles
+# of up to 8 sequences, and 16-warp blocks (256 rows sharing the staged x) with one quad in flight and registers for
+# 2 blocks per SM for 16 and 32, were the fastest or within ~10% almost everywhere (34816x5120 Q4_K: 41.5 / 59.2 /
+# 61.5 / 91.4 us at B = 1 / 8 / 16 / 32, against 51.3 / 60.2 / 85.5 / 136.3 for the exact form). Bit-neutral.
+FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in FORMATS}
+MEASURED_FOLD: dict[tuple[int, int, str], dict] = {}
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 
 MMA_SOURCE = r"""
@@ -103,11 +122,13 @@ typedef long long i64;
 #define XROW (GMAX * 16 + 16)                   /* u32 words per staged x row (+16: LDS.128 without conflicts) */
 #define XR (BT % 8 ? BT + 1 : BT)               /* staged rows: BT, and a row of zeros for the mma's spare columns */
 // blocks per SM the registers must allow: up to 8 sequences and a ring of up to 4 groups, 56 registers a thread
-// (1792 a warp: ~36 warps of weight loads in flight per SM; unbounded, NVRTC took 63); otherwise what it takes
-#define MIN_BLOCKS (BT <= 8 && U <= 4 ? (65536 / 1792) / KW : 1)
+// (1792 a warp: ~36 warps of weight loads in flight per SM; unbounded, NVRTC took 63); otherwise MINB (the
+// launch's MINB16 for tiles of 16+, the folded form's MINB for smaller ones: 1 leaves the compiler free)
+#define MIN_BLOCKS (!FOLD && BT <= 8 && U <= 4 ? (65536 / 1792) / KW : MINB)
 // dynamic shared memory, in this order (kernels/int4_mma.py's smem_bytes is the same sum)
 #define XS_BYTES (XR * XROW * 4)                                 /* xs[XR][XROW] */
-#define XP_BYTES (FMT != 0 ? (BT * 4 + XR) * GMAX * 4 : 0)       /* xpart[BT][GMAX][4], xsum[XR][GMAX] */
+#define XSUMS (FMT != 0 && !FOLD)                /* the min term needs x's group sums (not when folded) */
+#define XP_BYTES (XSUMS ? (BT * 4 + XR) * GMAX * 4 : 0)          /* xpart[BT][GMAX][4], xsum[XR][GMAX] */
 #define SMEM_TOTAL (XS_BYTES + XP_BYTES + (P - 1) * RT * 32 * 4 * NB * 4)   /* + red[P - 1][RT][32][4 * NB] */
 
 #ifndef ONEPASS_HOST_EMU
@@ -142,6 +163,12 @@ __device__ __forceinline__ void cp_async16_s(u32 dst, const void* src, int bytes
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ uint4 ld_w16(const uint4* p) {   // weights, 16 bytes: read once, keep L1 for x
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
 __device__ __forceinline__ uint4 ld_x16(const uint4* p) {
     uint4 r; asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
@@ -158,6 +185,16 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {   // packed 16-bit a 
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
 #else
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+#endif
+    return r;
+}
+// f rounded to x's dtype, in both halves of a packed pair
+__device__ __forceinline__ u32 pack2(float f) {
+    u32 r;
+#if X_F16
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(f));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(f));
 #endif
     return r;
 }
@@ -308,6 +345,81 @@ __device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl,
     }
 }
 
+#if FOLD
+// The folded form works on quads of 4 consecutive groups: lane (g, t) owns group 4j + t of quad j, all 16 bytes of
+// its record for rows g and g + 8 (one 16-byte load each), and its scale and offset. The quad's four words p = 0..3
+// feed four mma pairs; in pair p every lane gives word p of its own group, so an mma's k range spans the quad's 4
+// groups (x is staged in that order) -- possible because the scales are applied to the weights before the mma.
+// Per group that is a quarter of the loads and of the scale work of the exact form.
+struct QSlot {                 // one quad's loads for the lane's group and rows (g, g + 8)
+    uint4 wa, wb;
+    u32 ra[NRAW], rb[NRAW];
+};
+struct QCursor {               // the lane's next group; row b is db rows after row a (8, or fewer past N)
+    const uint4* w;
+    const u16 *s, *m, *u;
+    int na, db, g;
+};
+
+__device__ __forceinline__ void load_quad(QSlot& sl, QCursor& c, int N, int g_end) {
+    const int g = min(c.g, g_end - 1);          // past the split (its last quad): a valid group, whose x is zero
+    const i64 e = (i64)g * N + c.na;
+    sl.wa = ld_w16(c.w + e);
+    sl.wb = ld_w16(c.w + e + c.db);
+#if FMT == 2
+    const i64 so = (i64)(g >> 3) * N + c.na;
+    sl.ra[0] = c.s[so]; sl.rb[0] = c.s[so + c.db];
+    sl.ra[1] = c.m[so]; sl.rb[1] = c.m[so + c.db];
+    sl.ra[2] = c.u[e]; sl.rb[2] = c.u[e + c.db];
+#else
+    sl.ra[0] = c.s[e]; sl.rb[0] = c.s[e + c.db];
+#if FMT == 1
+    sl.ra[1] = c.m[e]; sl.rb[1] = c.m[e + c.db];
+#endif
+#endif
+    c.g += 4 * P;
+}
+
+// quad j: the weights q * s + c (scale and offset rounded to x's dtype, one packed fma per pair), then per word p
+// and 8-column block two mmas accumulating straight into acc; no fp32 scaling, no group sums of x
+__device__ __forceinline__ void apply_quad(float (&acc)[4 * NB], const QSlot& sl, const u32* const (&xr)[NB],
+                                           int j, int t) {
+    const u32 sa = pack2(slot_scale(sl.ra)), sb = pack2(slot_scale(sl.rb));
+#if FMT != 0
+    const u32 ca = pack2(slot_min(sl.ra)), cb = pack2(slot_min(sl.rb));
+#else
+    const u32 ca = 0x80008000u, cb = 0x80008000u;      // -0: q * s exactly rounded
+#endif
+    const u32 wa[4] = {sl.wa.x, sl.wa.y, sl.wa.z, sl.wa.w}, wb[4] = {sl.wb.x, sl.wb.y, sl.wb.z, sl.wb.w};
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        u32 a_lo[4], a_hi[4];
+        a_lo[0] = fma2(nib_pair(wa[p], 0), sa, ca); a_lo[1] = fma2(nib_pair(wb[p], 0), sb, cb);
+        a_lo[2] = fma2(nib_pair(wa[p], 1), sa, ca); a_lo[3] = fma2(nib_pair(wb[p], 1), sb, cb);
+        a_hi[0] = fma2(nib_pair(wa[p], 2), sa, ca); a_hi[1] = fma2(nib_pair(wb[p], 2), sb, cb);
+        a_hi[2] = fma2(nib_pair(wa[p], 3), sa, ca); a_hi[3] = fma2(nib_pair(wb[p], 3), sb, cb);
+#pragma unroll
+        for (int c = 0; c < NB; ++c) {
+            const uint4 xv = *reinterpret_cast<const uint4*>(xr[c] + ((4 * j + p) * 4 + t) * 4);
+            const u32 b_lo[2] = {xv.x, xv.y}, b_hi[2] = {xv.z, xv.w};
+            float (&ac)[4] = *reinterpret_cast<float (*)[4]>(acc + 4 * c);
+            mma16816(ac, a_lo, b_lo);
+            mma16816(ac, a_hi, b_hi);
+        }
+    }
+}
+#endif
+
+#if FOLD
+#define APPLY(acc, sl, j) apply_quad(acc, sl, xr, j, t)
+#define LOAD(sl) load_quad(sl, cur, N, g_lo + ng)
+#define XSLOT(e) (((e) & ~15) | (((e) & 3) << 2) | (((e) >> 2) & 3))
+#else
+#define APPLY(acc, sl, gi) apply_slot(acc, sl, xr, xs2, gi, t)
+#define LOAD(sl) load_slot(sl, cur, N)
+#define XSLOT(e) (e)
+#endif
+
 extern "C" __global__ void __launch_bounds__(KW * 32, MIN_BLOCKS)
 w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
           const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
@@ -319,7 +431,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     extern __shared__ __align__(16) unsigned char smem[];
 #endif
     u32 (*xs)[XROW] = reinterpret_cast<u32 (*)[XROW]>(smem);
-#if FMT != 0
+#if XSUMS
     float (*xpart)[GMAX][4] = reinterpret_cast<float (*)[GMAX][4]>(smem + XS_BYTES);
     float (*xsum)[GMAX] = reinterpret_cast<float (*)[GMAX]>(smem + XS_BYTES + BT * GMAX * 16);
 #endif
@@ -338,9 +450,30 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     const int n0 = (nt * RT + rt) * 16;
     const int g_lo = s * gps;
     const int ng = min(G, g_lo + gps) - g_lo;   // groups of this split
-    const int ni = ng > ph ? (ng - ph + P - 1) / P : 0;   // groups of this warp: g_lo + ph + i * P
+#if FOLD
+    const int nu = (ng + 3) >> 2;               // quads of this split (only a last split may end in a partial one)
+#else
+    const int nu = ng;
+#endif
+    const int ni = nu > ph ? (nu - ph + P - 1) / P : 0;   // units (groups, or quads) of this warp: ph + i * P
 
-    // 1. the first U groups' loads, before x is staged
+    // 1. the first U units' loads, before x is staged
+#if FOLD
+    QCursor cur;
+    {
+        const int na = min(n0 + g8, N - 1);
+        cur.na = na;
+        cur.db = min(n0 + g8 + 8, N - 1) - na;                      // rows past N re-read a valid row
+        cur.g = g_lo + 4 * ph + t;
+        cur.w = reinterpret_cast<const uint4*>(qw);
+        cur.s = sc; cur.m = mn; cur.u = sub;
+    }
+    QSlot ring[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < ni) load_quad(ring[u], cur, N, g_lo + ng);
+    }
+#else
     Cursor cur;
     {
         const int g0 = g_lo + ph, na = min(n0 + g8, N - 1);
@@ -368,18 +501,21 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     for (int u = 0; u < U; ++u) {
         if (u < ni) load_slot(ring[u], cur, N);
     }
+#endif
 
     // 2. x[m0 .. m0 + BT, split's K range) -> shared memory, 8 values per item: every item's 16 bytes copied
     //    at once (cp.async: in flight together, no registers held beside the weight ring; rows past M and the
     //    zero row b = BT are zero-filled), then each thread puts its own items in the mma's k-slot order
-    const int items = XR * ng * 4, row_items = ng * 4;
+    //    Folded: item e = 16j + 4t + p (word p of group 4j + t) goes to slot 16j + 4p + t, the order the quads'
+    //    mmas read; a partial last quad's missing groups are zero.
+    const int items = XR * nu * (FOLD ? 16 : 4), row_items = nu * (FOLD ? 16 : 4);
     {
         int b = 0, e = threadIdx.x;                                // item i = b * row_items + e
         for (int i = threadIdx.x; i < items; i += KW * 32) {
             while (e >= row_items) { e -= row_items; ++b; }
-            const bool live = b < BT && m0 + b < M;
-            const u16* src = x + (i64)(live ? m0 + b : 0) * sxm + (i64)g_lo * 32 + e * 8;
-            cp_async16_s(smem_addr(&xs[b][e * 4]), src, live ? 16 : 0);
+            const bool live = b < BT && m0 + b < M && (e >> 2) < ng;
+            const u16* src = x + (i64)(live ? m0 + b : 0) * sxm + (i64)g_lo * 32 + (live ? e * 8 : 0);
+            cp_async16_s(smem_addr(&xs[b][XSLOT(e) * 4]), src, live ? 16 : 0);
             e += KW * 32;
         }
         cp_async_commit();
@@ -389,7 +525,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         int b = 0, e = threadIdx.x;
         for (int i = threadIdx.x; i < items; i += KW * 32) {
             while (e >= row_items) { e -= row_items; ++b; }
-            uint4* slot = reinterpret_cast<uint4*>(&xs[b][e * 4]);
+            uint4* slot = reinterpret_cast<uint4*>(&xs[b][XSLOT(e) * 4]);
             const uint4 v = *slot;
             // v holds weights 8w + 0..7 as (0,1) (2,3) (4,5) (6,7); the slots want (0,4) (1,5) (2,6) (3,7)
             uint4 o;
@@ -398,7 +534,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
             o.z = prmt(v.y, v.w, 0x5410u);
             o.w = prmt(v.y, v.w, 0x7632u);
             *slot = o;
-#if FMT != 0
+#if XSUMS
             // the item's 8 values summed in k order; the group's 4 items are added in word order below
             float p = x_to_f32(v.x & 0xFFFFu);
             p += x_to_f32(v.x >> 16);
@@ -414,7 +550,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         }
     }
     __syncthreads();
-#if FMT != 0
+#if XSUMS
     for (int i = threadIdx.x; i < XR * ng; i += KW * 32) {
         const int b = i / ng, gi = i - b * ng;
         xsum[b][gi] = b < BT ? ((xpart[b][gi][0] + xpart[b][gi][1]) + xpart[b][gi][2]) + xpart[b][gi][3] : 0.0f;
@@ -436,7 +572,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 #pragma unroll
         for (int h = 0; h < 2; ++h) {                              // the lane's D columns
             const int bd = 8 * c + 2 * t + h;
-#if FMT != 0
+#if XSUMS
             xs2[2 * c + h] = &xsum[bd < BT ? bd : BT][0];
 #else
             xs2[2 * c + h] = nullptr;                              // no min term
@@ -447,13 +583,13 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     for (; i + U <= ni; i += U) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            apply_slot(acc, ring[u], xr, xs2, ph + (i + u) * P, t);
-            if (i + u + U < ni) load_slot(ring[u], cur, N);        // warp-uniform
+            APPLY(acc, ring[u], ph + (i + u) * P);
+            if (i + u + U < ni) LOAD(ring[u]);                    // warp-uniform
         }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        if (i + u < ni) apply_slot(acc, ring[u], xr, xs2, ph + (i + u) * P, t);
+        if (i + u < ni) APPLY(acc, ring[u], ph + (i + u) * P);
     }
 
     // 4. the phases' sums in phase order, by phase 0; lane (g, t) holds rows g, g + 8 x sequences 8c + 2t, + 1
@@ -497,36 +633,45 @@ def supports(fmt: str) -> bool:
     return fmt in FORMATS
 
 
-SOURCE_DEFINES = 9
+SOURCE_DEFINES = 11
 
 
-def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool) -> str:
-    """The full source of one instantiation: SOURCE_DEFINES #define lines, then MMA_SOURCE. n16: N % 16 == 0."""
+def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, fold: bool = False,
+           minb: int = 1) -> str:
+    """The full source of one instantiation: SOURCE_DEFINES #define lines, then MMA_SOURCE. n16: N % 16 == 0;
+    fold: the folded form (scales folded into 16-bit weights, one fp32 accumulation across K); minb: blocks per
+    SM the registers must allow (tiles of 16+)."""
     head = (f"#define FMT {FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n#define OUT32 {int(out32)}\n"
-            f"#define RT {rt}\n#define P {p}\n#define U {u}\n#define GMAX {GMAX}\n#define N16 {int(n16)}\n")
+            f"#define RT {rt}\n#define P {p}\n#define U {u}\n#define GMAX {GMAX}\n#define N16 {int(n16)}\n"
+            f"#define FOLD {int(fold)}\n#define MINB {minb}\n")
     return head + MMA_SOURCE
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, device: torch.device):
+def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, fold: bool, minb: int,
+            device: torch.device):
     how = int4_cuda._compiler()
     if how is None:
         raise RuntimeError("int4_mma: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
-    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16), "w4a16_mma", how, device)
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb), "w4a16_mma", how, device)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
-    """{"RT", "P", "U", "RT16", "U16"} and one of "SPLIT_K" / "TARGET_BLOCKS": the defaults, MEASURED[(N, K, fmt)],
+def shape_config(N: int, K: int, fmt: str, config: dict | None = None, fold: bool = False) -> dict:
+    """{"RT", "P", "U", "RT16", "U16", "MINB16"} and one of "SPLIT_K" / "TARGET_BLOCKS": the defaults,
+    MEASURED[(N, K, fmt)], for the folded form FOLD_TILES[fmt] and MEASURED_FOLD[(N, K, fmt)] (tiles of 16+ only),
     then config (int4_cuda.layered_config)."""
-    layers = (MEASURED.get((N, K, fmt)), config)
+    layers = ((MEASURED.get((N, K, fmt)), FOLD_TILES.get(fmt), MEASURED_FOLD.get((N, K, fmt)), config) if fold
+              else (MEASURED.get((N, K, fmt)), config))
     out = int4_cuda.layered_config("int4_mma", (N, K, fmt), {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16,
+                                                             "MINB": 1, "MINB16": MINB16,
                                                              "TARGET_BLOCKS": TARGET_BLOCKS}, layers, CONFIG_KEYS)
-    if not any("RT16" in (layer or {}) for layer in layers):
-        out["RT16"] = max(1, min(out["RT16"], 16 // out["P"]))       # the default within 16 warps
+    named = (MEASURED.get((N, K, fmt)), MEASURED_FOLD.get((N, K, fmt)) if fold else None, config)
+    if not any("RT16" in (layer or {}) for layer in named):
+        out["RT16"] = max(1, min(out["RT16"], 16 // out["P"]))       # a default within 16 warps
     if (not all(1 <= out[r] * out["P"] <= 16 and 1 <= out[u] <= 16 for r, u in (("RT", "U"), ("RT16", "U16")))
             or min(out.values()) < 1):
         raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= 16, 1 <= U <= 16 (and "
@@ -534,12 +679,12 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     return out
 
 
-def smem_bytes(fmt: str, bt: int, rt: int, p: int) -> int:
+def smem_bytes(fmt: str, bt: int, rt: int, p: int, fold: bool = False) -> int:
     """Dynamic shared memory of one block (the kernel's SMEM_TOTAL): x staged (BT rows, and a row of zeros when
-    BT is not a multiple of 8), its group sums (Q4_1 / Q4_K), the phases' sums."""
+    BT is not a multiple of 8), its group sums (Q4_1 / Q4_K, not folded), the phases' sums."""
     xr = bt + 1 if bt % 8 else bt
     xs = xr * (GMAX * 16 + 16) * 4
-    xsum = 0 if fmt == "q4_0" else (bt * 4 + xr) * GMAX * 4
+    xsum = 0 if fmt == "q4_0" or fold else (bt * 4 + xr) * GMAX * 4
     return xs + xsum + (p - 1) * rt * 32 * 4 * _cdiv(bt, 8) * 4
 
 
@@ -558,29 +703,33 @@ def _split(G: int, n_nt: int, target: int | None, split_k: int | None) -> tuple[
     return _cdiv(G, gps), gps
 
 
-def batch_tile(M: int, fmt: str, c: dict) -> int:
+def batch_tile(M: int, fmt: str, c: dict, fold: bool = False) -> int:
     """The smallest of BT_CHOICES holding M, the largest above (more tiles over the grid), halved while a block
     would not fit in SMEM_LIMIT. Bit-neutral: an mma's columns are independent."""
     bt = next((b for b in BT_CHOICES if M <= b), BT_CHOICES[-1])
-    while bt > 8 and smem_bytes(fmt, bt, c["RT16"], c["P"]) > SMEM_LIMIT:
+    while bt > 8 and smem_bytes(fmt, bt, c["RT16"], c["P"], fold) > SMEM_LIMIT:
         bt //= 2
     return bt
 
 
-def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None, fold: bool = False) -> dict:
     """The launch for x [M, K]. The split and P (which fix the bits) come from (N, K, fmt) and config only; the
     row tiles per block and the ring depth are RT, U for tiles of up to 8 sequences and RT16, U16 above."""
-    c = shape_config(N, K, fmt, config)
-    S, gps = _split(K // GROUP, _cdiv(N, ROWS_PER_TILE * c["RT"]), c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
+    c = shape_config(N, K, fmt, config, fold)
+    G = K // GROUP
+    S, gps = _split(G, _cdiv(N, ROWS_PER_TILE * c["RT"]), c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
+    if fold and G:                               # splits of whole quads (GMAX is a multiple of 4)
+        gps = min(_cdiv(gps, 4) * 4, GMAX)
+        S = _cdiv(G, gps)
     if smem_bytes(fmt, 8, c["RT"], c["P"]) > SMEM_LIMIT:
         raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {smem_bytes(fmt, 8, c['RT'], c['P'])} B of shared "
                          f"memory (limit {SMEM_LIMIT})")
-    bt = batch_tile(M, fmt, c)
-    rt, u = (c["RT"], c["U"]) if bt <= 8 else (c["RT16"], c["U16"])
+    bt = batch_tile(M, fmt, c, fold)
+    rt, u, minb = (c["RT"], c["U"], c["MINB"] if fold else 1) if bt <= 8 else (c["RT16"], c["U16"], c["MINB16"])
     n_bt, n_nt = _cdiv(M, bt), _cdiv(N, ROWS_PER_TILE * rt)
-    return {"BT": bt, "RT": rt, "P": c["P"], "U": u, "SPLIT_K": S, "groups_per_split": gps,
+    return {"BT": bt, "RT": rt, "P": c["P"], "U": u, "MINB": minb, "SPLIT_K": S, "groups_per_split": gps,
             "grid": n_bt * n_nt * S, "block": rt * c["P"] * 32, "n_bt": n_bt, "n_nt": n_nt,
-            "smem": smem_bytes(fmt, bt, rt, c["P"]), "workspace_floats": S * M * N if S > 1 else 0}
+            "smem": smem_bytes(fmt, bt, rt, c["P"], fold), "workspace_floats": S * M * N if S > 1 else 0}
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
@@ -595,16 +744,17 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, fold: bool = False) -> torch.Tensor:
     """y = x @ w^T for a packed Q4_0 / Q4_1 / Q4_K weight on tensor cores (module docstring). x [M, K] bf16 /
-    fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None."""
+    fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None. fold: the folded form,
+    y = x @ unpack_folded(w, x.dtype)^T."""
     if isinstance(pw, PackedWeight) and not supports(pw.fmt):
         raise ValueError(f"w4a16_mma: format {pw.fmt} not supported (only {FORMATS}); use the Triton or CUDA-core kernel")
     return int4_cuda.run_packed(
         "w4a16_mma", x, pw, out,
-        plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config),
+        plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config, fold),
         kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["RT"], cfg["P"], cfg["U"],
-                                                      pw.N % 16 == 0, dev),
+                                                      pw.N % 16 == 0, fold, cfg["MINB"], dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4)

@@ -101,6 +101,7 @@ static inline void cp_async16_s(unsigned dst, const void* src, int bytes) {
 static inline void cp_async_commit() {}
 static inline void cp_async_wait_all() {}
 static inline uint4 ld_x16(const uint4* p) { return *p; }
+static inline uint4 ld_w16(const uint4* p) { return *p; }
 static inline unsigned prmt(unsigned a, unsigned b, unsigned sel) {
     unsigned char by[8]; std::memcpy(by, &a, 4); std::memcpy(by + 4, &b, 4);
     unsigned r = 0;
@@ -108,6 +109,7 @@ static inline unsigned prmt(unsigned a, unsigned b, unsigned sel) {
     return r;
 }
 static inline float h16_to_f(unsigned v) { return x_to_f32((u16_)v); }
+static inline unsigned pack2(float f) { const unsigned h = f32_to_x(f); return h | (h << 16); }
 static inline unsigned fma2(unsigned a, unsigned b, unsigned c) {
     unsigned lo = f32_to_x(std::fma(h16_to_f(a & 0xFFFFu), h16_to_f(b & 0xFFFFu), h16_to_f(c & 0xFFFFu)));
     unsigned hi = f32_to_x(std::fma(h16_to_f(a >> 16), h16_to_f(b >> 16), h16_to_f(c >> 16)));
@@ -225,7 +227,8 @@ def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None
     return y
 
 
-def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None) -> torch.Tensor:
+def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
+                       fold: bool = False) -> torch.Tensor:
     """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU; split-K partials are
     added in split order as int4_cuda's reduce kernel does."""
     from engine.quant_pack import GROUP
@@ -234,14 +237,14 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
     x = x.contiguous()
     M, K = x.shape
     N = pw.N
-    cfg = int4_mma.mma_config(M, N, K, pw.fmt, config)
+    cfg = int4_mma.mma_config(M, N, K, pw.fmt, config, fold)
     S = cfg["SPLIT_K"]
     c = pw.mins if pw.mins is not None else pw.scales
     sub = pw.sub if pw.sub is not None else pw.scales
     n = int4_mma.SOURCE_DEFINES
     o32 = out32 or S > 1
     h = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["RT"], cfg["P"], cfg["U"],
-                        N % 16 == 0).split("\n", n)
+                        N % 16 == 0, fold, cfg["MINB"]).split("\n", n)
     lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + h[n] + LAUNCH_MMA)
     y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731

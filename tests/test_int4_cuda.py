@@ -61,15 +61,20 @@ EMU_SHAPES = [(72, 160, "q4_1", (1, 9), {"KW": 2, "CG": 4, "SPLIT_K": 2}),
               (40, 2080, "q8_0", (1, 9), {"KW": 4, "CG": 64, "SPLIT_K": 1})]
 
 
-def emulated_matches_ref(emulate, plan, seed, N, K, fmt, Ms, config=None, fp16=True):
+def exact_weights(pw, dtype):
+    """The weights the exact-integer kernels multiply, whatever x's dtype: unpack_ref."""
+    return unpack_ref(pw)
+
+
+def emulated_matches_ref(emulate, plan, seed, N, K, fmt, Ms, config=None, fp16=True, weights=exact_weights):
     """A CUDA kernel's source run on the CPU (emulate: a tests/cuda_emu.py launcher; plan(M, N, K, fmt, config)
-    its launch config): fp32 output vs the fp32 reference, rows bitwise independent of M (batch invariance),
-    bf16 output = the fp32 result rounded once, fp16 x."""
+    its launch config; weights(pw, x dtype) the fp32 weights it multiplies): fp32 output vs the fp32 reference,
+    rows bitwise independent of M (batch invariance), bf16 output = the fp32 result rounded once, fp16 x."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
     cfg = plan(max(Ms), N, K, fmt, config)
     x_all = _x(seed, max(Ms), K, xs, device="cpu")
     y_all = emulate(x_all, pw, out32=True, config=config)
-    ref = x_all.float() @ unpack_ref(pw).T
+    ref = x_all.float() @ weights(pw, x_all.dtype).T
     err = (y_all - ref).abs().max().item()
     assert err <= 1e-4 * (1 + ref.abs().max().item()), f"seed={seed} {fmt} {N}x{K} {cfg}: max err {err}"
     for M in Ms:
@@ -79,7 +84,7 @@ def emulated_matches_ref(emulate, plan, seed, N, K, fmt, Ms, config=None, fp16=T
     assert torch.equal(y16, y_all.to(torch.bfloat16)), "bf16 output is not the fp32 result rounded once"
     if fp16:
         x16 = x_all.half()
-        _check(emulate(x16, pw, config=config), (x16.float() @ unpack_ref(pw).T).half(), seed, f"{fmt} fp16")
+        _check(emulate(x16, pw, config=config), (x16.float() @ weights(pw, x16.dtype).T).half(), seed, f"{fmt} fp16")
     return pw, x_all, y_all
 
 
@@ -153,11 +158,11 @@ def test_emulated_cases_cover_split_k_and_chunks():
 # --------------------------------------------------------------------------------------------------
 # GPU
 
-def _ref(x, pw):
+def _ref(x, pw, weights=exact_weights):
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        return (x.float() @ unpack_ref(pw).T).to(x.dtype)
+        return (x.float() @ weights(pw, x.dtype).T).to(x.dtype)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
@@ -174,15 +179,16 @@ def test_cuda_matches_ref(seed, case):
     gpu_matches_ref(int4_cuda.w4a16_cuda, lambda M, N, K, fmt: int4_cuda.cuda_config(M, N, K, fmt), "cuda", seed, *case)
 
 
-def gpu_matches_ref(fn, plan, label, seed, N, K, fmt):
-    """fn(x, pw) against the reference for B = 1..256 (batch tiles, several tiles, split-K) and fp16 x."""
+def gpu_matches_ref(fn, plan, label, seed, N, K, fmt, weights=exact_weights):
+    """fn(x, pw) against the reference (weights(pw, x dtype): what fn multiplies) for B = 1..256 (batch tiles,
+    several tiles, split-K) and fp16 x."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
     Ms = (1, 2, 3, 4, 5, 8, 9, 16, 31, 64, 129, 256) if N * K < 1 << 24 else (1, 2, 4, 8, 17, 64, 256)
     for M in Ms:
         x = _x(seed + M, M, K, xs, device="cuda")
-        _check(fn(x, pw), _ref(x, pw), seed, f"{label} {fmt} N={N} K={K} M={M} cfg={plan(M, N, K, fmt)}")
+        _check(fn(x, pw), _ref(x, pw, weights), seed, f"{label} {fmt} N={N} K={K} M={M} cfg={plan(M, N, K, fmt)}")
     x = _x(seed, 6, K, xs, torch.float16, device="cuda")
-    _check(fn(x, pw), _ref(x, pw), seed, f"{label} {fmt} N={N} K={K} fp16")
+    _check(fn(x, pw), _ref(x, pw, weights), seed, f"{label} {fmt} N={N} K={K} fp16")
 
 
 @pytest.mark.gpu
@@ -234,18 +240,18 @@ def test_cuda_strided_and_graph_capture(seed):
     gpu_strided_and_graph_capture(int4_cuda.w4a16_cuda, seed, 2048, 8192, "q4_0")
 
 
-def gpu_strided_and_graph_capture(fn, seed, N, K, fmt):
+def gpu_strided_and_graph_capture(fn, seed, N, K, fmt, weights=exact_weights):
     """Column-strided x (copied), row-strided x and out, and a CUDA graph capture that allocates nothing and
     replays with new x."""
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
     big = _x(seed, 8, 2 * K, xs, device="cuda")
     x = big[:, ::2]                                          # non-unit column stride: copied
-    _check(fn(x, pw), _ref(x, pw), seed, "strided x")
+    _check(fn(x, pw), _ref(x, pw, weights), seed, "strided x")
     x = big[:, :K]                                           # row stride 2K
     out_big = torch.empty(8, 2 * N, dtype=x.dtype, device="cuda")
     out = out_big[:, N:]
     fn(x, pw, out)
-    _check(out, _ref(x, pw), seed, "row-strided x and out")
+    _check(out, _ref(x, pw, weights), seed, "row-strided x and out")
     disp.reserve(x.device, x.dtype, [pw], 8)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

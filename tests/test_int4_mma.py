@@ -6,12 +6,16 @@ several tiles, fp16 x, bf16 output = the fp32 result rounded once, and rows bitw
 rule: a split never holds more than GMAX groups, and nothing but (N, K, fmt) sets it.
 GPU (`gpu` marker): the same on the tensor cores for odd and issue shapes, B = 1..256, batch invariance, CUDA
 graph capture with out= (nothing allocated), and the dispatch's cuda_mma variant (Q8_0 falls back).
+The folded form (fold=True) the same ways against x @ unpack_folded(w)^T, and its launch shapes bit-neutral.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
+from engine.quant_pack import unpack_folded, unpack_ref
 from kernels import int4_mma
 from tests import cuda_emu
 from tests.test_int4_cuda import (ISSUE, emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
@@ -121,3 +125,87 @@ def test_mma_agrees_with_cuda_core_kernel(seed):
     a = int4_mma.w4a16_mma(x, pw, torch.empty(8, 5120, device="cuda"))
     b = int4_cuda.w4a16_cuda(x, pw, torch.empty(8, 5120, device="cuda"))
     assert (a - b).abs().max().item() <= 1e-4 * (1 + b.abs().max().item())
+
+
+# --------------------------------------------------------------------------------------------------
+# the folded form (fold=True, the dispatch's cuda_mma_fold): y = x @ unpack_folded(w, x.dtype)^T
+
+def folded_weights(pw, dtype):
+    return unpack_folded(pw, dtype)
+
+
+def _fold_plan(M, N, K, fmt, config=None):
+    return int4_mma.mma_config(M, N, K, fmt, config, fold=True)
+
+
+def test_unpack_folded_is_the_rounded_weight():
+    """Scale and offset rounded to the dtype first, then one rounding of q * s + c: three roundings of half an ulp,
+    of |q * s|, |c| (both at most ~2x the group's largest |w|: a group holds q = 0) and |w|; Q4_0 with bf16-exact
+    scales is the rounded exact weight."""
+    for fmt in MMA_FMTS:
+        pw, _ = _weight(fmt, 48, 512, 3, device="cpu")
+        exact = unpack_ref(pw)
+        for dtype, eps in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
+            w = unpack_folded(pw, dtype)
+            assert torch.equal(w, w.to(dtype).float()), f"{fmt} {dtype}: not values of the dtype"
+            gmax = exact.view(48, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(48, 512)
+            bound = eps / 2 * (exact.abs() + 4 * gmax) * 1.01
+            assert ((w - exact).abs() <= bound).all(), f"{fmt} {dtype}: max err {(w - exact).abs().max()}"
+    pw, _ = _weight("q4_0", 16, 64, 1, device="cpu")
+    pw.scales.copy_(pw.scales.float().bfloat16().half())              # scales exact in bf16
+    assert torch.equal(unpack_folded(pw, torch.bfloat16), unpack_ref(pw).bfloat16().float())
+    with pytest.raises(ValueError, match="q8_0"):
+        unpack_folded(_weight("q8_0", 16, 64, 0, device="cpu")[0], torch.bfloat16)
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[2], EMU[4],
+                                  (40, 1088, "q4_0", (3, 17), {"RT": 2, "P": 2, "U": 1, "SPLIT_K": 2}),
+                                  (24, 160, "q4_1", (2, 9), {"RT": 1, "P": 1, "U": 3})],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_fold_source_emulated_matches_folded_ref(seed, case):
+    """The folded form on the CPU: against x @ unpack_folded(w)^T (bf16 and fp16 x), rows independent of M; quads
+    whole and partial (K = 1088: 34 groups, K = 160: 5), phases, splits of whole quads."""
+    emulated_matches_ref(functools.partial(cuda_emu.w4a16_mma_emulated, fold=True), _fold_plan, seed, *case,
+                         weights=folded_weights)
+
+
+def test_fold_launch_shapes():
+    """The folded form takes FOLD_TILES / MEASURED_FOLD; its splits hold whole quads (4 groups), at most GMAX groups,
+    from (N, K, fmt) alone, so the same at every M."""
+    for N, K, fmt in [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 12288, "q4_0"), (40, 1088, "q4_0")]:
+        exact, fold = int4_mma.mma_config(32, N, K, fmt), _fold_plan(32, N, K, fmt)
+        want = {**int4_mma.FOLD_TILES[fmt], **int4_mma.MEASURED_FOLD.get((N, K, fmt), {})}
+        if fold["BT"] >= 16:
+            assert (fold["RT"], fold["U"], fold["MINB"]) == (want["RT16"], want["U16"], want["MINB16"])
+        assert _fold_plan(8, N, K, fmt)["U"] == want["U"]
+        G, gps = K // 32, fold["groups_per_split"]
+        assert gps % 4 == 0 and gps <= int4_mma.GMAX and (fold["SPLIT_K"] - 1) * gps < G <= fold["SPLIT_K"] * gps
+        assert fold["SPLIT_K"] <= exact["SPLIT_K"]                                          # workspace: no larger
+        assert all((_fold_plan(m, N, K, fmt)["SPLIT_K"], _fold_plan(m, N, K, fmt)["groups_per_split"])
+                   == (fold["SPLIT_K"], gps) for m in (1, 9, 200))
+        assert fold["smem"] < exact["smem"] or fmt == "q4_0"                                  # no group sums of x
+
+
+@pytest.mark.gpu
+@needs_mma
+@pytest.mark.parametrize("case", ODD[:4] + [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 17408, "q4_0")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_fold_matches_folded_ref(seed, case):
+    gpu_matches_ref(functools.partial(int4_mma.w4a16_mma, fold=True), _fold_plan, "cuda_mma_fold", seed, *case,
+                    weights=folded_weights)
+
+
+@pytest.mark.gpu
+@needs_mma
+@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (2048, 8192, "q4_k"), (5120, 4096, "q4_0")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_fold_batch_invariant_fp32(seed, case):
+    gpu_rows_independent_of_m(functools.partial(int4_mma.w4a16_mma, fold=True), seed, *case)
+
+
+@pytest.mark.gpu
+@needs_mma
+def test_mma_fold_strided_and_graph_capture(seed):
+    gpu_strided_and_graph_capture(functools.partial(int4_mma.w4a16_mma, fold=True), seed, 2048, 8192, "q4_k",
+                                  weights=folded_weights)

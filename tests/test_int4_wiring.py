@@ -112,10 +112,12 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
     monkeypatch.setattr(disp.int4_cuda, "available", lambda: True)
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
-    assert disp.choose(16, 5120, 17408, "q4_0", "fastest") == "cuda_mma"
+    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma"
+    assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
+    assert disp.choose(32, 5120, 17408, "q4_k", "fastest") == "cuda_mma_fold"
     assert disp.choose(4, 5120, 17408, "q8_0", "fastest") == "cuda"            # a format cuda_mma does not take
     assert disp.choose(8, 5120, 17408, "q8_0", "fastest") == "triton"
-    assert disp.choose(17, 5120, 17408, "q4_0", "fastest") == "triton"
+    assert disp.choose(33, 5120, 17408, "q4_0", "fastest") == "triton"
     assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
     monkeypatch.setattr(disp.int4_mma, "available", lambda: False)
     assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "cuda"
@@ -152,20 +154,22 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
     for max_batch, want in ((1, "cuda"), (5, "cuda_mma"), (8, "cuda_mma"), (20, "triton"), (512, "triton")):
         disp.set_policy("invariant", max_batch=max_batch)
         assert {disp.choose(m, 5120, 17408, "q4_k") for m in (1, max_batch, 22 * max_batch)} == {want}
-    # unmeasured shapes: cuda_mma for an engine of <= 16 sequences where it runs, else Triton
+    # unmeasured shapes: cuda_mma for an engine of <= 8 sequences, its folded form to 32, where they run; else Triton
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
-    disp.set_policy("invariant", max_batch=16)
+    disp.set_policy("invariant", max_batch=8)
     assert disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma" and disp.choose(1, 4096, 4096, "q8_0") == "triton"
-    disp.set_policy("invariant", max_batch=17)
+    disp.set_policy("invariant", max_batch=32)
+    assert {disp.choose(m, 4096, 4096, "q4_k") for m in (1, 32, 300)} == {"cuda_mma_fold"}
+    disp.set_policy("invariant", max_batch=33)
     assert disp.choose(1, 4096, 4096, "q4_0") == "triton"
 
 
 def test_runnable_fallbacks(monkeypatch):
     x = torch.zeros(2, 32)
     monkeypatch.setattr(disp, "_INTERPRETED", False)
-    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["ref", "ref", "ref", "dequant_cublas"]
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["ref", "ref", "ref", "ref", "dequant_cublas"]
     monkeypatch.setattr(disp, "_INTERPRETED", True)
-    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["triton", "triton", "triton", "dequant_cublas"]
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["triton", "triton", "triton", "triton", "dequant_cublas"]
 
 
 @pytest.mark.parametrize("policy", ["invariant", "fastest", "dequant_cublas", "cuda"])
