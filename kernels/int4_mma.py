@@ -104,8 +104,15 @@ MEASURED: dict[tuple[int, int, str], dict] = {
 # 2 blocks per SM for 16 and 32, were the fastest or within ~10% almost everywhere (34816x5120 Q4_K: 41.5 / 59.2 /
 # 61.5 / 91.4 us at B = 1 / 8 / 16 / 32, against 51.3 / 60.2 / 85.5 / 136.3 for the exact form). Bit-neutral.
 FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in FORMATS}
-MEASURED_FOLD: dict[tuple[int, int, str], dict] = {}
-SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
+# 32-warp blocks (512 rows sharing the staged x) for tiles of 16+ where they were faster (same H200, B = 16 / 32,
+# against the defaults): the rest lost up to 12% with them (16384x5120 Q4_K B = 32: 55.9 against 52.1 us).
+MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
+    (34816, 5120, "q4_k"): {"RT16": 32, "MINB16": 1},      # 59.5 / 88.9 us against 61.8 / 94.6
+    (5120, 17408, "q4_k"): {"RT16": 32, "MINB16": 1},      # 32.3 / 45.4 against 33.6 / 49.0
+    (5120, 6144, "q4_k"): {"RT16": 32, "MINB16": 1},       # 15.2 / 20.0 against 15.5 / 21.3
+}
+SMEM_LIMIT = 99 * 1024
+MAX_WARPS = 32            # warps per block (1024 threads)    # dynamic shared memory per block: what sm_86 and up allow
 
 MMA_SOURCE = r"""
 typedef unsigned int u32;
@@ -672,9 +679,9 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None, fold: boo
     named = (MEASURED.get((N, K, fmt)), MEASURED_FOLD.get((N, K, fmt)) if fold else None, config)
     if not any("RT16" in (layer or {}) for layer in named):
         out["RT16"] = max(1, min(out["RT16"], 16 // out["P"]))       # a default within 16 warps
-    if (not all(1 <= out[r] * out["P"] <= 16 and 1 <= out[u] <= 16 for r, u in (("RT", "U"), ("RT16", "U16")))
+    if (not all(1 <= out[r] * out["P"] <= MAX_WARPS and 1 <= out[u] <= 16 for r, u in (("RT", "U"), ("RT16", "U16")))
             or min(out.values()) < 1):
-        raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= 16, 1 <= U <= 16 (and "
+        raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= {MAX_WARPS}, 1 <= U <= 16 (and "
                          f"RT16, U16 alike), positive values")
     return out
 

@@ -70,7 +70,7 @@ def test_split_rule_is_shape_only_and_bounded():
     small, big = (int4_mma.mma_config(m, 5120, 4096, "q4_0", {"RT": 2, "U": 6, "RT16": 8, "U16": 3}) for m in (8, 16))
     assert (small["RT"], small["U"], big["RT"], big["U"]) == (2, 6, 8, 3)
     assert (small["SPLIT_K"], small["groups_per_split"]) == (big["SPLIT_K"], big["groups_per_split"])
-    for bad in ({"RT": 0}, {"RT": 8, "P": 4}, {"U": 17}, {"RT16": 0}, {"SPLIT_K": 2, "TARGET_BLOCKS": 8}, {"KW": 4}):
+    for bad in ({"RT": 0}, {"RT": 16, "P": 4}, {"U": 17}, {"RT16": 0}, {"SPLIT_K": 2, "TARGET_BLOCKS": 8}, {"KW": 4}):
         with pytest.raises(ValueError):
             int4_mma.mma_config(1, 64, 1024, "q4_0", bad)
 
@@ -161,7 +161,8 @@ def test_unpack_folded_is_the_rounded_weight():
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
 @pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[2], EMU[4],
                                   (40, 1088, "q4_0", (3, 17), {"RT": 2, "P": 2, "U": 1, "SPLIT_K": 2}),
-                                  (24, 160, "q4_1", (2, 9), {"RT": 1, "P": 1, "U": 3})],
+                                  (24, 160, "q4_1", (2, 9), {"RT": 1, "P": 1, "U": 3}),
+                                  (40, 512, "q4_k", (3, 20), {"RT16": 32, "U16": 1, "MINB16": 1})],   # 1024 threads
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_fold_source_emulated_matches_folded_ref(seed, case):
     """The folded form on the CPU: against x @ unpack_folded(w)^T (bf16 and fp16 x), rows independent of M; quads
