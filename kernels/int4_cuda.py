@@ -534,9 +534,6 @@ def cuda_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) ->
 
 
 _SPLITK = SplitKWorkspace()
-# per-tile arrival counters of kernels that add their split-K partials themselves (int4_mma): zero between
-# launches (the last block of a tile resets its counter), so launches on one stream may share them
-_COUNTERS = SplitKWorkspace(torch.int32, zeroed=True)
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
@@ -597,12 +594,6 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
                                                                    *tail], dev, cfg.get("smem", 0))
         return out
     ws = _SPLITK.get(dev, S * M * N)
-    if cfg.get("FUSED"):     # the kernel adds the partials itself (its last block per tile, split order)
-        cnt = _COUNTERS.get(dev, cfg["n_bt"] * cfg["n_nt"])
-        kernel(dict(cfg, FUSED_OUT=int(out32)), x_f16, True, dev)(
-            cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N, *tail, cnt, out, sym],
-            dev, cfg.get("smem", 0))
-        return out
     kernel(cfg, x_f16, True, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N,
                                                               *tail], dev, cfg.get("smem", 0))
     r = _kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, KW, CG, dev)   # format- and shape-free

@@ -33,9 +33,8 @@ are two and four such blocks sharing the dequantized A fragments)
   group's sum of x -- the same per-group formula as int4_cuda, so the two agree to fp32 rounding.
   Block: RT row tiles x P phases = KW warps; phase p takes the split's groups p, p + P, ... in ascending
   order with a ring of U groups of loads in flight (a slot is refilled as soon as it is used); the phases'
-  sums are added in phase order at the end; split-K partials go to a workspace, and the last of a tile's S
-  blocks to finish (a per-tile counter it resets) adds them in split order into the output: no second launch,
-  the bits of int4_cuda's separate split-order reduce (still used with FUSED_REDUCE off). x for the split's whole K range is staged before the loop, so the loop has no
+  sums are added in phase order at the end; split-K partials go to a workspace and int4_cuda's reduce kernel
+  adds them in split order. x for the split's whole K range is staged before the loop, so the loop has no
   barrier; that bounds a split to GMAX groups.
 
 The folded form (fold=True, the dispatch's "cuda_mma_fold"; definition: x @ unpack_folded(w, x.dtype)^T, see
@@ -52,7 +51,11 @@ variant of its own.
 Tried and dropped (H200): streaming the weights through a per-warp cp.async ring in shared memory (8 groups in
 flight without registers) was slower at B = 1 (25.2 against 21.8 us on 17408x5120 Q4_0, ncu): ncu put the
 register-ring kernel at 63% issue-active with few long-scoreboard stalls, so the bytes in flight were not what
-limited it, and the ring's addressing and warp barriers added 50% more instructions.
+limited it, and the ring's addressing and warp barriers added 50% more instructions. Adding the split-K partials
+in the kernel (the last of a tile's S blocks, found by a per-tile arrival counter, summing them in split order:
+the same bits) instead of a second launch was slower everywhere (34816x5120 Q4_K folded, B = 1 / 32: 43.7 / 94.4
+against 41.4 / 87.0 us; 5120x6144, S = 12, B = 32: 36.8 against 19.6): one block's serial walk over S partials
+costs more than the separate, fully parallel reduce and its launch inside a CUDA graph.
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
@@ -62,7 +65,6 @@ tiles of 16+) do not touch a warp's sums. So row m of y is bitwise the same what
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -114,10 +116,7 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (5120, 6144, "q4_k"): {"RT16": 32, "MINB16": 1},       # 15.2 / 20.0 against 15.5 / 21.3
 }
 SMEM_LIMIT = 99 * 1024
-MAX_WARPS = 32            # warps per block (1024 threads)
-# split-K partials added by the kernel itself (the last block of each tile, in split order: the separate reduce
-# kernel's order, so the same bits) instead of a second launch; ONEPASS_MMA_FUSED_REDUCE=0 turns it off
-FUSED_REDUCE = os.environ.get("ONEPASS_MMA_FUSED_REDUCE", "1").strip() not in ("", "0")    # dynamic shared memory per block: what sm_86 and up allow
+MAX_WARPS = 32            # warps per block (1024 threads)    # dynamic shared memory per block: what sm_86 and up allow
 
 MMA_SOURCE = r"""
 typedef unsigned int u32;
@@ -141,7 +140,7 @@ typedef long long i64;
 #define XS_BYTES (XR * XROW * 4)                                 /* xs[XR][XROW] */
 #define XSUMS (FMT != 0 && !FOLD)                /* the min term needs x's group sums (not when folded) */
 #define XP_BYTES (XSUMS ? (BT * 4 + XR) * GMAX * 4 : 0)          /* xpart[BT][GMAX][4], xsum[XR][GMAX] */
-#define SMEM_TOTAL (XS_BYTES + XP_BYTES + (P - 1) * RT * 32 * 4 * NB * 4 + 16)   /* + red[P - 1][RT][32][4 * NB], a flag */
+#define SMEM_TOTAL (XS_BYTES + XP_BYTES + (P - 1) * RT * 32 * 4 * NB * 4)   /* + red[P - 1][RT][32][4 * NB] */
 
 #ifndef ONEPASS_HOST_EMU
 __device__ __forceinline__ float h2f(u16 v) {
@@ -435,11 +434,7 @@ __device__ __forceinline__ void apply_quad(float (&acc)[4 * NB], const QSlot& sl
 extern "C" __global__ void __launch_bounds__(KW * 32, MIN_BLOCKS)
 w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
           const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
-          int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt
-#if FUSED
-          , unsigned* __restrict__ cnt, void* __restrict__ yf, int syf
-#endif
-          )
+          int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt)
 {
 #ifdef ONEPASS_HOST_EMU
     unsigned char* smem = g_smem;
@@ -615,19 +610,17 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         for (int j = 0; j < 4 * NB; ++j) red[ph - 1][rt][lane][j] = acc[j];
     }
     __syncthreads();
-    const bool writer = ph == 0;                // phase 0 holds the block's sums
+    if (ph != 0) return;
 #pragma unroll
     for (int q = 0; q < P - 1; ++q) {
 #pragma unroll
         for (int j = 0; j < 4 * NB; ++j) acc[j] += red[q][rt][lane][j];
     }
-#else
-    const bool writer = true;
 #endif
 #pragma unroll
     for (int j = 0; j < 4 * NB; ++j) {
         const int n = n0 + g8 + ((j & 3) >= 2 ? 8 : 0), b = 8 * (j >> 2) + 2 * t + (j & 1), m = m0 + b;
-        if (writer && n < N && b < BT && m < M) {
+        if (n < N && b < BT && m < M) {
 #if OUT32
             reinterpret_cast<float*>(y)[(i64)s * sys + (i64)m * sym + n] = acc[j];
 #else
@@ -635,33 +628,6 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 #endif
         }
     }
-#if FUSED
-    // split-K without a second kernel: the last of the tile's S blocks to finish (a counter per tile, reset by that
-    // block) adds the S partials in split order -- the order of the separate reduce, so the same bits
-    int* last = reinterpret_cast<int*>(smem + SMEM_TOTAL - 16);
-    __threadfence();
-    __syncthreads();
-    const int S = gridDim.x / (n_bt * n_nt);
-    if (threadIdx.x == 0) *last = atomicAdd(&cnt[bt * n_nt + nt], 1u) == (unsigned)(S - 1);
-    __syncthreads();
-    if (!*last) return;
-    __threadfence();
-#pragma unroll
-    for (int j = 0; j < 4 * NB; ++j) {
-        const int n = n0 + g8 + ((j & 3) >= 2 ? 8 : 0), b = 8 * (j >> 2) + 2 * t + (j & 1), m = m0 + b;
-        if (writer && n < N && b < BT && m < M) {
-            const float* p = reinterpret_cast<const float*>(y) + (i64)m * sym + n;
-            float v = __ldcg(p);
-            for (int q = 1; q < S; ++q) v += __ldcg(p + (i64)q * sys);
-#if FOUT32
-            reinterpret_cast<float*>(yf)[(i64)m * syf + n] = v;
-#else
-            reinterpret_cast<u16*>(yf)[(i64)m * syf + n] = f32_to_x(v);
-#endif
-        }
-    }
-    if (threadIdx.x == 0) cnt[bt * n_nt + nt] = 0u;                 // ready for the next launch
-#endif
 }
 """
 
@@ -678,30 +644,27 @@ def supports(fmt: str) -> bool:
     return fmt in FORMATS
 
 
-SOURCE_DEFINES = 13
+SOURCE_DEFINES = 11
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, fold: bool = False,
-           minb: int = 1, fused: int = -1) -> str:
+           minb: int = 1) -> str:
     """The full source of one instantiation: SOURCE_DEFINES #define lines, then MMA_SOURCE. n16: N % 16 == 0;
     fold: the folded form (scales folded into 16-bit weights, one fp32 accumulation across K); minb: blocks per
-    SM the registers must allow (tiles of 16+); fused: -1 no fused split-K reduce, else the split partials are
-    added by the kernel into a final output of fp32 (1) or x's dtype (0)."""
+    SM the registers must allow (tiles of 16+)."""
     head = (f"#define FMT {FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n#define OUT32 {int(out32)}\n"
             f"#define RT {rt}\n#define P {p}\n#define U {u}\n#define GMAX {GMAX}\n#define N16 {int(n16)}\n"
-            f"#define FOLD {int(fold)}\n#define MINB {minb}\n#define FUSED {int(fused >= 0)}\n"
-            f"#define FOUT32 {max(fused, 0)}\n")
+            f"#define FOLD {int(fold)}\n#define MINB {minb}\n")
     return head + MMA_SOURCE
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, fold: bool, minb: int,
-            fused: int, device: torch.device):
+            device: torch.device):
     how = int4_cuda._compiler()
     if how is None:
         raise RuntimeError("int4_mma: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
-    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb, fused), "w4a16_mma", how,
-                             device)
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb), "w4a16_mma", how, device)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -729,12 +692,11 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None, fold: boo
 
 def smem_bytes(fmt: str, bt: int, rt: int, p: int, fold: bool = False) -> int:
     """Dynamic shared memory of one block (the kernel's SMEM_TOTAL): x staged (BT rows, and a row of zeros when
-    BT is not a multiple of 8), its group sums (Q4_1 / Q4_K, not folded), the phases' sums, the fused reduce's
-    flag (16 bytes)."""
+    BT is not a multiple of 8), its group sums (Q4_1 / Q4_K, not folded), the phases' sums."""
     xr = bt + 1 if bt % 8 else bt
     xs = xr * (GMAX * 16 + 16) * 4
     xsum = 0 if fmt == "q4_0" or fold else (bt * 4 + xr) * GMAX * 4
-    return xs + xsum + (p - 1) * rt * 32 * 4 * _cdiv(bt, 8) * 4 + 16
+    return xs + xsum + (p - 1) * rt * 32 * 4 * _cdiv(bt, 8) * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -776,7 +738,7 @@ def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None, fol
     bt = batch_tile(M, fmt, c, fold)
     rt, u, minb = (c["RT"], c["U"], c["MINB"] if fold else 1) if bt <= 8 else (c["RT16"], c["U16"], c["MINB16"])
     n_bt, n_nt = _cdiv(M, bt), _cdiv(N, ROWS_PER_TILE * rt)
-    return {"BT": bt, "RT": rt, "P": c["P"], "U": u, "MINB": minb, "SPLIT_K": S, "FUSED": S > 1 and FUSED_REDUCE, "groups_per_split": gps,
+    return {"BT": bt, "RT": rt, "P": c["P"], "U": u, "MINB": minb, "SPLIT_K": S, "groups_per_split": gps,
             "grid": n_bt * n_nt * S, "block": rt * c["P"] * 32, "n_bt": n_bt, "n_nt": n_nt,
             "smem": smem_bytes(fmt, bt, rt, c["P"], fold), "workspace_floats": S * M * N if S > 1 else 0}
 
@@ -786,12 +748,10 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    cfgs = [mma_config(m, n, k, f, config, fold) for n, k, f in shapes if supports(f) for fold in (False, True)
-            for m in sorted({1, min(16, max_rows), max_rows})]         # small and large tiles: other row blocks
-    need = max([c["workspace_floats"] for c in cfgs], default=0)
+    need = max([mma_config(max_rows, n, k, f, config)["workspace_floats"] for n, k, f in shapes if supports(f)],
+               default=0)
     if need:
         int4_cuda._SPLITK.get(device, need)
-        int4_cuda._COUNTERS.get(device, max(c["n_bt"] * c["n_nt"] for c in cfgs))
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
@@ -805,7 +765,7 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
         "w4a16_mma", x, pw, out,
         plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config, fold),
         kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["RT"], cfg["P"], cfg["U"],
-                                                      pw.N % 16 == 0, fold, cfg["MINB"], cfg.get("FUSED_OUT", -1), dev),
+                                                      pw.N % 16 == 0, fold, cfg["MINB"], dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4)

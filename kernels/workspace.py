@@ -9,22 +9,19 @@ import torch
 
 
 class SplitKWorkspace:
-    """fp32 partial sums by default; zeroed=True (e.g. int32 counters that kernels leave at zero) starts at 0."""
-
-    def __init__(self, dtype: torch.dtype = torch.float32, zeroed: bool = False) -> None:
+    def __init__(self) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
-        self._dtype, self._new = dtype, (torch.zeros if zeroed else torch.empty)
 
     def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        """A buffer of at least `numel` elements (a fresh one on the CPU, for the interpreter)."""
+        """An fp32 buffer of at least `numel` elements (a fresh one on the CPU, for the interpreter)."""
         if device.type != "cuda":
-            return self._new(numel, dtype=self._dtype, device=device)
+            return torch.empty(numel, dtype=torch.float32, device=device)
         ws = self._buffers.get(device)
         if ws is None or ws.numel() < numel:
             if ws is not None:
                 self._retired.append(ws)  # a captured graph may still point at it
-            ws = self._new(numel, dtype=self._dtype, device=device)
+            ws = torch.empty(numel, dtype=torch.float32, device=device)
             self._buffers[device] = ws
         return ws
 

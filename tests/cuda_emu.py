@@ -25,7 +25,6 @@ SHIM = r"""
 #include <cmath>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 #define ONEPASS_HOST_EMU 1
@@ -34,7 +33,7 @@ struct float4 { float x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct dim3e { unsigned x; };
 static thread_local dim3e threadIdx;
-static dim3e blockIdx, gridDim;
+static dim3e blockIdx;
 static std::barrier<>* g_bar;
 static inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static inline float __int_as_float(unsigned v) { float f; std::memcpy(&f, &v, 4); return f; }
@@ -103,10 +102,6 @@ static inline void cp_async_commit() {}
 static inline void cp_async_wait_all() {}
 static inline uint4 ld_x16(const uint4* p) { return *p; }
 static inline uint4 ld_w16(const uint4* p) { return *p; }
-// the fused split-K reduce: blocks run one after another here, so plain memory is coherent
-static inline void __threadfence() {}
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { static std::mutex mu; std::lock_guard<std::mutex> g(mu); unsigned o = *p; *p += v; return o; }
-static inline float __ldcg(const float* p) { return *p; }
 static inline unsigned prmt(unsigned a, unsigned b, unsigned sel) {
     unsigned char by[8]; std::memcpy(by, &a, 4); std::memcpy(by + 4, &b, 4);
     unsigned r = 0;
@@ -148,17 +143,12 @@ static inline void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigne
 LAUNCH_MMA = r"""
 extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
                            const u16* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
-                           int n_bt, int n_nt, int smem_bytes, unsigned* cnt, void* yf, int syf, unsigned seed) {
+                           int n_bt, int n_nt, int smem_bytes) {
     if (smem_bytes != SMEM_TOTAL) return -1;          // the host's shared-memory size must be the kernel's
     const int nw = block / 32;
     std::vector<uint4> smem((SMEM_TOTAL + 15) / 16);
     g_smem = reinterpret_cast<unsigned char*>(smem.data());
-    gridDim.x = grid;
-    std::vector<int> order(grid);                      // blocks in a seeded random order: results must not care
-    for (int i = 0; i < grid; ++i) order[i] = i;
-    for (int i = grid - 1; i > 0; --i) { seed = seed * 1664525u + 1013904223u; std::swap(order[i], order[seed % (i + 1)]); }
-    for (int ob = 0; ob < grid; ++ob) {
-        const int b = order[ob];
+    for (int b = 0; b < grid; ++b) {
         blockIdx.x = b;
         std::barrier<> bar(block);
         g_bar = &bar;
@@ -168,11 +158,7 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
         g_warps = warps.data();
         std::vector<std::thread> ts;
         for (int t = 0; t < block; ++t)
-            ts.emplace_back([=] { threadIdx.x = t; w4a16_mma(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt
-#if FUSED
-                                                             , cnt, yf, syf
-#endif
-                                                             ); });
+            ts.emplace_back([=] { threadIdx.x = t; w4a16_mma(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
         for (auto& t : ts) t.join();
     }
     return 0;
@@ -242,10 +228,9 @@ def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None
 
 
 def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
-                       fold: bool = False, seed: int = 0) -> torch.Tensor:
-    """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU, its blocks in a random order
-    (seed); split-K partials added by the kernel's fused reduce (int4_mma.FUSED_REDUCE), or else here in split
-    order as int4_cuda's reduce kernel does."""
+                       fold: bool = False) -> torch.Tensor:
+    """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU; split-K partials are
+    added in split order as int4_cuda's reduce kernel does."""
     from engine.quant_pack import GROUP
     from kernels import int4_mma
 
@@ -258,22 +243,15 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
     sub = pw.sub if pw.sub is not None else pw.scales
     n = int4_mma.SOURCE_DEFINES
     o32 = out32 or S > 1
-    fused = int(out32) if cfg["FUSED"] else -1
     h = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["RT"], cfg["P"], cfg["U"],
-                        N % 16 == 0, fold, cfg["MINB"], fused).split("\n", n)
+                        N % 16 == 0, fold, cfg["MINB"]).split("\n", n)
     lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + h[n] + LAUNCH_MMA)
     y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
-    cnt = torch.zeros(cfg["n_bt"] * cfg["n_nt"], dtype=torch.int32)
-    yf = torch.zeros((M, N), dtype=torch.float32 if out32 else x.dtype)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
     rc = lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
                         _ptr(pw.scales), _ptr(c), _ptr(sub), _ptr(y),
-                        *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]),
-                        _ptr(cnt), _ptr(yf), ctypes.c_int(N), ctypes.c_uint(seed))
+                        *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]))
     assert rc == 0, f"int4_mma.smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
-    if fused >= 0:
-        assert not cnt.any(), "the fused reduce left a tile counter set"
-        return yf
     if not o32:
         return y
     acc = y[0].clone()

@@ -210,20 +210,3 @@ def test_mma_fold_batch_invariant_fp32(seed, case):
 def test_mma_fold_strided_and_graph_capture(seed):
     gpu_strided_and_graph_capture(functools.partial(int4_mma.w4a16_mma, fold=True), seed, 2048, 8192, "q4_k",
                                   weights=folded_weights)
-
-
-@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
-@pytest.mark.parametrize("fold", [False, True])
-def test_fused_split_reduce_is_the_separate_reduce(seed, fold, monkeypatch):
-    """The kernel's own split-K reduce (the last block of a tile adds the partials in split order) gives the bits of
-    the separate split-order reduce, whatever order the blocks run in, and leaves its counters at zero."""
-    pw, xs = _weight("q4_k", 40, 1024, seed % 1000, device="cpu")
-    x = _x(seed, 11, 1024, xs, device="cpu")
-    cfg = {"RT": 1, "P": 2, "U": 2, "SPLIT_K": 3}
-    assert int4_mma.mma_config(11, 40, 1024, "q4_k", cfg, fold)["FUSED"]
-    fused = [cuda_emu.w4a16_mma_emulated(x, pw, out32=o32, config=cfg, fold=fold, seed=s) for o32, s in
-             ((True, 1), (True, 2), (False, 3))]
-    monkeypatch.setattr(int4_mma, "FUSED_REDUCE", False)
-    separate = cuda_emu.w4a16_mma_emulated(x, pw, out32=True, config=cfg, fold=fold)
-    assert torch.equal(fused[0], separate) and torch.equal(fused[1], separate)
-    assert torch.equal(fused[2], separate.to(x.dtype))
