@@ -143,12 +143,16 @@ static inline void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigne
 LAUNCH_MMA = r"""
 extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
                            const u16* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
-                           int n_bt, int n_nt, int smem_bytes) {
+                           int n_bt, int n_nt, int smem_bytes, unsigned seed) {
     if (smem_bytes != SMEM_TOTAL) return -1;          // the host's shared-memory size must be the kernel's
     const int nw = block / 32;
     std::vector<uint4> smem((SMEM_TOTAL + 15) / 16);
     g_smem = reinterpret_cast<unsigned char*>(smem.data());
-    for (int b = 0; b < grid; ++b) {
+    std::vector<int> order(grid);                      // blocks in a seeded random order: results must not care
+    for (int i = 0; i < grid; ++i) order[i] = i;
+    for (int i = grid - 1; i > 0; --i) { seed = seed * 1664525u + 1013904223u; std::swap(order[i], order[seed % (i + 1)]); }
+    for (int ob = 0; ob < grid; ++ob) {
+        const int b = order[ob];
         blockIdx.x = b;
         std::barrier<> bar(block);
         g_bar = &bar;
@@ -228,9 +232,9 @@ def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None
 
 
 def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
-                       fold: bool = False) -> torch.Tensor:
-    """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU; split-K partials are
-    added in split order as int4_cuda's reduce kernel does."""
+                       fold: bool = False, seed: int = 0) -> torch.Tensor:
+    """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU, its blocks in a random order
+    (seed); split-K partials are added in split order as int4_cuda's reduce kernel does."""
     from engine.quant_pack import GROUP
     from kernels import int4_mma
 
@@ -250,7 +254,8 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
     rc = lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
                         _ptr(pw.scales), _ptr(c), _ptr(sub), _ptr(y),
-                        *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]))
+                        *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]),
+                        ctypes.c_uint(seed))
     assert rc == 0, f"int4_mma.smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
     if not o32:
         return y
