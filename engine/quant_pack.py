@@ -51,7 +51,6 @@ super-block would need per-group d); permute the activation instead.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -245,58 +244,46 @@ def unpack_int(pw: PackedWeight) -> torch.Tensor:
     return q.to(torch.int16).reshape(pw.N, pw.K)
 
 
-def _per_group(t: torch.Tensor, G: int) -> torch.Tensor:
-    """Per-group (or Q4_K per-super-block) values [G', N] -> [N, G, 1] fp32, super-block values repeated."""
-    t = t.t().float()
-    if t.shape[1] != G:
-        t = t.repeat_interleave(SUPER // GROUP, dim=1)
-    return t.unsqueeze(-1)
+def _affine(pw: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every format as w = q * s + c per group, in fp32 [N, G, 32] / [N, G, 1] / [N, G, 1]: q the integers (Q4_0:
+    q - 8), s the scale (Q4_K: d * sc), c the offset (Q4_1: m; Q4_K: -(dmin * mn); else -0). s and c are exact."""
+    N, G = pw.N, pw.K // GROUP
+    q = unpack_int(pw).reshape(N, G, GROUP).float()
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:      # [G', N] -> [N, G, 1]; Q4_K super-block values repeated
+        t = t.t().float()
+        if t.shape[1] != G:
+            t = t.repeat_interleave(SUPER // GROUP, dim=1)
+        return t.unsqueeze(-1)
+
+    s = per_group(pw.scales)
+    c = torch.full_like(s, -0.0)                          # q * s + (-0) is q * s bitwise, its zeros' sign too
+    if pw.fmt == "q4_0":
+        q = q - 8
+    elif pw.fmt == "q4_1":
+        c = per_group(pw.mins)
+    elif pw.fmt == "q4_k":
+        s = s * pw.sub[..., 0].t().float().unsqueeze(-1)
+        c = -(per_group(pw.mins) * pw.sub[..., 1].t().float().unsqueeze(-1))
+    return q, s, c
 
 
 def unpack_ref(pw: PackedWeight) -> torch.Tensor:
     """Decode a PackedWeight into float32 [N, K] with plain torch: engine.quant.dequantize's arithmetic."""
-    N, K = pw.N, pw.K
-    G = K // GROUP
-    q = unpack_int(pw).reshape(N, G, GROUP)
-
-    per_group = functools.partial(_per_group, G=G)
-    d = per_group(pw.scales)
-    if pw.fmt == "q8_0":
-        w = q.float() * d
-    elif pw.fmt == "q4_0":
-        w = d * (q - 8).float()
-    elif pw.fmt == "q4_1":
-        w = d * q.float() + per_group(pw.mins)
-    else:
-        sc = pw.sub[..., 0].t().float().unsqueeze(-1)     # [N, G, 1]
-        mn = pw.sub[..., 1].t().float().unsqueeze(-1)
-        w = (d * sc) * q.float() - (per_group(pw.mins) * mn)
-    return w.reshape(N, K)
+    q, s, c = _affine(pw)
+    return (q * s + c).reshape(pw.N, pw.K)
 
 
 def unpack_folded(pw: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weights a kernel that folds the group scales into 16-bit operands multiplies (kernels/int4_mma.py's
-    fold variant), as float32 [N, K]: each group's scale s and offset c (Q4_0: d, 0; Q4_1: d, m; Q4_K: d * sc,
-    -(dmin * mn), exact in fp32) rounded to dtype first, then w = q * s + c (q - 8 for Q4_0) rounded to dtype.
-    q * s is exact in fp32 and adding c is too unless c exceeds q * s by ~2^12, so this is one rounding of the
-    exact value, as the packed 16-bit fma does."""
+    fold variant), as float32 [N, K]: each group's scale s and offset c (see _affine) rounded to dtype first,
+    then w = q * s + c rounded to dtype. q * s is exact in fp32 and adding c is too unless c exceeds q * s by
+    ~2^12, so this is one rounding of the exact value, as the packed 16-bit fma does."""
     if pw.fmt == "q8_0":
         raise ValueError("unpack_folded: q8_0 has no folded form (no kernel folds it)")
-    N, K = pw.N, pw.K
-    G = K // GROUP
-    q = unpack_int(pw).reshape(N, G, GROUP).float()
-
-    per_group = functools.partial(_per_group, G=G)
-    d = per_group(pw.scales)
-    if pw.fmt == "q4_0":
-        s, c, q = d, torch.zeros_like(d), q - 8
-    elif pw.fmt == "q4_1":
-        s, c = d, per_group(pw.mins)
-    else:
-        s = d * pw.sub[..., 0].t().float().unsqueeze(-1)
-        c = -(per_group(pw.mins) * pw.sub[..., 1].t().float().unsqueeze(-1))
+    q, s, c = _affine(pw)
     s, c = s.to(dtype).float(), c.to(dtype).float()
-    return (q * s + c).to(dtype).float().reshape(N, K)
+    return (q * s + c).to(dtype).float().reshape(pw.N, pw.K)
 
 
 def packed_nbytes(qtype: QT | str, shape: tuple[int, int]) -> int:

@@ -115,8 +115,8 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (5120, 17408, "q4_k"): {"RT16": 32, "MINB16": 1},      # 32.3 / 45.4 against 33.6 / 49.0
     (5120, 6144, "q4_k"): {"RT16": 32, "MINB16": 1},       # 15.2 / 20.0 against 15.5 / 21.3
 }
-SMEM_LIMIT = 99 * 1024
-MAX_WARPS = 32            # warps per block (1024 threads)    # dynamic shared memory per block: what sm_86 and up allow
+SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
+MAX_WARPS = 32            # warps per block (1024 threads)
 
 MMA_SOURCE = r"""
 typedef unsigned int u32;
