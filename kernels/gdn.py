@@ -19,8 +19,9 @@ conv_ring_update_{ref,triton}(x, conv_state, conv_weight, slots, positions=None,
     x [R, C] pre-conv qkv of the token, conv_state [slots, C, K-1] (oldest first), conv_weight [C, K].
     out[r, c] = silu(sum_j w[c, j] * win[c, j]),  win = ring[slot] ++ x[r]  (tap K-1 = the new input);
     the ring is shifted in place to the newest K-1 inputs. Same math as Qwen35Model.causal_conv (T = 1).
-    Kernel grid (R / T, cdiv(C, BLOCK_C)); tap j of token t reads x[run, t - (K-1) + j] when that index
-    is >= 0 and the ring otherwise, so nothing is shifted in registers.
+    Kernel grid (R / T, cdiv(C, BLOCK_C)), one channel per lane; tap j of token t is loaded from
+    x[run, t - (K-1) + j] when that index is >= 0 and from the old ring otherwise (nothing is shifted in
+    registers), the taps summed in order; the ring is rewritten after a barrier.
 
 gdn_step_{ref,triton}(q, k, v, a, b, A, dt_bias, state, slots, positions=None, seq_len=1) -> o [R, Hv, Dv] fp32
     q, k [R, Hk, Dk] post-conv (not yet normalised), v [R, Hv, Dv], a (ssm_alpha(x)) and b (ssm_beta(x))
@@ -46,6 +47,10 @@ import torch.nn.functional as F
 from engine.models.qwen35 import L2NORM_EPS, Qwen35Model, l2norm
 from kernels.triton_compat import tl, triton
 
+# channels per conv-ring program, one per lane: H200, one 27B GDN layer (10240 channels, 4 taps, fp32 ring), us per
+# call at B = 1 / 32 / 128: 128 -> 1.9 / 6.6 / 19.0, 256 -> 2.3 / 7.0 / 19.8, 1024 -> 3.3 / 7.3 / 20.4 (the earlier
+# 2-D [channels, taps] kernel with register selects: 3.2 / 16.0 / 57.4)
+CONV_BLOCK_C = 128
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 
 
@@ -116,56 +121,47 @@ def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Te
 # Triton kernels
 
 @triton.jit
-def _ring_tap(old, idx, BK: tl.constexpr):
-    """old[c, idx[0, j]] for each column j (idx < 0 or >= K-1 never selected by the caller): a select over
-    the BK ring columns held in registers."""
-    out = tl.zeros_like(old)
-    for i in tl.static_range(BK):
-        col = tl.sum(tl.where(tl.arange(0, BK)[None, :] == i, old, 0.0), axis=1)  # old[:, i]
-        out = tl.where(idx == i, col[:, None], out)
-    return out
-
-
-@triton.jit
 def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr,
                       C, T, stride_xr, stride_or,
-                      K: tl.constexpr, BK: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr):
+                      K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr):
+    # One program: BLOCK_C channels of one run, one channel per lane (1-D: no cross-lane selects). Each tap
+    # is loaded where it lives -- the run's x rows or the old ring -- and summed in tap order, as the
+    # reference does. Every ring read comes before the barrier, every ring write after it.
     n = tl.program_id(0)
     cb = tl.program_id(1)
     r0 = n.to(tl.int64) * T
     slot = tl.load(slots_ptr + r0).to(tl.int64)
     if slot >= 0:
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        j = tl.arange(0, BK)
         cm = c < C
-        c2 = c[:, None]
-        j2 = j[None, :]
-        m2 = cm[:, None]
-        ring = ring_ptr + slot * C * (K - 1) + c2 * (K - 1)
-        w = tl.load(w_ptr + c2 * K + j2, mask=m2 & (j2 < K), other=0.0).to(tl.float32)
-        # the old ring, read once before anything is stored: [BLOCK_C, BK], taps 0..K-2
-        old_mask = m2 & (j2 < K - 1)
+        ring = ring_ptr + slot * C * (K - 1) + c * (K - 1)
+        old_ok = cm
         if HAS_POS:  # a run at position 0 starts a sequence: its old ring counts as zeros, whatever the pool holds
-            old_mask = old_mask & ((tl.zeros([BLOCK_C, BK], tl.int32) + tl.load(pos_ptr + r0)) != 0)
-        old = tl.load(ring + j2, mask=old_mask, other=0.0).to(tl.float32)
+            old_ok = cm & ((tl.zeros([BLOCK_C], tl.int32) + tl.load(pos_ptr + r0)) != 0)
         for t in range(0, T):
-            # tap j of token t is input index s = t - (K-1) + j of the run: x when s >= 0, else old ring[K-1+s]
-            s = t - (K - 1) + j2
-            from_x = tl.load(x_ptr + (r0 + s) * stride_xr + c2, mask=m2 & (s >= 0) & (j2 < K), other=0.0).to(tl.float32)
-            win = tl.where(s >= 0, from_x, _ring_tap(old, K - 1 + s, BK))
-            acc = tl.sum(win * w, axis=1)
+            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(K):
+                # tap j of token t is input s = t - (K-1) + j of the run: x when s >= 0, else old ring[K-1+s]
+                s = tl.zeros([BLOCK_C], tl.int32) + (t - (K - 1) + j)
+                vx = tl.load(x_ptr + (r0 + s) * stride_xr + c, mask=cm & (s >= 0), other=0.0).to(tl.float32)
+                vr = tl.load(ring + (K - 1 + s), mask=old_ok & (s < 0), other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
+                acc += tl.where(s >= 0, vx, vr) * w
             y = acc / (1.0 + tl.exp(-acc))  # SiLU
             tl.store(out_ptr + (r0 + t) * stride_or + c, y, mask=cm)
-        # new ring = the last K-1 inputs of (old ring ++ the run's T inputs), oldest first
-        s = T - (K - 1) + j2
-        from_x = tl.load(x_ptr + (r0 + s) * stride_xr + c2, mask=m2 & (s >= 0) & (j2 < K - 1), other=0.0).to(tl.float32)
-        new = tl.where(s >= 0, from_x, _ring_tap(old, K - 1 + s, BK))
-        tl.store(ring + j2, new.to(ring_ptr.dtype.element_ty), mask=m2 & (j2 < K - 1))
+        tl.debug_barrier()
+        # new ring = the last K-1 inputs of (old ring ++ the run's T inputs), oldest first; column j reads
+        # old column j + T > j, so ascending j never reads a column it has already overwritten
+        for j in tl.static_range(K - 1):
+            s = tl.zeros([BLOCK_C], tl.int32) + (T - (K - 1) + j)
+            vx = tl.load(x_ptr + (r0 + s) * stride_xr + c, mask=cm & (s >= 0), other=0.0).to(tl.float32)
+            vr = tl.load(ring + (K - 1 + s), mask=old_ok & (s < 0), other=0.0).to(tl.float32)
+            tl.store(ring + j, tl.where(s >= 0, vx, vr).to(ring_ptr.dtype.element_ty), mask=cm)
 
 
 def conv_ring_update_triton(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                             slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1,
-                            out: torch.Tensor | None = None, block_c: int = 256) -> torch.Tensor:
+                            out: torch.Tensor | None = None, block_c: int = CONV_BLOCK_C) -> torch.Tensor:
     R, C = x.shape
     K = conv_weight.shape[1]
     assert K >= 2, "conv kernel needs K >= 2"
@@ -183,7 +179,7 @@ def conv_ring_update_triton(x: torch.Tensor, conv_state: torch.Tensor, conv_weig
     grid = (R // seq_len, triton.cdiv(C, BLOCK_C))
     _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, positions if positions is not None else slots,
                             C, seq_len, x.stride(0), out.stride(0),
-                            K=K, BK=_next_pow2(K), BLOCK_C=BLOCK_C, HAS_POS=positions is not None, num_warps=4)
+                            K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None, num_warps=max(1, min(8, BLOCK_C // 128)))
     return out
 
 
