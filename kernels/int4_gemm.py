@@ -448,6 +448,11 @@ MEASURED: dict[tuple[int, int, str], dict[str, int]] = {
     # the rule's was faster at most B
     (4096, 4096, "q4_0"): {"SPLIT_K": 4},        # B=128 22.8 us vs 27.9, B=32 16.1 vs 17.2
     (34816, 5120, "q4_k"): {"SPLIT_K": 2},       # B=1 105.6 vs 112.4, B=128 217.1 vs 243.4
+    # H200 sweep at B = 64 / 128 (where the invariant dispatch runs this kernel) of 8 tile choices (BLOCK_N 64 / 128 /
+    # 256, 4 / 8 warps, BLOCK_K 64, 4 stages, splits) on the 27B hybrid's six Q4_K shapes: no split beat the rule's
+    # on these two; on the others the rule (or the entry above) stayed the fastest
+    (16384, 5120, "q4_k"): {"SPLIT_K": 1},       # B=64 73.0 vs 75.2, B=128 85.7 vs 102.5
+    (14336, 5120, "q4_k"): {"SPLIT_K": 1},       # B=64 72.3 vs 70.2, B=128 84.9 vs 99.3
 }
 _SHAPE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "MAX_BLOCK_M", "DEQ_ASM", "FOLD"}
 

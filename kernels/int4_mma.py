@@ -46,7 +46,9 @@ scales, and an mma's k range spans the quad's 4 groups, so loads and scale work 
 per group (sm_90, bf16): Q4_K 53 instructions at B = 1 (the exact form: 85), 63 at B = 32 (120); Q4_0 42 (42).
 H200: 34816x5120 Q4_K 41.5 us at B = 1 (2.4 TB/s; exact form 51.3), 91 us at B = 32 (136). Launch shapes of its
 own (FOLD_TILES); splits of whole quads. Its bits differ from the exact form's (rounded weights), so it is a
-variant of its own.
+variant of its own. A warp may own MT row tiles (MT, MT16; MEASURED_FOLD per shape): each x fragment it reads from
+shared memory then feeds MT tiles' mmas, and each load round brings MT times the weight bytes (sm_90, Q4_K, B = 32:
+57 instructions per group and tile with 2 tiles, 68 with one, 119 registers).
 
 Tried and dropped (H200): streaming the weights through a per-warp cp.async ring in shared memory (8 groups in
 flight without registers) was slower at B = 1 (25.2 against 21.8 us on 17408x5120 Q4_0, ncu): ncu put the
@@ -93,7 +95,8 @@ RT16, U16 = 16, 4
 MINB16 = 1          # tiles of 16+: blocks per SM the registers must allow (1: what the compiler takes)
 TARGET_BLOCKS = 4 * NUM_SMS
 MAX_SPLIT = 32
-CONFIG_KEYS = ("RT", "P", "U", "MINB", "RT16", "U16", "MINB16", "SPLIT_K", "TARGET_BLOCKS")
+CONFIG_KEYS = ("RT", "P", "U", "MINB", "MT", "RT16", "U16", "MINB16", "MT16", "SPLIT_K", "TARGET_BLOCKS")
+MT_CHOICES = (1, 2, 4)  # the folded form's row tiles per warp (MT, MT16): tiles sharing each x fragment
 MEASURED: dict[tuple[int, int, str], dict] = {
     (17408, 5120, "q4_0"): {"RT": 8, "SPLIT_K": 5},            # 21.1 / 22.7 / 24.1 vs 21.3 / 23.1 / 23.9
     (5120, 12288, "q4_0"): {"SPLIT_K": 12},                    # 16.0 / 17.6 / 19.0 vs 16.2 / 18.0 / 19.3
@@ -108,12 +111,24 @@ MEASURED: dict[tuple[int, int, str], dict] = {
 # 2 blocks per SM for 16 and 32, were the fastest or within ~10% almost everywhere (34816x5120 Q4_K: 41.5 / 59.2 /
 # 61.5 / 91.4 us at B = 1 / 8 / 16 / 32, against 51.3 / 60.2 / 85.5 / 136.3 for the exact form). Bit-neutral.
 FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in FORMATS}
-# 32-warp blocks (512 rows sharing the staged x) for tiles of 16+ where they were faster (same H200, B = 16 / 32,
-# against the defaults): the rest lost up to 12% with them (16384x5120 Q4_K B = 32: 55.9 against 52.1 us).
+# Per shape, where another launch shape was faster (H200 sweeps against the defaults above). 32-warp blocks (512 rows
+# sharing the staged x) for tiles of 16+, B = 16 / 32: the rest lost up to 12% with them (16384x5120 Q4_K B = 32:
+# 55.9 against 52.1 us). Two row tiles per warp (MT, MT16: each x fragment read from shared memory feeds both
+# tiles' mmas, 16% fewer instructions per group at B = 32), B = 1 / 8 / 16 / 32; they lost elsewhere (5120x6144
+# Q4_K B = 32: 23.4 against 19.6 us). MT and RT (tiles of up to 8) set the rows per block and so, where SPLIT_K is
+# not named, the split count: a per-shape constant, the same at every M.
 MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (34816, 5120, "q4_k"): {"RT16": 32, "MINB16": 1},      # 59.5 / 88.9 us against 61.8 / 94.6
     (5120, 17408, "q4_k"): {"RT16": 32, "MINB16": 1},      # 32.3 / 45.4 against 33.6 / 49.0
     (5120, 6144, "q4_k"): {"RT16": 32, "MINB16": 1},       # 15.2 / 20.0 against 15.5 / 21.3
+    (16384, 5120, "q4_k"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    #   23.9 / 27.8 / 31.5 / 41.6 us against 22.2 / 31.3 / 35.9 / 51.6
+    (17408, 5120, "q4_0"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    #   19.7 / 23.7 / 37.1 / 48.5 us against 21.7 / 31.5 / 34.4 / 50.8
+    (5120, 17408, "q4_0"): {"MT": 2, "RT": 4, "U": 1, "MINB": 3, "SPLIT_K": 20},
+    #   B = 1 / 8: 20.1 / 26.6 us against 21.1 / 25.9; then 20 splits of 28 groups against 17 of 32: 19.9 / 26.1 /
+    #   32.1 / 45.3 us at B = 1 / 8 / 16 / 32 against 20.2 / 27.2 / 32.3 / 47.5
+    (14336, 5120, "q4_k"): {"SPLIT_K": 6},   # 20.6 / 26.8 / 31.8 / 45.4 us against 21.4 / 28.3 / 33.7 / 49.0 (S = 5)
 }
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 MAX_WARPS = 32            # warps per block (1024 threads)
@@ -140,7 +155,7 @@ typedef long long i64;
 #define XS_BYTES (XR * XROW * 4)                                 /* xs[XR][XROW] */
 #define XSUMS (FMT != 0 && !FOLD)                /* the min term needs x's group sums (not when folded) */
 #define XP_BYTES (XSUMS ? (BT * 4 + XR) * GMAX * 4 : 0)          /* xpart[BT][GMAX][4], xsum[XR][GMAX] */
-#define SMEM_TOTAL (XS_BYTES + XP_BYTES + (P - 1) * RT * 32 * 4 * NB * 4)   /* + red[P - 1][RT][32][4 * NB] */
+#define SMEM_TOTAL (XS_BYTES + XP_BYTES + (P - 1) * RT * 32 * MT * 4 * NB * 4)   /* + red[P - 1][RT][32][MT * 4 * NB] */
 
 #ifndef ONEPASS_HOST_EMU
 __device__ __forceinline__ float h2f(u16 v) {
@@ -323,7 +338,7 @@ __device__ __forceinline__ float slot_min(const u32 (&r)[NRAW]) {
 // one group: per 8-column block c, two mmas on exact integers (x from the staged row xr[c], this lane's 16 bytes
 // of group gi; the zero row where the lane's column is past the tile), then the group's scale and, q4_1 / q4_k,
 // its min term (sums xs2[.][gi] of the lane's two columns, the zero row's past the tile) in fp32.
-__device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl, const u32* const (&xr)[NB],
+__device__ __forceinline__ void apply_slot(float (&acc)[MT][4 * NB], const Slot& sl, const u32* const (&xr)[NB],
                                            const float* const (&xs2)[2 * NB], int gi, int t) {
     u32 a_lo[4], a_hi[4];
     a_lo[0] = nib_pair(sl.wa, 0); a_lo[1] = nib_pair(sl.wb, 0);
@@ -341,7 +356,7 @@ __device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl,
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         mma16816(d, a_lo, b_lo);
         mma16816(d, a_hi, b_hi);
-        float* ac = acc + 4 * c;
+        float* ac = acc[0] + 4 * c;
         ac[0] = __fmaf_rn(sa, d[0], ac[0]);
         ac[1] = __fmaf_rn(sa, d[1], ac[1]);
         ac[2] = __fmaf_rn(sb, d[2], ac[2]);
@@ -362,60 +377,76 @@ __device__ __forceinline__ void apply_slot(float (&acc)[4 * NB], const Slot& sl,
 // feed four mma pairs; in pair p every lane gives word p of its own group, so an mma's k range spans the quad's 4
 // groups (x is staged in that order) -- possible because the scales are applied to the weights before the mma.
 // Per group that is a quarter of the loads and of the scale work of the exact form.
-struct QSlot {                 // one quad's loads for the lane's group and rows (g, g + 8)
-    uint4 wa, wb;
-    u32 ra[NRAW], rb[NRAW];
+struct QSlot {                 // one quad's loads for the lane's group: rows (g, g + 8) of each of the MT tiles
+    uint4 wa[MT], wb[MT];
+    u32 ra[MT][NRAW], rb[MT][NRAW];
 };
-struct QCursor {               // the lane's next group; row b is db rows after row a (8, or fewer past N)
+struct QCursor {               // the lane's next group; in tile m row b is db[m] rows after row a (8, or fewer past N)
     const uint4* w;
     const u16 *s, *m, *u;
-    int na, db, g;
+    int na[MT], db[MT], g;
 };
 
 __device__ __forceinline__ void load_quad(QSlot& sl, QCursor& c, int N, int g_end) {
     const int g = min(c.g, g_end - 1);          // past the split (its last quad): a valid group, whose x is zero
-    const i64 e = (i64)g * N + c.na;
-    sl.wa = ld_w16(c.w + e);
-    sl.wb = ld_w16(c.w + e + c.db);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const i64 e = (i64)g * N + c.na[mt];
+        const int db = c.db[mt];
+        sl.wa[mt] = ld_w16(c.w + e);
+        sl.wb[mt] = ld_w16(c.w + e + db);
 #if FMT == 2
-    const i64 so = (i64)(g >> 3) * N + c.na;
-    sl.ra[0] = c.s[so]; sl.rb[0] = c.s[so + c.db];
-    sl.ra[1] = c.m[so]; sl.rb[1] = c.m[so + c.db];
-    sl.ra[2] = c.u[e]; sl.rb[2] = c.u[e + c.db];
+        const i64 so = (i64)(g >> 3) * N + c.na[mt];
+        sl.ra[mt][0] = c.s[so]; sl.rb[mt][0] = c.s[so + db];
+        sl.ra[mt][1] = c.m[so]; sl.rb[mt][1] = c.m[so + db];
+        sl.ra[mt][2] = c.u[e]; sl.rb[mt][2] = c.u[e + db];
 #else
-    sl.ra[0] = c.s[e]; sl.rb[0] = c.s[e + c.db];
+        sl.ra[mt][0] = c.s[e]; sl.rb[mt][0] = c.s[e + db];
 #if FMT == 1
-    sl.ra[1] = c.m[e]; sl.rb[1] = c.m[e + c.db];
+        sl.ra[mt][1] = c.m[e]; sl.rb[mt][1] = c.m[e + db];
 #endif
 #endif
+    }
     c.g += 4 * P;
 }
 
 // quad j: the weights q * s + c (scale and offset rounded to x's dtype, one packed fma per pair), then per word p
-// and 8-column block two mmas accumulating straight into acc; no fp32 scaling, no group sums of x
-__device__ __forceinline__ void apply_quad(float (&acc)[4 * NB], const QSlot& sl, const u32* const (&xr)[NB],
+// and 8-column block two mmas per row tile accumulating straight into acc (the tiles share each x fragment read
+// from shared memory); no fp32 scaling, no group sums of x
+__device__ __forceinline__ void apply_quad(float (&acc)[MT][4 * NB], const QSlot& sl, const u32* const (&xr)[NB],
                                            int j, int t) {
-    const u32 sa = pack2(slot_scale(sl.ra)), sb = pack2(slot_scale(sl.rb));
+    u32 sa[MT], sb[MT], ca[MT], cb[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        sa[mt] = pack2(slot_scale(sl.ra[mt])); sb[mt] = pack2(slot_scale(sl.rb[mt]));
 #if FMT != 0
-    const u32 ca = pack2(slot_min(sl.ra)), cb = pack2(slot_min(sl.rb));
+        ca[mt] = pack2(slot_min(sl.ra[mt])); cb[mt] = pack2(slot_min(sl.rb[mt]));
 #else
-    const u32 ca = 0x80008000u, cb = 0x80008000u;      // -0: q * s exactly rounded
+        ca[mt] = 0x80008000u; cb[mt] = 0x80008000u;      // -0: q * s exactly rounded
 #endif
-    const u32 wa[4] = {sl.wa.x, sl.wa.y, sl.wa.z, sl.wa.w}, wb[4] = {sl.wb.x, sl.wb.y, sl.wb.z, sl.wb.w};
+    }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-        u32 a_lo[4], a_hi[4];
-        a_lo[0] = fma2(nib_pair(wa[p], 0), sa, ca); a_lo[1] = fma2(nib_pair(wb[p], 0), sb, cb);
-        a_lo[2] = fma2(nib_pair(wa[p], 1), sa, ca); a_lo[3] = fma2(nib_pair(wb[p], 1), sb, cb);
-        a_hi[0] = fma2(nib_pair(wa[p], 2), sa, ca); a_hi[1] = fma2(nib_pair(wb[p], 2), sb, cb);
-        a_hi[2] = fma2(nib_pair(wa[p], 3), sa, ca); a_hi[3] = fma2(nib_pair(wb[p], 3), sb, cb);
+        u32 a_lo[MT][4], a_hi[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const u32 wa = p == 0 ? sl.wa[mt].x : p == 1 ? sl.wa[mt].y : p == 2 ? sl.wa[mt].z : sl.wa[mt].w;
+            const u32 wb = p == 0 ? sl.wb[mt].x : p == 1 ? sl.wb[mt].y : p == 2 ? sl.wb[mt].z : sl.wb[mt].w;
+            a_lo[mt][0] = fma2(nib_pair(wa, 0), sa[mt], ca[mt]); a_lo[mt][1] = fma2(nib_pair(wb, 0), sb[mt], cb[mt]);
+            a_lo[mt][2] = fma2(nib_pair(wa, 1), sa[mt], ca[mt]); a_lo[mt][3] = fma2(nib_pair(wb, 1), sb[mt], cb[mt]);
+            a_hi[mt][0] = fma2(nib_pair(wa, 2), sa[mt], ca[mt]); a_hi[mt][1] = fma2(nib_pair(wb, 2), sb[mt], cb[mt]);
+            a_hi[mt][2] = fma2(nib_pair(wa, 3), sa[mt], ca[mt]); a_hi[mt][3] = fma2(nib_pair(wb, 3), sb[mt], cb[mt]);
+        }
 #pragma unroll
         for (int c = 0; c < NB; ++c) {
             const uint4 xv = *reinterpret_cast<const uint4*>(xr[c] + ((4 * j + p) * 4 + t) * 4);
             const u32 b_lo[2] = {xv.x, xv.y}, b_hi[2] = {xv.z, xv.w};
-            float (&ac)[4] = *reinterpret_cast<float (*)[4]>(acc + 4 * c);
-            mma16816(ac, a_lo, b_lo);
-            mma16816(ac, a_hi, b_hi);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float (&ac)[4] = *reinterpret_cast<float (*)[4]>(acc[mt] + 4 * c);
+                mma16816(ac, a_lo[mt], b_lo);
+                mma16816(ac, a_hi[mt], b_hi);
+            }
         }
     }
 }
@@ -447,7 +478,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     float (*xsum)[GMAX] = reinterpret_cast<float (*)[GMAX]>(smem + XS_BYTES + BT * GMAX * 16);
 #endif
 #if P > 1
-    float (*red)[RT][32][4 * NB] = reinterpret_cast<float (*)[RT][32][4 * NB]>(smem + XS_BYTES + XP_BYTES);
+    float (*red)[RT][32][MT * 4 * NB] = reinterpret_cast<float (*)[RT][32][MT * 4 * NB]>(smem + XS_BYTES + XP_BYTES);
 #endif
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -458,7 +489,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     const int nt = pid % n_nt;
     const int s = pid / n_nt;
     const int m0 = bt * BT;
-    const int n0 = (nt * RT + rt) * 16;
+    const int n0 = (nt * RT + rt) * 16 * MT;             // the warp's MT tiles of 16 rows
     const int g_lo = s * gps;
     const int ng = min(G, g_lo + gps) - g_lo;   // groups of this split
 #if FOLD
@@ -472,9 +503,12 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 #if FOLD
     QCursor cur;
     {
-        const int na = min(n0 + g8, N - 1);
-        cur.na = na;
-        cur.db = min(n0 + g8 + 8, N - 1) - na;                      // rows past N re-read a valid row
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int na = min(n0 + 16 * mt + g8, N - 1);
+            cur.na[mt] = na;
+            cur.db[mt] = min(n0 + 16 * mt + g8 + 8, N - 1) - na;    // rows past N re-read a valid row
+        }
         cur.g = g_lo + 4 * ph + t;
         cur.w = reinterpret_cast<const uint4*>(qw);
         cur.s = sc; cur.m = mn; cur.u = sub;
@@ -571,9 +605,12 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
 
     // 3. the warp's groups in order: full rounds of the ring (each slot refilled right after use), then the
     //    last partial round from the loads already in flight
-    float acc[4 * NB];
+    float acc[MT][4 * NB];
 #pragma unroll
-    for (int j = 0; j < 4 * NB; ++j) acc[j] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) acc[mt][j] = 0.0f;
+    }
     const u32* xr[NB];
     const float* xs2[2 * NB];
 #pragma unroll
@@ -603,29 +640,39 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         if (i + u < ni) APPLY(acc, ring[u], ph + (i + u) * P);
     }
 
-    // 4. the phases' sums in phase order, by phase 0; lane (g, t) holds rows g, g + 8 x sequences 8c + 2t, + 1
+    // 4. the phases' sums in phase order, by phase 0; lane (g, t) holds rows g, g + 8 of each tile x sequences
+    //    8c + 2t, + 1
 #if P > 1
     if (ph > 0) {
 #pragma unroll
-        for (int j = 0; j < 4 * NB; ++j) red[ph - 1][rt][lane][j] = acc[j];
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < 4 * NB; ++j) red[ph - 1][rt][lane][mt * 4 * NB + j] = acc[mt][j];
+        }
     }
     __syncthreads();
     if (ph != 0) return;
 #pragma unroll
     for (int q = 0; q < P - 1; ++q) {
 #pragma unroll
-        for (int j = 0; j < 4 * NB; ++j) acc[j] += red[q][rt][lane][j];
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < 4 * NB; ++j) acc[mt][j] += red[q][rt][lane][mt * 4 * NB + j];
+        }
     }
 #endif
 #pragma unroll
-    for (int j = 0; j < 4 * NB; ++j) {
-        const int n = n0 + g8 + ((j & 3) >= 2 ? 8 : 0), b = 8 * (j >> 2) + 2 * t + (j & 1), m = m0 + b;
-        if (n < N && b < BT && m < M) {
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) {
+            const int n = n0 + 16 * mt + g8 + ((j & 3) >= 2 ? 8 : 0), b = 8 * (j >> 2) + 2 * t + (j & 1), m = m0 + b;
+            if (n < N && b < BT && m < M) {
 #if OUT32
-            reinterpret_cast<float*>(y)[(i64)s * sys + (i64)m * sym + n] = acc[j];
+                reinterpret_cast<float*>(y)[(i64)s * sys + (i64)m * sym + n] = acc[mt][j];
 #else
-            reinterpret_cast<u16*>(y)[(i64)m * sym + n] = f32_to_x(acc[j]);
+                reinterpret_cast<u16*>(y)[(i64)m * sym + n] = f32_to_x(acc[mt][j]);
 #endif
+            }
         }
     }
 }
@@ -644,27 +691,29 @@ def supports(fmt: str) -> bool:
     return fmt in FORMATS
 
 
-SOURCE_DEFINES = 11
+SOURCE_DEFINES = 12
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, fold: bool = False,
-           minb: int = 1) -> str:
+           minb: int = 1, mt: int = 1) -> str:
     """The full source of one instantiation: SOURCE_DEFINES #define lines, then MMA_SOURCE. n16: N % 16 == 0;
     fold: the folded form (scales folded into 16-bit weights, one fp32 accumulation across K); minb: blocks per
-    SM the registers must allow (tiles of 16+)."""
+    SM the registers must allow (tiles of 16+); mt: row tiles of 16 per warp (folded form only)."""
+    if mt != 1 and not fold:
+        raise ValueError("int4_mma: several row tiles per warp (MT) only in the folded form")
     head = (f"#define FMT {FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n#define OUT32 {int(out32)}\n"
             f"#define RT {rt}\n#define P {p}\n#define U {u}\n#define GMAX {GMAX}\n#define N16 {int(n16)}\n"
-            f"#define FOLD {int(fold)}\n#define MINB {minb}\n")
+            f"#define FOLD {int(fold)}\n#define MINB {minb}\n#define MT {mt}\n")
     return head + MMA_SOURCE
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, fold: bool, minb: int,
-            device: torch.device):
+            mt: int, device: torch.device):
     how = int4_cuda._compiler()
     if how is None:
         raise RuntimeError("int4_mma: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
-    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb), "w4a16_mma", how, device)
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb, mt), "w4a16_mma", how, device)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -678,25 +727,27 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None, fold: boo
     layers = ((MEASURED.get((N, K, fmt)), FOLD_TILES.get(fmt), MEASURED_FOLD.get((N, K, fmt)), config) if fold
               else (MEASURED.get((N, K, fmt)), config))
     out = int4_cuda.layered_config("int4_mma", (N, K, fmt), {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16,
-                                                             "MINB": 1, "MINB16": MINB16,
+                                                             "MINB": 1, "MINB16": MINB16, "MT": 1, "MT16": 1,
                                                              "TARGET_BLOCKS": TARGET_BLOCKS}, layers, CONFIG_KEYS)
     named = (MEASURED.get((N, K, fmt)), MEASURED_FOLD.get((N, K, fmt)) if fold else None, config)
     if not any("RT16" in (layer or {}) for layer in named):
         out["RT16"] = max(1, min(out["RT16"], 16 // out["P"]))       # a default within 16 warps
     if (not all(1 <= out[r] * out["P"] <= MAX_WARPS and 1 <= out[u] <= 16 for r, u in (("RT", "U"), ("RT16", "U16")))
-            or min(out.values()) < 1):
+            or min(out.values()) < 1 or out["MT"] not in MT_CHOICES or out["MT16"] not in MT_CHOICES
+            or (not fold and (out["MT"], out["MT16"]) != (1, 1))):
         raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= {MAX_WARPS}, 1 <= U <= 16 (and "
-                         f"RT16, U16 alike), positive values")
+                         f"RT16, U16 alike), MT and MT16 in {MT_CHOICES} (other than 1: folded form only), positive "
+                         f"values")
     return out
 
 
-def smem_bytes(fmt: str, bt: int, rt: int, p: int, fold: bool = False) -> int:
+def smem_bytes(fmt: str, bt: int, rt: int, p: int, fold: bool = False, mt: int = 1) -> int:
     """Dynamic shared memory of one block (the kernel's SMEM_TOTAL): x staged (BT rows, and a row of zeros when
     BT is not a multiple of 8), its group sums (Q4_1 / Q4_K, not folded), the phases' sums."""
     xr = bt + 1 if bt % 8 else bt
     xs = xr * (GMAX * 16 + 16) * 4
     xsum = 0 if fmt == "q4_0" or fold else (bt * 4 + xr) * GMAX * 4
-    return xs + xsum + (p - 1) * rt * 32 * 4 * _cdiv(bt, 8) * 4
+    return xs + xsum + (p - 1) * rt * 32 * mt * 4 * _cdiv(bt, 8) * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -718,7 +769,7 @@ def batch_tile(M: int, fmt: str, c: dict, fold: bool = False) -> int:
     """The smallest of BT_CHOICES holding M, the largest above (more tiles over the grid), halved while a block
     would not fit in SMEM_LIMIT. Bit-neutral: an mma's columns are independent."""
     bt = next((b for b in BT_CHOICES if M <= b), BT_CHOICES[-1])
-    while bt > 8 and smem_bytes(fmt, bt, c["RT16"], c["P"], fold) > SMEM_LIMIT:
+    while bt > 8 and smem_bytes(fmt, bt, c["RT16"], c["P"], fold, c["MT16"] if fold else 1) > SMEM_LIMIT:
         bt //= 2
     return bt
 
@@ -728,19 +779,22 @@ def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None, fol
     row tiles per block and the ring depth are RT, U for tiles of up to 8 sequences and RT16, U16 above."""
     c = shape_config(N, K, fmt, config, fold)
     G = K // GROUP
-    S, gps = _split(G, _cdiv(N, ROWS_PER_TILE * c["RT"]), c.get("TARGET_BLOCKS"), c.get("SPLIT_K"))
+    S, gps = _split(G, _cdiv(N, ROWS_PER_TILE * c["RT"] * (c["MT"] if fold else 1)), c.get("TARGET_BLOCKS"),
+                    c.get("SPLIT_K"))
     if fold and G:                               # splits of whole quads (GMAX is a multiple of 4)
         gps = min(_cdiv(gps, 4) * 4, GMAX)
         S = _cdiv(G, gps)
-    if smem_bytes(fmt, 8, c["RT"], c["P"]) > SMEM_LIMIT:
-        raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {smem_bytes(fmt, 8, c['RT'], c['P'])} B of shared "
-                         f"memory (limit {SMEM_LIMIT})")
+    mt8 = c["MT"] if fold else 1
+    if smem_bytes(fmt, 8, c["RT"], c["P"], fold, mt8) > SMEM_LIMIT:
+        raise ValueError(f"int4_mma: RT={c['RT']} P={c['P']} needs {smem_bytes(fmt, 8, c['RT'], c['P'], fold, mt8)} B "
+                         f"of shared memory (limit {SMEM_LIMIT})")
     bt = batch_tile(M, fmt, c, fold)
-    rt, u, minb = (c["RT"], c["U"], c["MINB"] if fold else 1) if bt <= 8 else (c["RT16"], c["U16"], c["MINB16"])
-    n_bt, n_nt = _cdiv(M, bt), _cdiv(N, ROWS_PER_TILE * rt)
-    return {"BT": bt, "RT": rt, "P": c["P"], "U": u, "MINB": minb, "SPLIT_K": S, "groups_per_split": gps,
+    rt, u, minb, mt = ((c["RT"], c["U"], c["MINB"] if fold else 1, mt8) if bt <= 8
+                       else (c["RT16"], c["U16"], c["MINB16"], c["MT16"] if fold else 1))
+    n_bt, n_nt = _cdiv(M, bt), _cdiv(N, ROWS_PER_TILE * rt * mt)
+    return {"BT": bt, "RT": rt, "P": c["P"], "U": u, "MINB": minb, "MT": mt, "SPLIT_K": S, "groups_per_split": gps,
             "grid": n_bt * n_nt * S, "block": rt * c["P"] * 32, "n_bt": n_bt, "n_nt": n_nt,
-            "smem": smem_bytes(fmt, bt, rt, c["P"], fold), "workspace_floats": S * M * N if S > 1 else 0}
+            "smem": smem_bytes(fmt, bt, rt, c["P"], fold, mt), "workspace_floats": S * M * N if S > 1 else 0}
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
@@ -765,7 +819,7 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
         "w4a16_mma", x, pw, out,
         plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config, fold),
         kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["RT"], cfg["P"], cfg["U"],
-                                                      pw.N % 16 == 0, fold, cfg["MINB"], dev),
+                                                      pw.N % 16 == 0, fold, cfg["MINB"], cfg["MT"], dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4)

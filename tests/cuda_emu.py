@@ -248,7 +248,7 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
     n = int4_mma.SOURCE_DEFINES
     o32 = out32 or S > 1
     h = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["RT"], cfg["P"], cfg["U"],
-                        N % 16 == 0, fold, cfg["MINB"]).split("\n", n)
+                        N % 16 == 0, fold, cfg["MINB"], cfg["MT"]).split("\n", n)
     lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + h[n] + LAUNCH_MMA)
     y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731

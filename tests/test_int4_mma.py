@@ -162,13 +162,38 @@ def test_unpack_folded_is_the_rounded_weight():
 @pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[2], EMU[4],
                                   (40, 1088, "q4_0", (3, 17), {"RT": 2, "P": 2, "U": 1, "SPLIT_K": 2}),
                                   (24, 160, "q4_1", (2, 9), {"RT": 1, "P": 1, "U": 3}),
-                                  (40, 512, "q4_k", (3, 20), {"RT16": 32, "U16": 1, "MINB16": 1})],   # 1024 threads
+                                  (40, 512, "q4_k", (3, 20), {"RT16": 32, "U16": 1, "MINB16": 1}),    # 1024 threads
+                                  (40, 1088, "q4_1", (3, 20), {"MT": 2, "RT": 1, "P": 2, "U": 1, "MT16": 2,
+                                                               "RT16": 2, "U16": 2}),   # 2 row tiles, past N
+                                  (72, 768, "q4_k", (5, 32), {"MT": 4, "RT": 2, "MT16": 4, "RT16": 1})],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_fold_source_emulated_matches_folded_ref(seed, case):
     """The folded form on the CPU: against x @ unpack_folded(w)^T (bf16 and fp16 x), rows independent of M; quads
     whole and partial (K = 1088: 34 groups, K = 160: 5), phases, splits of whole quads."""
     emulated_matches_ref(functools.partial(cuda_emu.w4a16_mma_emulated, fold=True), _fold_plan, seed, *case,
                          weights=folded_weights)
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("case", [(40, 1088, "q4_0", {"RT": 1, "P": 2, "U": 1, "RT16": 2, "U16": 1, "SPLIT_K": 2}),
+                                  (72, 768, "q4_k", {"RT": 2, "P": 1, "U": 2, "RT16": 1, "U16": 2, "SPLIT_K": 1})],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_fold_row_tiles_per_warp_are_bit_neutral(seed, case):
+    """MT / MT16 (row tiles per warp sharing each x fragment) change who computes a row, never its sum: the same
+    bits as one tile per warp, for tiles of up to 8 sequences and of 16+ (split named, so the same split)."""
+    N, K, fmt, cfg = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    x = _x(seed, 20, K, xs, device="cpu")
+    for M in (3, 20):
+        one = cuda_emu.w4a16_mma_emulated(x[:M], pw, out32=True, config=cfg, fold=True)
+        for mt in (2, 4):
+            many = cuda_emu.w4a16_mma_emulated(x[:M], pw, out32=True, config={**cfg, "MT": mt, "MT16": mt}, fold=True,
+                                               seed=seed)
+            assert torch.equal(one, many), f"{fmt} {N}x{K} M={M}: MT={mt} changed the bits"
+    with pytest.raises(ValueError, match="MT"):
+        int4_mma.mma_config(4, N, K, fmt, {"MT": 2})          # the exact form has one tile per warp
+    with pytest.raises(ValueError, match="MT"):
+        int4_mma.mma_config(4, N, K, fmt, {"MT": 3}, fold=True)
 
 
 def test_fold_launch_shapes():
