@@ -118,8 +118,11 @@ FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in F
 # Q4_K B = 32: 23.4 against 19.6 us). MT and RT (tiles of up to 8) set the rows per block and so, where SPLIT_K is
 # not named, the split count: a per-shape constant, the same at every M.
 MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
-    (34816, 5120, "q4_k"): {"RT16": 32, "MINB16": 1},      # 59.5 / 88.9 us against 61.8 / 94.6
-    (5120, 17408, "q4_k"): {"RT16": 32, "MINB16": 1},      # 32.3 / 45.4 against 33.6 / 49.0
+    (34816, 5120, "q4_k"): {"MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    #   B = 16 / 32: 61.2 / 83.2 us against 59.8 / 87.3 with 32 warps of one tile (59.5 / 88.9 against 61.8 / 94.6
+    #   for those against 16 warps)
+    (5120, 17408, "q4_k"): {"MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    #   33.3 / 43.1 us against 32.3 / 45.5 with 32 warps of one tile (32.3 / 45.4 against 33.6 / 49.0)
     (5120, 6144, "q4_k"): {"RT16": 32, "MINB16": 1},       # 15.2 / 20.0 against 15.5 / 21.3
     (16384, 5120, "q4_k"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   23.9 / 27.8 / 31.5 / 41.6 us against 22.2 / 31.3 / 35.9 / 51.6
