@@ -64,7 +64,7 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # (python -m kernels.int4_dispatch prints these lines from a recorded run). Empty until measured.
 # Measured on the H200 (torch 2.11, triton 3.6, cupy 14.2; experiment int4_gemm: the five Q4_0 shapes at
 # B = 1..128, commit 2a7e149 (5120x17408 and 17408x5120 at 0675de4), and the 27B hybrid's five Q4_K projections at
-# B = 1, 8, 16, 32, 64, 128, 0675de4 (34816x5120 and 5120x17408 at b92d778)):
+# B = 1, 8, 16, 32, 64, 128, 0675de4 (34816x5120 and 5120x17408 at b92d778), and its LM head 248320x5120 at cc8fd3b):
 # the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
 # the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
@@ -79,6 +79,7 @@ MEASURED: dict[tuple[int, int, str], dict] = {
     (16384, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
     (17408, 5120, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'dequant_cublas'},
     (34816, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
+    (248320, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
 }
 
 _policy = os.environ.get("ONEPASS_INT4_VARIANT", "").strip() or "invariant"
