@@ -6,7 +6,9 @@ rows hold, so B greedy streams are bit-exact with one stream.
 Definition: ``w4a16_linear_ref(x, pw) = (x.float() @ w.float().T).to(x.dtype)`` with w = unpack_ref(pw) rounded
 to x's dtype, the weights the dequantized model holds (``exact=True``: unpack_ref(pw) itself).
 
-Two K loops, chosen per (N, K, fmt) by FOLD (default on; both batch-invariant):
+Two K loops, chosen per (N, K, fmt) by FOLD (default on; both batch-invariant), and for FOLD per shape W16: the
+weights folded in 16-bit arithmetic, engine.quant_pack.unpack_folded's values (definition: w4a16_linear_ref(x, pw,
+folded=True)), by one packed fma per pair on the GPU; MEASURED sets it on the 27B hybrid's Q4_K shapes.
   FOLD (default)  per block of GPB groups every weight is dequantized in fp32 exactly (16-byte word loads,
                   eight nibbles per word by inline PTX), scaled, rounded once to x's dtype, and the block
                   goes into one tensor-core dot accumulating in fp32. Its products are those of the
@@ -81,7 +83,7 @@ import os
 
 import torch
 
-from engine.quant_pack import GROUP, PackedWeight, unpack_ref
+from engine.quant_pack import GROUP, PackedWeight, unpack_folded, unpack_ref
 from kernels.gemm import cast_out, splitk_reduce_kernel
 from kernels.triton_compat import tl, triton
 from kernels.workspace import SplitKWorkspace, block_m_from_env
@@ -110,10 +112,14 @@ DEQ_ASM_DEFAULT: bool = os.environ.get("ONEPASS_INT4_DEQ_ASM", "1").strip() not 
 FOLD_DEFAULT: bool = os.environ.get("ONEPASS_INT4_FOLD", "1").strip() not in ("", "0")
 
 
-def w4a16_linear_ref(x: torch.Tensor, pw: PackedWeight, *, exact: bool = False) -> torch.Tensor:
+def w4a16_linear_ref(x: torch.Tensor, pw: PackedWeight, *, exact: bool = False, folded: bool = False) -> torch.Tensor:
     """The definition: x [M, K] @ w^T in fp32, rounded once to x's dtype, where w = unpack_ref(pw) rounded to
     x's dtype -- the weights the dequantized model holds, what the FOLD kernel multiplies -- or, with
-    ``exact``, unpack_ref(pw) itself in fp32 (the group-loop kernel and kernels/int4_cuda.py)."""
+    ``exact``, unpack_ref(pw) itself in fp32 (the group-loop kernel and kernels/int4_cuda.py), or with ``folded``
+    unpack_folded(pw, x.dtype) (FOLD with W16, and kernels/int4_mma.py's folded form)."""
+    if folded:
+        w = unpack_folded(pw, x.dtype).to(x.device)
+        return (x.float() @ w.T).to(x.dtype)
     w = unpack_ref(pw).to(x.device)
     if not exact:
         w = w.to(x.dtype).float()
@@ -185,6 +191,20 @@ def _word_asm_text(f16: bool, sub8: bool) -> str:
     return " ".join(body) + " }"
 
 
+def _word_fold_asm_text(f16: bool, sub8: bool) -> str:
+    """PTX as _word_asm_text, the weights folded: inputs $8 the packed word, $9 and $10 the group's scale s and
+    offset c in x's dtype (both halves), outputs $s = q_s * s + c rounded once to x's dtype (one packed fma per
+    pair after the exact q): engine.quant_pack.unpack_folded's values. 15 instructions per 8 weights and no fp32
+    round trip (the fp32 path: a convert, an fma and half a pack per weight)."""
+    t = "f16x2" if f16 else "bf16x2"
+    body = _word_asm_text(f16, sub8).rstrip(" }").split(" mov.b32 {")[0]
+    for i in range(4):
+        body += f" fma.rn.{t} t{i}, t{i}, $9, $10;"
+    for i in range(4):
+        body += f" mov.b32 {{${i}, ${i + 4}}}, t{i};"
+    return body + " }"
+
+
 _cx = getattr(tl, "constexpr", None) or (lambda v: v)     # triton_compat without triton: plain strings
 ASM_LO_BF16_SUB8 = _cx(_nibble_asm_text(False, False, True))
 ASM_HI_BF16_SUB8 = _cx(_nibble_asm_text(True, False, True))
@@ -198,6 +218,10 @@ ASM_W_BF16_SUB8 = _cx(_word_asm_text(False, True))
 ASM_W_BF16 = _cx(_word_asm_text(False, False))
 ASM_W_F16_SUB8 = _cx(_word_asm_text(True, True))
 ASM_W_F16 = _cx(_word_asm_text(True, False))
+ASM_WF_BF16_SUB8 = _cx(_word_fold_asm_text(False, True))
+ASM_WF_BF16 = _cx(_word_fold_asm_text(False, False))
+ASM_WF_F16_SUB8 = _cx(_word_fold_asm_text(True, True))
+ASM_WF_F16 = _cx(_word_fold_asm_text(True, False))
 
 
 @triton.jit
@@ -260,13 +284,47 @@ def _words_values(w, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: tl.const
 
 
 @triton.jit
+def _words_folded(w, s2, c2, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.constexpr):
+    """GPU only. Packed words [BLOCK_N, GROUPS, 4] int32 and per group the scale and offset as 16-bit pairs
+    s2, c2 [BLOCK_N, GROUPS] int32 -> the folded weights [BLOCK_N, GROUPS, 32] in x's dtype (_word_fold_asm_text),
+    in _words_values' k order."""
+    C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r"
+    s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, GROUPS, 4))
+    c3 = tl.broadcast_to(c2[:, :, None], (BLOCK_N, GROUPS, 4))
+    if X_F16:
+        if SUB8:
+            v = tl.inline_asm_elementwise(ASM_WF_F16_SUB8, C, [w, s3, c3], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            v = tl.inline_asm_elementwise(ASM_WF_F16, C, [w, s3, c3], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        if SUB8:
+            v = tl.inline_asm_elementwise(ASM_WF_BF16_SUB8, C, [w, s3, c3], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                                          pack=1)
+        else:
+            v = tl.inline_asm_elementwise(ASM_WF_BF16, C, [w, s3, c3], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    q = tl.join(tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])), tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])))
+    return tl.reshape(q, (BLOCK_N, GROUPS, 32))
+
+
+@triton.jit
+def _pair_bits(v, x_ptr, RNE: tl.constexpr):
+    """fp32 values -> x's dtype (one rounding), as int32 holding the 16-bit pattern in both halves."""
+    b = cast_out(v, x_ptr, RNE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
 def _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm, stride_xk,
                kb_lo, kb_hi, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr, EVEN_K: tl.constexpr,
-               W_EVICT: tl.constexpr, UPCAST: tl.constexpr, DEQ_ASM: tl.constexpr, X_F16: tl.constexpr):
+               W_EVICT: tl.constexpr, UPCAST: tl.constexpr, DEQ_ASM: tl.constexpr, X_F16: tl.constexpr,
+               W16: tl.constexpr):
     """FOLD: the K loop with the scales folded into the weights. Per block of GPB groups every weight is
     dequantized in fp32 exactly as unpack_ref does (products of the file's fp16 values and small integers
     are exact in fp32), rounded once to x's dtype -- the values the dequantized model holds -- and the
-    block goes into ONE tensor-core dot accumulating into acc: no fresh dot and rescale per group."""
+    block goes into ONE tensor-core dot accumulating into acc: no fresh dot and rescale per group.
+    W16 (4-bit formats): the group's scale and offset rounded to x's dtype first, then q * s + c rounded once
+    (engine.quant_pack.unpack_folded, the folded mma kernel's weights), on the GPU by one packed 16-bit fma per
+    pair straight from the word (_words_folded)."""
     WPG: tl.constexpr = 8 if FMT == 3 else 4
     BK: tl.constexpr = GPB * 32
     offs_g = tl.arange(0, GPB)
@@ -288,9 +346,39 @@ def _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w
         w = tl.load(w_base + g0 * N64 * WPG, mask=g_ok[:, :, None], other=0, eviction_policy=W_EVICT)
         if FMT == 3:
             v = _expand(w, FMT, BLOCK_N, GPB).to(tl.float32)                          # [BN, GPB, 32]
+        elif W16 and DEQ_ASM:
+            v = w                                                                     # folded below, in 16 bits
         else:
             v = _words_values(w, BLOCK_N, GPB, FMT == 0, X_F16, DEQ_ASM)
-        if FMT == 2:
+        RNE: tl.constexpr = UPCAST and not X_F16
+        if W16:
+            if FMT == 2:
+                sub = sub_ptr + (s_off + g0 * N64) * 2
+                d = tl.load(s_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
+                s = d.to(tl.float32) * tl.load(sub, mask=g_ok, other=0).to(tl.float32)
+                dm = tl.load(c_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
+                c = -(dm.to(tl.float32) * tl.load(sub + 1, mask=g_ok, other=0).to(tl.float32))
+            else:
+                s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
+                if FMT == 1:
+                    c = tl.load(c_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
+                else:
+                    c = s                                                             # unused: Q4_0 has no offset
+            if DEQ_ASM:
+                if FMT == 0:
+                    c2 = tl.full((BLOCK_N, GPB), -2147450880, tl.int32)               # -0 in both halves
+                else:
+                    c2 = _pair_bits(c, x_ptr, RNE)
+                wk = tl.reshape(_words_folded(v, _pair_bits(s, x_ptr, RNE), c2, BLOCK_N, GPB, FMT == 0, X_F16),
+                                (BLOCK_N, BK))
+            else:   # the same values in fp32: q * s exact, + c exact but in extreme cases, one rounding after
+                s = cast_out(s, x_ptr, RNE).to(tl.float32)
+                if FMT == 0:
+                    wv = v * s[:, :, None]
+                else:
+                    wv = v * s[:, :, None] + cast_out(c, x_ptr, RNE).to(tl.float32)[:, :, None]
+                wk = cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, RNE)
+        elif FMT == 2:
             sub = sub_ptr + (s_off + g0 * N64) * 2
             d = tl.load(s_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
             s = d.to(tl.float32) * tl.load(sub, mask=g_ok, other=0).to(tl.float32)
@@ -304,7 +392,8 @@ def _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w
         else:
             s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
             wv = v * s[:, :, None]
-        wk = cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, UPCAST and not X_F16)    # one rounding per weight
+        if not W16:
+            wk = cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, RNE)                  # one rounding per weight
         if UPCAST:   # interpreter: exact products, fp64 block sums rounded to fp32 (see the module docstring)
             acc = acc + tl.dot(wk.to(tl.float64), tl.trans(xk.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
         else:
@@ -396,7 +485,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, y_ptr, M, N, G,
                   stride_xm, stride_xk, stride_ym, stride_yn, stride_ys, KB_PER_SPLIT,
                   FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr,
                   EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
-                  DEQ_ASM: tl.constexpr, X_F16: tl.constexpr, FOLD: tl.constexpr):
+                  DEQ_ASM: tl.constexpr, X_F16: tl.constexpr, FOLD: tl.constexpr, W16: tl.constexpr):
     # FMT: 0 q4_0, 1 q4_1, 2 q4_k, 3 q8_0
     # program -> (split, N tile, M tile), M tile fastest: programs sharing a weight tile run together
     pid = tl.program_id(0)
@@ -418,7 +507,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, y_ptr, M, N, G,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if FOLD:
         acc = _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm,
-                         stride_xk, kb_lo, kb_hi, FMT, BLOCK_N, GPB, EVEN_K, W_EVICT, UPCAST, DEQ_ASM, X_F16)
+                         stride_xk, kb_lo, kb_hi, FMT, BLOCK_N, GPB, EVEN_K, W_EVICT, UPCAST, DEQ_ASM, X_F16, W16)
     else:
         acc = _group_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w, N64, G, stride_xm,
                           stride_xk, kb_lo, kb_hi, FMT, BLOCK_N, GPB, EVEN_K, W_EVICT, UPCAST, DEQ_ASM, X_F16)
@@ -452,14 +541,21 @@ MEASURED: dict[tuple[int, int, str], dict[str, int]] = {
     # H200 sweep (B = 1, 4, 16, 32, 128; FOLD, BLOCK_N 64, BLOCK_K 128 as the rule): where a split other than
     # the rule's was faster at most B
     (4096, 4096, "q4_0"): {"SPLIT_K": 4},        # B=128 22.8 us vs 27.9, B=32 16.1 vs 17.2
-    (34816, 5120, "q4_k"): {"SPLIT_K": 2},       # B=1 105.6 vs 112.4, B=128 217.1 vs 243.4
     # H200 sweep at B = 64 / 128 (where the invariant dispatch runs this kernel) of 8 tile choices (BLOCK_N 64 / 128 /
     # 256, 4 / 8 warps, BLOCK_K 64, 4 stages, splits) on the 27B hybrid's six Q4_K shapes: no split beat the rule's
-    # on these two; on the others the rule (or the entry above) stayed the fastest
-    (16384, 5120, "q4_k"): {"SPLIT_K": 1},       # B=64 73.0 vs 75.2, B=128 85.7 vs 102.5
-    (14336, 5120, "q4_k"): {"SPLIT_K": 1},       # B=64 72.3 vs 70.2, B=128 84.9 vs 99.3
+    # on 16384x5120 and 14336x5120; on the others the rule (or 34816x5120's 2 splits) stayed the fastest. Then W16
+    # (weights folded in 16 bits: 21% fewer instructions per K block, offline sm_90 SASS) on all six, us at
+    # B = 64 / 128 against FOLD's fp32 path:
+    (34816, 5120, "q4_k"): {"SPLIT_K": 2, "W16": True},    # 129.5 / 212.8 vs 136.1 / 215.3 (B=1 105.6 vs 112.4,
+    #                                                        B=128 217.1 vs 243.4 for 2 splits against the rule's)
+    (16384, 5120, "q4_k"): {"SPLIT_K": 1, "W16": True},    # 65.9 / 79.5 vs 73.2 / 85.3 (split 1: 73.0 / 85.7 vs
+    #                                                        75.2 / 102.5)
+    (14336, 5120, "q4_k"): {"SPLIT_K": 1, "W16": True},    # 65.2 / 78.5 vs 72.2 / 85.1 (72.3 / 84.9 vs 70.2 / 99.3)
+    (5120, 6144, "q4_k"): {"W16": True},                   # 36.0 / 51.4 vs 37.2 / 52.8
+    (5120, 17408, "q4_k"): {"W16": True},                  # 78.3 / 114.7 vs 81.4 / 116.7
+    (248320, 5120, "q4_k"): {"W16": True},                 # 797 / 1183 vs 863 / 1232 (the LM head)
 }
-_SHAPE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "MAX_BLOCK_M", "DEQ_ASM", "FOLD"}
+_SHAPE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "MAX_BLOCK_M", "DEQ_ASM", "FOLD", "W16"}
 
 
 def _split_rule(n_tiles: int, k_blocks: int) -> int:
@@ -485,7 +581,8 @@ def _shape_rule(N: int, K: int, fmt: str) -> dict:
     block_n = 64                                       # the smallest wgmma M side (swap-AB)
     split = _split_rule(_cdiv(N, block_n), k_blocks)
     rule = {"BLOCK_N": block_n, "BLOCK_K": GROUP * gpb, "SPLIT_K": split, "num_warps": None, "num_stages": 3,
-            "MAX_BLOCK_M": BLOCK_M_CHOICES[-1], "DEQ_ASM": DEQ_ASM_DEFAULT and fmt != "q8_0", "FOLD": FOLD_DEFAULT}
+            "MAX_BLOCK_M": BLOCK_M_CHOICES[-1], "DEQ_ASM": DEQ_ASM_DEFAULT and fmt != "q8_0", "FOLD": FOLD_DEFAULT,
+            "W16": False}
     measured = MEASURED.get((N, K, fmt), {})
     unknown = set(measured) - _SHAPE_KEYS
     assert not unknown, f"MEASURED[{(N, K, fmt)}]: unknown keys {sorted(unknown)}"
@@ -510,7 +607,7 @@ def clear_config_cache() -> None:
     _resolve_rule.cache_clear()
 
 
-_OVERRIDE_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "DEQ_ASM", "FOLD"}
+_OVERRIDE_KEYS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "DEQ_ASM", "FOLD", "W16"}
 
 
 def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | None, m_chunk_max: int) -> dict:
@@ -518,7 +615,7 @@ def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | N
     shape = _shape_rule(N, K, fmt)
     block_n, block_k, split = shape["BLOCK_N"], shape["BLOCK_K"], shape["SPLIT_K"]
     num_warps, num_stages, deq_asm = shape["num_warps"], shape["num_stages"], shape["DEQ_ASM"]
-    fold = shape["FOLD"]
+    fold, w16 = shape["FOLD"], shape["W16"]
     block_m = _block_m(M, pin, shape["MAX_BLOCK_M"])
     if override:
         unknown = set(override) - _OVERRIDE_KEYS
@@ -531,6 +628,8 @@ def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | N
         num_stages = override.get("num_stages", num_stages)
         deq_asm = override.get("DEQ_ASM", deq_asm)
         fold = override.get("FOLD", fold)
+        w16 = override.get("W16", w16)
+    assert not w16 or (fold and fmt != "q8_0"), "W16 (16-bit folded weights) needs FOLD and a 4-bit format"
     deq_asm = bool(deq_asm) and fmt != "q8_0"
     if num_warps is None:   # 128 x BLOCK_M fp32 accumulators (x2 with the min term) fit 4 warps up to BLOCK_M 32
         num_warps = 8 if block_n >= 128 and block_m >= 64 else 4
@@ -547,7 +646,7 @@ def _build(M: int, N: int, K: int, fmt: str, override: dict | None, pin: int | N
     return {
         "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GPB": gpb, "SPLIT_K": split,
         "K_BLOCKS_PER_SPLIT": kb_per_split, "num_warps": num_warps, "num_stages": num_stages,
-        "DEQ_ASM": deq_asm, "FOLD": bool(fold), "m_chunk": m_chunk,
+        "DEQ_ASM": deq_asm, "FOLD": bool(fold), "W16": bool(w16), "m_chunk": m_chunk,
         "grid": _cdiv(max(m_chunk, 1), block_m) * _cdiv(N, block_n) * split,
         "workspace_bytes": 4 * split * m_chunk * N if split > 1 else 0,
     }
@@ -625,7 +724,7 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
     sub = pw.sub if pw.sub is not None else pw.scales
     consts = dict(FMT=FMT_CODE[fmt], BLOCK_M=bm, BLOCK_N=bn, GPB=cfg["GPB"], EVEN_K=(G % cfg["GPB"] == 0),
                   UPCAST=_INTERPRETED, DEQ_ASM=cfg["DEQ_ASM"] and not _INTERPRETED,
-                  X_F16=x.dtype == torch.float16, FOLD=cfg["FOLD"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  X_F16=x.dtype == torch.float16, FOLD=cfg["FOLD"], W16=cfg["W16"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     rne = _INTERPRETED and out.dtype == torch.bfloat16
 
     if split == 1:

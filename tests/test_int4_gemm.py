@@ -254,9 +254,12 @@ small = pytest.mark.skipif(not CAN_RUN_SMALL, reason="triton was imported withou
 
 
 def _ref(x, pw, config=None):
-    """w4a16_linear_ref for the K loop the kernel runs at this configuration (FOLD: rounded weights)."""
-    fold = (config or {}).get("FOLD", int4_config(x.shape[0], pw.N, pw.K, pw.fmt)["FOLD"])
-    return w4a16_linear_ref(x, pw, exact=not fold)
+    """w4a16_linear_ref for the K loop the kernel runs at this configuration (FOLD: rounded weights; W16: the
+    folded weights)."""
+    cfg = {**int4_config(x.shape[0], pw.N, pw.K, pw.fmt), **(config or {})}
+    if cfg["W16"]:
+        return w4a16_linear_ref(x, pw, folded=True)
+    return w4a16_linear_ref(x, pw, exact=not cfg["FOLD"])
 
 
 def _check(y, ref, seed, what):
@@ -302,6 +305,8 @@ FORCED = [
     dict(BLOCK_K=64, SPLIT_K=4, BLOCK_M=16),         # M=17 -> two M tiles
     dict(BLOCK_M=128, BLOCK_K=1024),                 # one (masked) block covering all of K
     dict(BLOCK_N=128, BLOCK_M=32, SPLIT_K=2),        # the wide tile, one N tile covering N=72
+    dict(W16=True, SPLIT_K=2),                       # weights folded in 16 bits (unpack_folded), split-K, K tail
+    dict(W16=True, BLOCK_K=64, BLOCK_N=16, BLOCK_M=16),
 ]
 
 
@@ -313,6 +318,10 @@ def test_forced_configs_match_ref_and_are_batch_invariant(seed, fmt, cfg):
     M = 17
     pw, xs = _weight(fmt, N, K, seed)
     x = _x(seed, M, K, xs)
+    if cfg.get("W16") and fmt == "q8_0":
+        with pytest.raises(AssertionError, match="W16"):
+            w4a16_linear(x, pw, config=cfg)
+        return
     y = w4a16_linear(x, pw, config=cfg)
     _check(y, _ref(x, pw, cfg), seed, f"{fmt} cfg={cfg}")
     y32 = _f32(x, pw, config=cfg)
@@ -425,10 +434,11 @@ def test_measured_table_overrides_rule(monkeypatch):
 # the GPU-only inline PTX (DEQ_ASM), checked on the CPU: its text through a small emulator, and the whole
 # kernel compiled for sm_90a (ptxas included) by Triton's offline compiler
 
-def _ptx_emulate(asm: str, r2: int, src: str = "$2") -> dict:
-    """Run the straight-line PTX subset _nibble_asm_text / _word_asm_text use, input r2 in register src;
-    returns the registers ($0, $1, ... among them)."""
-    regs: dict[str, int] = {src: r2}
+def _ptx_emulate(asm: str, r2: int, src: str = "$2", inputs: dict | None = None, exact: bool = True) -> dict:
+    """Run the straight-line PTX subset _nibble_asm_text / _word_asm_text / _word_fold_asm_text use, input r2 in
+    register src (and `inputs`); returns the registers ($0, $1, ... among them). exact: every 16-bit fma result
+    must be exact (else it is rounded to nearest even, as the hardware does)."""
+    regs: dict[str, int] = {src: r2, **(inputs or {})}
     val = lambda t: regs[t] if t in regs else int(t, 0)  # noqa: E731
 
     def half_float(bits: int, f16: bool) -> float:
@@ -437,7 +447,7 @@ def _ptx_emulate(asm: str, r2: int, src: str = "$2") -> dict:
 
     def float_half(v: float, f16: bool) -> int:
         t = torch.tensor([v], dtype=torch.float64).to(torch.float16 if f16 else torch.bfloat16)
-        assert float(t) == v, f"not exact: {v}"
+        assert float(t) == v or not exact, f"not exact: {v}"
         return int(t.view(torch.int16)) & 0xFFFF
 
     for ins in asm.strip().strip("{}").split(";"):
@@ -505,6 +515,26 @@ def test_nibble_asm_text(seed, high, f16, sub8):
 
 @pytest.mark.parametrize("f16", [False, True], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("sub8", [False, True], ids=["q", "q-8"])
+def test_word_fold_asm_text(seed, f16, sub8):
+    """Output $s is nibble q_s of the word $8 folded with the group's scale $9 and offset $10 (16-bit, both halves):
+    q_s * s + c rounded once to bf16 / fp16, i.e. engine.quant_pack.unpack_folded's value."""
+    asm = int4_gemm._word_fold_asm_text(f16, sub8)
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.float16 if f16 else torch.bfloat16
+    words = [0, 0xFFFFFFFF, 0x01234567] + torch.randint(0, 1 << 32, (100,), generator=g).tolist()
+    for i, w in enumerate(words):
+        s = (torch.randn(1, generator=g) * 0.01).to(dt)
+        c = torch.zeros(1, dtype=dt) if sub8 and i % 2 else (torch.randn(1, generator=g) * 0.05).to(dt)
+        pair = lambda t: (int(t.view(torch.int16)) & 0xFFFF) * 0x10001  # noqa: E731
+        regs = _ptx_emulate(asm, w, "$8", {"$9": pair(s), "$10": pair(c)}, exact=False)
+        got = torch.tensor([regs[f"${k}"] for k in range(8)], dtype=torch.int32).to(torch.int16).view(dt)
+        q = torch.tensor([((w >> (4 * k)) & 0xF) - (8 if sub8 else 0) for k in range(8)], dtype=torch.float64)
+        want = (q * s.double() + c.double()).to(dt)
+        assert torch.equal(got, want), f"seed={seed} word={w:#010x} s={float(s)} c={float(c)}: {got} != {want}"
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("sub8", [False, True], ids=["q", "q-8"])
 def test_word_asm_text(seed, f16, sub8):
     """Output $s (s = 0..7) is nibble s of the word $8 as the exact number q (- 8) in bf16 / fp16."""
     asm = int4_gemm._word_asm_text(f16, sub8)
@@ -525,7 +555,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import int4_gemm as ig
 
-def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None, fold=True):
+def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None, fold=True, w16=False):
     k = ig._w4a16_kernel
     names = list(k.arg_names)
     ydt = ydt or xdt
@@ -534,7 +564,7 @@ def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None, fold=True
            "stride_ym": "i32", "stride_yn": "constexpr", "stride_ys": "i32", "KB_PER_SPLIT": "i32"}
     consts = {"stride_xk": 1, "stride_yn": 1, "FMT": ig.FMT_CODE[fmt], "BLOCK_M": BM, "BLOCK_N": BN, "GPB": 4,
               "EVEN_K": even, "W_EVICT": "evict_first", "UPCAST": False, "RNE_BF16": False, "DEQ_ASM": asm,
-              "X_F16": xdt == "fp16", "FOLD": fold}
+              "X_F16": xdt == "fp16", "FOLD": fold, "W16": w16}
     assert set(names) == set(sig) | set(consts), names
     for n in consts:
         sig.setdefault(n, "constexpr")
@@ -562,6 +592,9 @@ else:
             kinds.setdefault((fmt, BN, fold), set()).add(tuple(compile_one(fmt, BM, BN, nw, asm, xdt, even,
                                                                            fold=fold)))
     compile_one("q4_k", 64, 32, 4, False, ydt="fp32")         # split-K partials (fp32 out)
+    for fmt, xdt in (("q4_k", "bf16"), ("q4_0", "fp16"), ("q4_1", "bf16")):     # 16-bit folded weights
+        kinds[(fmt, 64, "w16")] = {tuple(compile_one(fmt, BM, 64, 4, True, xdt, fold=True, w16=True))
+                                   for BM in (16, 64, 128)}
     for key, ks in kinds.items():
         # every BLOCK_M of a shape lowers to the same MMA instruction family (the invariance premise)
         assert len(ks) == 1 and all(k and all("wgmma" in i for i in k) for k in ks), (key, ks)
@@ -637,6 +670,24 @@ def _gpu_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
 
 GPU_CASES = [(n, k, f) for n, k in GPU_SHAPES for f in FMTS]
 _ids = lambda v: f"{v[0]}x{v[1]}-{v[2]}"  # noqa: E731
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1000, 1088, "q4_0"), (130, 1280, "q4_k"), (5120, 6144, "q4_k"), (2048, 8192, "q4_1")],
+                         ids=_ids)
+def test_gpu_w16_matches_folded_ref_and_is_batch_invariant(seed, case):
+    """W16 (the inline-PTX fold, one packed fma per pair) against x @ unpack_folded(w)^T, bf16 and fp16 x, and every
+    row the same bits at every M (BLOCK_M 16..128, M-chunked split-K)."""
+    N, K, fmt = case
+    pw, xs = _gpu_weight(fmt, N, K)
+    cfg = {"W16": True}
+    for dt in (torch.bfloat16, torch.float16):
+        x = _x(seed, 200, K, xs, dt, device="cuda")
+        _check(w4a16_linear(x, pw, config=cfg), w4a16_linear_ref(x, pw, folded=True), seed, f"{fmt} {N}x{K} {dt} W16")
+    x = _x(seed, 200, K, xs, device="cuda")
+    y_all = _f32(x, pw, config=cfg)
+    for M in (1, 7, 16, 33, 64, 129):
+        assert torch.equal(_f32(x[:M], pw, config=cfg), y_all[:M]), f"seed={seed} {fmt} {N}x{K}: W16 rows differ at M={M}"
 
 
 @pytest.mark.gpu
