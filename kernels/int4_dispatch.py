@@ -37,7 +37,7 @@ experiments/int4_gemm/runs.csv`` prints the entries to paste). Until a shape is 
   fastest:   by M the same ("cuda_mma" to 8, "cuda_mma_fold" to 32), else "cuda" for M <= 4 (Q8_0), when
              NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched prefill); else
              "triton". (H200, the 27B hybrid's Q4_K 34816x5120 / 16384x5120 / 5120x6144 / 5120x17408 at
-             B = 32: cuda_mma_fold 97 / 48 / 24 / 49 us, cuda_mma 136 / 69 / 38 / 67, Triton 123 / 57 / 33 / 73.)
+             B = 32: cuda_mma_fold 83 / 41 / 20 / 43 us, cuda_mma 137 / 69 / 38 / 67, Triton 116 / 60 / 32 / 68.)
 A variant that cannot run here (no CuPy / NVRTC, a format cuda_mma does not take, or the CPU) falls back to
 "triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
 """

@@ -44,7 +44,7 @@ scaling per group and column block, and no group sums of x (Q4_1 / Q4_K), so not
 It works on quads of 4 groups (apply_quad): each lane loads a whole 16-byte group record per row and that group's
 scales, and an mma's k range spans the quad's 4 groups, so loads and scale work per group drop to a quarter. SASS
 per group (sm_90, bf16): Q4_K 53 instructions at B = 1 (the exact form: 85), 63 at B = 32 (120); Q4_0 42 (42).
-H200: 34816x5120 Q4_K 41.5 us at B = 1 (2.4 TB/s; exact form 51.3), 91 us at B = 32 (136). Launch shapes of its
+H200: 34816x5120 Q4_K 41.8 us at B = 1 (2.5 TB/s; exact form 51.9), 83 us at B = 32 (137). Launch shapes of its
 own (FOLD_TILES); splits of whole quads. Its bits differ from the exact form's (rounded weights), so it is a
 variant of its own. A warp may own MT row tiles (MT, MT16; MEASURED_FOLD per shape): each x fragment it reads from
 shared memory then feeds MT tiles' mmas, and each load round brings MT times the weight bytes (sm_90, Q4_K, B = 32:
