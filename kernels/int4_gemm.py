@@ -351,48 +351,34 @@ def _fold_loop(acc, x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, rows_x, row_ok, rows_w
         else:
             v = _words_values(w, BLOCK_N, GPB, FMT == 0, X_F16, DEQ_ASM)
         RNE: tl.constexpr = UPCAST and not X_F16
-        if W16:
-            if FMT == 2:
-                sub = sub_ptr + (s_off + g0 * N64) * 2
-                d = tl.load(s_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
-                s = d.to(tl.float32) * tl.load(sub, mask=g_ok, other=0).to(tl.float32)
-                dm = tl.load(c_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
-                c = -(dm.to(tl.float32) * tl.load(sub + 1, mask=g_ok, other=0).to(tl.float32))
-            else:
-                s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
-                if FMT == 1:
-                    c = tl.load(c_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
-                else:
-                    c = s                                                             # unused: Q4_0 has no offset
-            if DEQ_ASM:
-                if FMT == 0:
-                    c2 = tl.full((BLOCK_N, GPB), -2147450880, tl.int32)               # -0 in both halves
-                else:
-                    c2 = _pair_bits(c, x_ptr, RNE)
-                wk = tl.reshape(_words_folded(v, _pair_bits(s, x_ptr, RNE), c2, BLOCK_N, GPB, FMT == 0, X_F16),
-                                (BLOCK_N, BK))
-            else:   # the same values in fp32: q * s exact, + c exact but in extreme cases, one rounding after
-                s = cast_out(s, x_ptr, RNE).to(tl.float32)
-                if FMT == 0:
-                    wv = v * s[:, :, None]
-                else:
-                    wv = v * s[:, :, None] + cast_out(c, x_ptr, RNE).to(tl.float32)[:, :, None]
-                wk = cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, RNE)
-        elif FMT == 2:
+        # the group's scale s and offset c in fp32, exact (Q4_0 and Q8_0 have no offset)
+        if FMT == 2:
             sub = sub_ptr + (s_off + g0 * N64) * 2
             d = tl.load(s_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
             s = d.to(tl.float32) * tl.load(sub, mask=g_ok, other=0).to(tl.float32)
             dm = tl.load(c_ptr + ((g0 + offs_g[None, :]) // 8) * N64 + rows_w[:, None], mask=g_ok, other=0.0)
             c = -(dm.to(tl.float32) * tl.load(sub + 1, mask=g_ok, other=0).to(tl.float32))
-            wv = v * s[:, :, None] + c[:, :, None]
-        elif FMT == 1:
-            s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
-            c = tl.load(c_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
-            wv = v * s[:, :, None] + c[:, :, None]
         else:
             s = tl.load(s_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
-            wv = v * s[:, :, None]
-        if not W16:
+            if FMT == 1:
+                c = tl.load(c_ptr + s_off + g0 * N64, mask=g_ok, other=0.0).to(tl.float32)
+            else:
+                c = s                                                                 # unused: no offset
+        if W16 and DEQ_ASM:
+            if FMT == 0:
+                c2 = tl.full((BLOCK_N, GPB), -2147450880, tl.int32)                   # -0 in both halves
+            else:
+                c2 = _pair_bits(c, x_ptr, RNE)
+            wk = tl.reshape(_words_folded(v, _pair_bits(s, x_ptr, RNE), c2, BLOCK_N, GPB, FMT == 0, X_F16),
+                            (BLOCK_N, BK))
+        else:
+            if W16:   # the same values in fp32: q * s exact, + c exact but in extreme cases, one rounding after
+                s = cast_out(s, x_ptr, RNE).to(tl.float32)
+                c = cast_out(c, x_ptr, RNE).to(tl.float32)
+            if FMT == 1 or FMT == 2:
+                wv = v * s[:, :, None] + c[:, :, None]
+            else:
+                wv = v * s[:, :, None]
             wk = cast_out(tl.reshape(wv, (BLOCK_N, BK)), x_ptr, RNE)                  # one rounding per weight
         if UPCAST:   # interpreter: exact products, fp64 block sums rounded to fp32 (see the module docstring)
             acc = acc + tl.dot(wk.to(tl.float64), tl.trans(xk.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
