@@ -53,6 +53,39 @@ def runs_from_csv(name: str) -> pd.DataFrame:
     return pd.read_csv(path, dtype=str) if path.is_file() else pd.DataFrame()
 
 
+# The columns that name one row of a table, for `--record --merge`: a rerun's row replaces the recorded row with the
+# same key, every other recorded row is kept (a table assembled from several jobs, one part rerun at a time).
+ROW_KEYS: dict[str, tuple[str, ...]] = {
+    "int4_gemm": ("params.micro.n", "params.micro.k", "params.micro.fmt", "params.batch.size"),
+    "hybrid_27b": ("params.engine.weights", "params.engine.int4", "params.kv_cache.state_dtype",
+                   "params.scheduler.mode", "params.batch.size"),
+}
+
+
+def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
+    """recorded (runs.csv) with every row whose ROW_KEYS key a run in `new` also has replaced by that run (the
+    newest of them where several share a key)."""
+    cols = ROW_KEYS.get(name)
+    if cols is None:
+        raise ValueError(f"--merge: table {name!r} declares no row key; add one to harness/report.py ROW_KEYS "
+                         f"(tables with one: {sorted(ROW_KEYS)}) or record without --merge")
+
+    def keys(df: pd.DataFrame) -> pd.Series:
+        missing = [c for c in cols if c not in df]
+        if missing:
+            raise ValueError(f"--merge: runs of {name!r} lack the row-key columns {missing}")
+        # the store gives numbers where the CSV gives their text ("64.0" and "64" are one key)
+        parts = [df[c].astype(str).str.replace(r"\.0$", "", regex=True) for c in cols]
+        return pd.Series(list(zip(*parts)), index=df.index)
+
+    new = new.assign(start_time=new["start_time"].astype(str)).sort_values("start_time")
+    new = new[~keys(new).duplicated(keep="last")]
+    if recorded.empty:
+        return new.reset_index(drop=True)
+    kept = recorded[~keys(recorded).isin(set(keys(new)))]
+    return pd.concat([kept, new], ignore_index=True)
+
+
 def record_csv(name: str, df: pd.DataFrame) -> Path:
     keep = [c for c in df.columns if c.startswith(("params.", "metrics.", "tags.")) or c in ("run_id", "start_time", "status")]
     path = EXPERIMENTS / name / "runs.csv"
@@ -413,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: the tracking store when it has runs for the table, else experiments/<name>/runs.csv")
     ap.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
     ap.add_argument("--record", action="store_true", help="also write the store's runs to experiments/<name>/runs.csv")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --record: replace only the recorded rows the store's runs re-measure (ROW_KEYS), keep the rest")
     ap.add_argument("--all-sweeps", action="store_true",
                     help="take every finished run in the store, not only the newest sweep of each experiment file")
     ap.add_argument("--out", default=str(REPORTS))
@@ -437,6 +472,14 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
             continue
         if args.record and source.startswith("the tracking store"):
+            if args.merge:
+                try:
+                    df = merge_runs(name, runs_from_csv(name), df)
+                except ValueError as e:
+                    print(f"[report] {e}", file=sys.stderr)
+                    status = 1
+                    continue
+                source += f" merged into experiments/{name}/runs.csv"
             print(f"[report] {name}: recorded {len(df)} runs to {record_csv(name, df)}")
         path = write_report(name, df, source, Path(args.out))
         print(f"[report] {name}: {path} ({len(df)} runs from {source})")

@@ -80,6 +80,30 @@ def test_run_logs_fixed_metrics_and_report_regenerates(tmp_path, monkeypatch):
     assert report.main(["static_batching", "--source", "csv", "--out", str(tmp_path / "r2")]) == 0
     table = (tmp_path / "r2" / "static_batching.md").read_text()
     assert "| B |" in table.replace("|   B |", "| B |") and "✓" in table
+    # --merge needs the table's row key: refused, and runs.csv left as it was
+    before = csv.read_text()
+    assert report.main(["static_batching", "--uri", uri, "--record", "--merge", "--out", str(tmp_path / "r3")]) == 1
+    assert csv.read_text() == before
+
+
+def test_record_merge_replaces_only_the_rerun_rows():
+    """A partial rerun (two of four int4_gemm rows) replaces those rows and keeps the others; the store's numbers
+    ("5120.0") and the CSV's text ("5120") are one key; of two reruns of one row the newest wins."""
+    def runs(rows, t0):
+        return pd.DataFrame([{"run_id": f"r{t0}{i}", "start_time": f"2026-11-29 1{t0}:00:0{i}", "params.micro.n": n,
+                              "params.micro.k": "17408", "params.micro.fmt": "q4_0", "params.batch.size": b,
+                              "metrics.us": us} for i, (n, b, us) in enumerate(rows)])
+    recorded = runs([("5120", "1", 21.4), ("5120", "16", 32.8), ("4096", "1", 7.5), ("4096", "16", 12.1)], 0)
+    new = runs([(5120.0, 1.0, 20.0), (5120.0, 1.0, 19.6), (4096.0, 16.0, 11.0)], 1)
+    merged = report.merge_runs("int4_gemm", recorded, new)
+    got = {(str(n).removesuffix(".0"), str(b).removesuffix(".0")): us for n, b, us in
+           zip(merged["params.micro.n"], merged["params.batch.size"], merged["metrics.us"])}
+    assert got == {("5120", "1"): 19.6, ("5120", "16"): 32.8, ("4096", "1"): 7.5, ("4096", "16"): 11.0}
+    assert len(merged) == 4
+    with pytest.raises(ValueError, match="ROW_KEYS"):
+        report.merge_runs("static_batching", recorded, new)
+    with pytest.raises(ValueError, match="params.batch.size"):
+        report.merge_runs("int4_gemm", recorded, new.drop(columns=["params.batch.size"]))
 
 
 def test_sweep_makes_parent_and_children(tmp_path):
