@@ -169,13 +169,17 @@ def _nibble_asm_text(high: bool, f16: bool, sub8: bool) -> str:
             f"fma.rn.{t} $0, t0, one, mg; fma.rn.{t} $1, t1, one, mg; }}")
 
 
-def _word_asm_text(f16: bool, sub8: bool) -> str:
+def _word_asm_text(f16: bool, sub8: bool, fold: bool = False) -> str:
     """PTX for one `tl.inline_asm_elementwise` call per packed int32 word $8 (pack=1) with eight 16-bit
     outputs: $s (s = 0..7) is nibble s of the word (weight 8j + s of its group) as the number q - 8 (sub8)
     or q in bf16 / fp16, exactly. The word shifted by 0/4/8/12 puts nibbles (s, s + 4) at bits 0 and 16;
     one lop3 masks them and ORs in the magic exponent (two values per instruction), one fma per pair
     removes the magic, and the pair is split into its two halves. 11 instructions per 8 weights, read
-    from a 16-byte load per (row, group) instead of 16 byte loads."""
+    from a 16-byte load per (row, group) instead of 16 byte loads.
+    fold: inputs $9 and $10 are the group's scale s and offset c in x's dtype (both halves) and $s is
+    q_s * s + c rounded once to x's dtype (one more packed fma per pair): engine.quant_pack.unpack_folded's
+    values, 15 instructions per 8 weights and no fp32 round trip (the fp32 path: a convert, an fma and half
+    a pack per weight)."""
     magic, one, neg = (0x6400, 0x3C00, 0xE400) if f16 else (0x4300, 0x3F80, 0xC300)
     neg += 8 if sub8 else 0
     t = "f16x2" if f16 else "bf16x2"
@@ -186,23 +190,11 @@ def _word_asm_text(f16: bool, sub8: bool) -> str:
         body.append(f"lop3.b32 t{i}, {src}, 0x000F000F, 0x{magic:04X}{magic:04X}, 0xEA;")
     for i in range(4):
         body.append(f"fma.rn.{t} t{i}, t{i}, one, mg;")
+    for i in range(4 if fold else 0):
+        body.append(f"fma.rn.{t} t{i}, t{i}, $9, $10;")
     for i in range(4):
         body.append(f"mov.b32 {{${i}, ${i + 4}}}, t{i};")
     return " ".join(body) + " }"
-
-
-def _word_fold_asm_text(f16: bool, sub8: bool) -> str:
-    """PTX as _word_asm_text, the weights folded: inputs $8 the packed word, $9 and $10 the group's scale s and
-    offset c in x's dtype (both halves), outputs $s = q_s * s + c rounded once to x's dtype (one packed fma per
-    pair after the exact q): engine.quant_pack.unpack_folded's values. 15 instructions per 8 weights and no fp32
-    round trip (the fp32 path: a convert, an fma and half a pack per weight)."""
-    t = "f16x2" if f16 else "bf16x2"
-    body = _word_asm_text(f16, sub8).rstrip(" }").split(" mov.b32 {")[0]
-    for i in range(4):
-        body += f" fma.rn.{t} t{i}, t{i}, $9, $10;"
-    for i in range(4):
-        body += f" mov.b32 {{${i}, ${i + 4}}}, t{i};"
-    return body + " }"
 
 
 _cx = getattr(tl, "constexpr", None) or (lambda v: v)     # triton_compat without triton: plain strings
@@ -218,10 +210,10 @@ ASM_W_BF16_SUB8 = _cx(_word_asm_text(False, True))
 ASM_W_BF16 = _cx(_word_asm_text(False, False))
 ASM_W_F16_SUB8 = _cx(_word_asm_text(True, True))
 ASM_W_F16 = _cx(_word_asm_text(True, False))
-ASM_WF_BF16_SUB8 = _cx(_word_fold_asm_text(False, True))
-ASM_WF_BF16 = _cx(_word_fold_asm_text(False, False))
-ASM_WF_F16_SUB8 = _cx(_word_fold_asm_text(True, True))
-ASM_WF_F16 = _cx(_word_fold_asm_text(True, False))
+ASM_WF_BF16_SUB8 = _cx(_word_asm_text(False, True, fold=True))
+ASM_WF_BF16 = _cx(_word_asm_text(False, False, fold=True))
+ASM_WF_F16_SUB8 = _cx(_word_asm_text(True, True, fold=True))
+ASM_WF_F16 = _cx(_word_asm_text(True, False, fold=True))
 
 
 @triton.jit
@@ -254,6 +246,15 @@ def _nibbles_asm(wb, BLOCK_N: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.conste
 
 
 @triton.jit
+def _k_order(v, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """The eight per-word values v[s] ([BLOCK_N, GROUPS, 4] each, nibble s of word j) -> [BLOCK_N, GROUPS, 32] in
+    k order: nibble s = 4a + 2b + c of word j is k = 8j + s; each join appends a minor axis, so join over a
+    first (v_s, v_s+4), then b, then c: [..., a, b, c] flattens to s."""
+    q = tl.join(tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])), tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])))
+    return tl.reshape(q, (BLOCK_N, GROUPS, 32))
+
+
+@triton.jit
 def _words_values(w, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.constexpr,
                   ASM: tl.constexpr):
     """Packed words [BLOCK_N, GROUPS, 4] int32 (4-bit formats) -> the values [BLOCK_N, GROUPS, 32] as fp32
@@ -277,16 +278,13 @@ def _words_values(w, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: tl.const
             v = tl.inline_asm_elementwise(ASM_W_BF16_SUB8, C, [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
             v = tl.inline_asm_elementwise(ASM_W_BF16, C, [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    # nibble s = 4a + 2b + c of word j is k = 8j + s; each join appends a minor axis, so join over a first
-    # (v_s, v_s+4), then b, then c: [..., a, b, c] flattens to s
-    q = tl.join(tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])), tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])))
-    return tl.reshape(q, (BLOCK_N, GROUPS, 32)).to(tl.float32)
+    return _k_order(v, BLOCK_N, GROUPS).to(tl.float32)
 
 
 @triton.jit
 def _words_folded(w, s2, c2, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: tl.constexpr, X_F16: tl.constexpr):
     """GPU only. Packed words [BLOCK_N, GROUPS, 4] int32 and per group the scale and offset as 16-bit pairs
-    s2, c2 [BLOCK_N, GROUPS] int32 -> the folded weights [BLOCK_N, GROUPS, 32] in x's dtype (_word_fold_asm_text),
+    s2, c2 [BLOCK_N, GROUPS] int32 -> the folded weights [BLOCK_N, GROUPS, 32] in x's dtype (_word_asm_text, fold),
     in _words_values' k order."""
     C: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r"
     s3 = tl.broadcast_to(s2[:, :, None], (BLOCK_N, GROUPS, 4))
@@ -302,8 +300,7 @@ def _words_folded(w, s2, c2, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB8: 
                                           pack=1)
         else:
             v = tl.inline_asm_elementwise(ASM_WF_BF16, C, [w, s3, c3], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    q = tl.join(tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])), tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])))
-    return tl.reshape(q, (BLOCK_N, GROUPS, 32))
+    return _k_order(v, BLOCK_N, GROUPS)
 
 
 @triton.jit

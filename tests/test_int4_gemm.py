@@ -435,7 +435,7 @@ def test_measured_table_overrides_rule(monkeypatch):
 # kernel compiled for sm_90a (ptxas included) by Triton's offline compiler
 
 def _ptx_emulate(asm: str, r2: int, src: str = "$2", inputs: dict | None = None, exact: bool = True) -> dict:
-    """Run the straight-line PTX subset _nibble_asm_text / _word_asm_text / _word_fold_asm_text use, input r2 in
+    """Run the straight-line PTX subset _nibble_asm_text / _word_asm_text use, input r2 in
     register src (and `inputs`); returns the registers ($0, $1, ... among them). exact: every 16-bit fma result
     must be exact (else it is rounded to nearest even, as the hardware does)."""
     regs: dict[str, int] = {src: r2, **(inputs or {})}
@@ -515,10 +515,10 @@ def test_nibble_asm_text(seed, high, f16, sub8):
 
 @pytest.mark.parametrize("f16", [False, True], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("sub8", [False, True], ids=["q", "q-8"])
-def test_word_fold_asm_text(seed, f16, sub8):
+def test_word_asm_text_folded(seed, f16, sub8):
     """Output $s is nibble q_s of the word $8 folded with the group's scale $9 and offset $10 (16-bit, both halves):
     q_s * s + c rounded once to bf16 / fp16, i.e. engine.quant_pack.unpack_folded's value."""
-    asm = int4_gemm._word_fold_asm_text(f16, sub8)
+    asm = int4_gemm._word_asm_text(f16, sub8, fold=True)
     g = torch.Generator().manual_seed(seed)
     dt = torch.float16 if f16 else torch.bfloat16
     words = [0, 0xFFFFFFFF, 0x01234567] + torch.randint(0, 1 << 32, (100,), generator=g).tolist()
