@@ -58,6 +58,19 @@ in the kernel (the last of a tile's S blocks, found by a per-tile arrival counte
 the same bits) instead of a second launch was slower everywhere (34816x5120 Q4_K folded, B = 1 / 32: 43.7 / 94.4
 against 41.4 / 87.0 us; 5120x6144, S = 12, B = 32: 36.8 against 19.6): one block's serial walk over S partials
 costs more than the separate, fully parallel reduce and its launch inside a CUDA graph.
+The folded form on sm_90's wgmma (m64n(8 NB)k16, the same A fragments from registers, x staged as the wgmma's
+core matrices and read through a shared-memory descriptor, one commit group per word, waiting for the previous
+one): it gave the same bits as mma.sync, and it was slower at every B (34816x5120 Q4_K, B = 1 / 8 / 16 / 32: 66.8 /
+69.4 / 69.0 / 88.8 us against 41.6 / 58.6 / 61.1 / 82.3; the other hybrid shapes alike). The tensor pipe is not
+what limits this kernel: ncu on 34816x5120 Q4_K (B = 1 / 8 / 32) puts the HMMA pipe at 12 / 9 / 27% busy, issue
+slots at 57 / 48 / 42% and active warps at 34 / 34 / 24% of the SM's, stalled mostly on the weights' global loads
+(long scoreboard: 3.3 / 4.3 / 3.0 cycles per issued instruction) and fixed-latency dependencies (1.5-1.6). At
+B = 32 the kernel runs 78 us (1.9x B = 1 on 1.26x the instructions; one 16-warp block per SM) and its split-K
+reduce 8 us (22 MB of fp32 partials), against 41 + 3 at B = 1.
+Nor is the depth of loads in flight, at B = 16 / 32 either: the weights streamed through a per-warp cp.async ring in
+shared memory (2-6 quads ahead, each lane reading back its own records, scales kept in the register ring; the
+same bits) were 15-35% slower than the register ring at every hybrid shape (34816x5120 Q4_K, B = 16 / 32: 80.1 /
+96.7 us with 2 quads, 85.5 / 103.6 with 4, against 61.1 / 83.0).
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
