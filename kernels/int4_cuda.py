@@ -352,8 +352,25 @@ w4a16_splitk_reduce(const float* __restrict__ ws, void* __restrict__ y, int sym,
     const i64 total = (i64)M * N;
     if (idx >= total) return;
     const int m = (int)(idx / N), n = (int)(idx - (i64)m * N);
+    // loads eight (then four) splits ahead of their adds: one memory round trip per eight splits, not per split
     float acc = ws[idx];
-    for (int s = 1; s < S; ++s) acc += ws[(i64)s * total + idx];
+    int s = 1;
+    for (; s + 8 <= S; s += 8) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = ws[(i64)(s + j) * total + idx];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc += v[j];
+    }
+    if (s + 4 <= S) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = ws[(i64)(s + j) * total + idx];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc += v[j];
+        s += 4;
+    }
+    for (; s < S; ++s) acc += ws[(i64)s * total + idx];
 #if OUT32
     reinterpret_cast<float*>(y)[(i64)m * sym + n] = acc;
 #else

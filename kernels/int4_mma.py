@@ -130,21 +130,27 @@ FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in F
 # tiles' mmas, 16% fewer instructions per group at B = 32), B = 1 / 8 / 16 / 32; they lost elsewhere (5120x6144
 # Q4_K B = 32: 23.4 against 19.6 us). MT and RT (tiles of up to 8) set the rows per block and so, where SPLIT_K is
 # not named, the split count: a per-shape constant, the same at every M.
+# Registers for 4 blocks per SM (MINB 4: 64 per thread) for tiles of up to 8 sequences, bit-neutral, H200 sweep at
+# B = 1 / 8: 5120x17408 Q4_K 22.4 / 27.3 us against 23.7 / 28.8, 5120x6144 11.7 / 14.1 against 12.9 / 14.9, 16384x5120
+# 23.6 / 27.3 against 24.0 / 28.3, 14336x5120 20.0 / 25.8 against 20.3 / 26.5; within noise or slower on 34816x5120 Q4_K
+# and the Q4_0 shapes.
 MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (34816, 5120, "q4_k"): {"MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   B = 16 / 32: 61.2 / 83.2 us against 59.8 / 87.3 with 32 warps of one tile (59.5 / 88.9 against 61.8 / 94.6
     #   for those against 16 warps)
-    (5120, 17408, "q4_k"): {"MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    (5120, 17408, "q4_k"): {"MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   33.3 / 43.1 us against 32.3 / 45.5 with 32 warps of one tile (32.3 / 45.4 against 33.6 / 49.0)
-    (5120, 6144, "q4_k"): {"RT16": 32, "MINB16": 1},       # 15.2 / 20.0 against 15.5 / 21.3
-    (16384, 5120, "q4_k"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    (5120, 6144, "q4_k"): {"MINB": 4, "RT16": 32, "MINB16": 1},   # 15.2 / 20.0 against 15.5 / 21.3
+    (16384, 5120, "q4_k"): {"MT": 2, "RT": 8, "U": 1, "MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   23.9 / 27.8 / 31.5 / 41.6 us against 22.2 / 31.3 / 35.9 / 51.6
     (17408, 5120, "q4_0"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   19.7 / 23.7 / 37.1 / 48.5 us against 21.7 / 31.5 / 34.4 / 50.8
     (5120, 17408, "q4_0"): {"MT": 2, "RT": 4, "U": 1, "MINB": 3, "SPLIT_K": 20},
     #   B = 1 / 8: 20.1 / 26.6 us against 21.1 / 25.9; then 20 splits of 28 groups against 17 of 32: 19.9 / 26.1 /
     #   32.1 / 45.3 us at B = 1 / 8 / 16 / 32 against 20.2 / 27.2 / 32.3 / 47.5
-    (14336, 5120, "q4_k"): {"SPLIT_K": 6},   # 20.6 / 26.8 / 31.8 / 45.4 us against 21.4 / 28.3 / 33.7 / 49.0 (S = 5)
+    (14336, 5120, "q4_k"): {"SPLIT_K": 6, "MINB": 4},
+    #   20.6 / 26.8 / 31.8 / 45.4 us against 21.4 / 28.3 / 33.7 / 49.0 (S = 5); MINB below
+    (248320, 5120, "q4_k"): {"MT": 2, "U": 1, "MINB": 3},   # B = 1 / 8: 242.9 / 283.4 against 242.9 / 373.6 (same split)
 }
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 MAX_WARPS = 32            # warps per block (1024 threads)

@@ -231,6 +231,21 @@ def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None
     return y
 
 
+def splitk_reduce_emulated(ws: torch.Tensor, out32: bool = False) -> torch.Tensor:
+    """int4_cuda's split-K reduce kernel on the CPU: ws [S, M, N] fp32 partials -> y [M, N] (fp32, or bf16 rounded
+    once)."""
+    from kernels import int4_cuda
+
+    S, M, N = ws.shape
+    h = int4_cuda.source("q4_0", 1, False, out32, int4_cuda.KW, int4_cuda.CG).split("\n", 6)
+    lib = _lib("\n".join(h[:6]) + "\n" + SHIM + h[6] + LAUNCH)
+    y = torch.zeros((M, N), dtype=torch.float32 if out32 else torch.bfloat16)
+    ws = ws.contiguous()
+    lib.launch_reduce(ctypes.c_int(-(-M * N // 256)), _ptr(ws), _ptr(y), ctypes.c_int(N), ctypes.c_int(M), ctypes.c_int(N),
+                      ctypes.c_int(S))
+    return y
+
+
 def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
                        fold: bool = False, seed: int = 0) -> torch.Tensor:
     """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU, its blocks in a random order
@@ -265,4 +280,4 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
     return acc if out32 else acc.to(x.dtype)
 
 
-__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "np"]
+__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "splitk_reduce_emulated", "np"]

@@ -301,3 +301,17 @@ def test_both_nvrtc_bindings_agree(seed, monkeypatch):
         ys[how] = int4_cuda.w4a16_cuda(x, pw)
     int4_cuda._kernel.cache_clear()
     assert torch.equal(ys["cupy"], ys["torch"])
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("S", [1, 2, 5, 9, 12, 13, 23, 26])
+def test_splitk_reduce_adds_splits_in_order(S):
+    """The reduce kernel loads splits eight and four at a time; the sum is still ((p0 + p1) + p2) + ... in fp32,
+    rounded once (bf16 out)."""
+    g = torch.Generator().manual_seed(S)
+    ws = torch.randn(S, 3, 70, generator=g) * torch.logspace(-3, 3, S)[:, None, None]
+    want = ws[0].clone()
+    for s in range(1, S):
+        want = want + ws[s]
+    assert torch.equal(cuda_emu.splitk_reduce_emulated(ws, out32=True), want)
+    assert torch.equal(cuda_emu.splitk_reduce_emulated(ws), want.bfloat16())
