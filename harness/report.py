@@ -59,6 +59,7 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
     "int4_gemm": ("params.micro.n", "params.micro.k", "params.micro.fmt", "params.batch.size"),
     "hybrid_27b": ("params.engine.weights", "params.engine.int4", "params.kv_cache.state_dtype",
                    "params.scheduler.mode", "params.batch.size"),
+    "int4_e2e": ("params.model.name", "params.engine.weights", "params.batch.size"),
 }
 
 

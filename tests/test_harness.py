@@ -106,6 +106,18 @@ def test_record_merge_replaces_only_the_rerun_rows():
         report.merge_runs("int4_gemm", recorded, new.drop(columns=["params.batch.size"]))
 
 
+def test_record_merge_int4_e2e_keys_on_model_weights_and_batch():
+    """A rerun of one model's rows replaces those and keeps the other model's (the int4_e2e table's row key)."""
+    def runs(rows, t0):
+        return pd.DataFrame([{"run_id": f"e{t0}{i}", "start_time": f"2026-11-29 1{t0}:00:0{i}", "params.model.name": m,
+                              "params.engine.weights": w, "params.batch.size": b, "metrics.tok_s": v}
+                             for i, (m, w, b, v) in enumerate(rows)])
+    recorded = runs([("smollm2-135m", "packed", "1", 10.0), ("llama-3.2-1b-q4_0", "packed", "1", 20.0),
+                     ("llama-3.2-1b-q4_0", "dequant", "1", 30.0)], 0)
+    merged = report.merge_runs("int4_e2e", recorded, runs([("llama-3.2-1b-q4_0", "packed", 1.0, 21.0)], 1))
+    assert sorted(merged["metrics.tok_s"]) == [10.0, 21.0, 30.0]
+
+
 def test_sweep_makes_parent_and_children(tmp_path):
     r = cli(tmp_path, "-m", *tiny(tmp_path, "table=static_batching"), "batch.size=1,3")
     assert r.returncode == 0, r.stderr[-3000:]
