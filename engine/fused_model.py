@@ -89,11 +89,12 @@ class FusedDecoder(DecoderBase):
                             block_table=block_table, q_out=buf["q"])
             k.decode_attention(buf["q"], kv.k[i], kv.v[i], slots, positions, block_table=block_table,
                                out=buf["attn"], workspace=attn_ws, max_len=max_len or kv.ctx)
-            k.linear(buf["attn"].view(-1, c.q_dim), layer["o"], out=x)
+            # the o, gate|up and down GEMMs may leave split-K partials for the next kernel to add (kernels/splitk.py)
+            x = k.linear(buf["attn"].view(-1, c.q_dim), layer["o"], out=buf["x"], defer=True)
             k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
-            k.linear(h, layer["gate_up"], out=buf["gate_up"])
-            k.swiglu(buf["gate_up"], out=buf["act"])
-            k.linear(buf["act"], layer["down"], out=x)
+            gate_up = k.linear(h, layer["gate_up"], out=buf["gate_up"], defer=True)
+            k.swiglu(gate_up, out=buf["act"])
+            x = k.linear(buf["act"], layer["down"], out=buf["x"], defer=i + 1 < len(self.layers))
         k.add_residual(x, res)
         return res
 

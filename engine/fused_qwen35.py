@@ -19,6 +19,9 @@ Per layer (h = the normed residual; every projection is `kernels.linear`, dense 
               decode_attention (kernels/decode_attention.py, shared with the plain decoders)
               sigmoid_gate_mul(o, gate) -> attn_output
   FFN:        residual add fused into the pre-FFN RMSNorm; gate|up GEMM, SwiGLU, down.
+A projection whose GEMM splits K leaves its partials for the next kernel (the output and down projections' to the
+residual add + RMSNorm, gate|up's to SwiGLU: kernels/splitk.py), which adds them as the reduce would: same bits,
+one launch less.
 
 Sequences start at position 0: a row (run) at position 0 makes the GDN kernels start its slot from zero
 state and zero conv history, inside the kernels (no host sync, graph-safe); the attention layers simply
@@ -91,9 +94,11 @@ class Projection:
             fused = _fuse(g)
             self.weights.extend([fused] if fused is not None else g)
 
-    def __call__(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor, defer: bool = False):
+        """x @ W^T into out; defer: one GEMM may hand back its split-K partials unreduced (kernels/splitk.py)
+        for the next kernel to add."""
         if len(self.weights) == 1:
-            return k.linear(x, self.weights[0], out=out)
+            return k.linear(x, self.weights[0], out=out, defer=defer)
         col = 0
         for w in self.weights:  # unfusable parts: one GEMM each, into column slices of the same buffer
             n = int(w.shape[0])
@@ -185,27 +190,30 @@ class FusedQwen35Decoder(DecoderBase):
         R = tokens.shape[0]
         if seq_len < 1 or R % seq_len:
             raise ConfigError(f"{R} rows do not split into runs of seq_len={seq_len}")
-        c, k, hk, eps = self.cfg, self.k, self.hk, self.cfg.norm_eps
+        k, eps = self.k, self.cfg.norm_eps
         cache = kv.kv
-        res, h, x = buf["residual"], buf["h"], buf["x"]
+        res, h = buf["residual"], buf["h"]
         k.embedding(tokens, self.embed, out=res)
+        # x: a projection's output, or its split-K partials left for the next kernel to add (kernels/splitk.py):
+        # every deferred GEMM is consumed before the next GEMM runs
+        x = buf["x"]
         for i, layer in enumerate(self.layers):
             if i == 0:
                 k.rms_norm(res, layer["attn_norm"], eps, out=h)
             else:
                 k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h)  # res += x (the previous FFN output)
             if layer["kind"] == LAYER_ATTENTION:
-                self._attention(i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len)
+                x = self._attention(i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len)
             else:
-                self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len)
+                x = self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len)
             k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
-            layer["gate_up"](k, h, buf["gate_up"])
-            k.swiglu(buf["gate_up"], out=buf["act"])
-            layer["down"](k, buf["act"], x)
+            gate_up = layer["gate_up"](k, h, buf["gate_up"], defer=True)
+            k.swiglu(gate_up, out=buf["act"])
+            x = layer["down"](k, buf["act"], buf["x"], defer=i + 1 < len(self.layers))  # the last: a tensor
         k.add_residual(x, res)
         return res
 
-    def _attention(self, i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len) -> None:
+    def _attention(self, i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len):
         c, k, hk = self.cfg, self.k, self.hk
         qkv = layer["in_proj"](k, h, buf["attn_in"])
         hk.gated_rope_kv_write(qkv, positions, slots, self.rope, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads,
@@ -214,9 +222,9 @@ class FusedQwen35Decoder(DecoderBase):
         k.decode_attention(buf["q"], cache.k[i], cache.v[i], slots, positions, block_table=block_table,
                            out=buf["attn"], workspace=attn_ws, max_len=max_len or cache.ctx)
         hk.sigmoid_gate_mul(buf["attn"], gate_view(qkv, c.n_heads, c.head_dim), out=buf["attn"])
-        layer["out"](k, buf["attn"].view(-1, c.q_dim), buf["x"])
+        return layer["out"](k, buf["attn"].view(-1, c.q_dim), buf["x"], defer=True)
 
-    def _gdn(self, j, layer, h, positions, slots, state, buf, seq_len: int) -> None:
+    def _gdn(self, j, layer, h, positions, slots, state, buf, seq_len: int):
         c, k, hk = self.cfg, self.k, self.hk
         R = h.shape[0]
         C, V, Hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads
@@ -234,7 +242,7 @@ class FusedQwen35Decoder(DecoderBase):
         order = layer.get("out_order")
         if order is not None:  # packed ssm_out in the file's column order (no allocation: graph-safe)
             y = torch.index_select(y, 1, order, out=buf["gdn_y_file"])
-        layer["out"](k, y, buf["x"])
+        return layer["out"](k, y, buf["x"], defer=True)
 
     def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None,
                normed: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,7 +3,10 @@ or "triton" (GPU kernels; no host sync, no allocation when outputs are given, CU
 
 `linear(x, w, out)` takes a dense weight or a PackedWeight (weights kept quantized, engine/quant_pack.py):
 the torch backend then runs the reference (kernels.int4_gemm.w4a16_linear_ref), the triton backend the
-int4 dispatch (kernels/int4_dispatch.py: Triton or CUDA W4A16 kernel, or dequantize + cuBLAS)."""
+int4 dispatch (kernels/int4_dispatch.py: Triton or CUDA W4A16 kernel, or dequantize + cuBLAS).
+`linear(..., defer=True)` may return a GEMM's split-K partials unreduced (kernels/splitk.py: the triton
+backend's GEMMs do where they split K); `add_rms_norm` and `swiglu` take them and add them as the reduce
+would, so the same bits come out with one launch less. The torch backend always returns the finished output."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -43,24 +46,24 @@ def _packed_aware(dense: Callable, packed: Callable) -> Callable:
     """linear(x, w, out): `packed` when w is a PackedWeight (weights kept quantized), else `dense`."""
     from engine.quant_pack import PackedWeight
 
-    def linear(x, w, out=None):
+    def linear(x, w, out=None, defer=False):
         if isinstance(w, PackedWeight):
-            return packed(x, w, out=out)
-        return dense(x, w, out=out)
+            return packed(x, w, out=out, defer=defer)
+        return dense(x, w, out=out, defer=defer)
 
     return linear
 
 
-def _packed_ref(x, w, out=None):
+def _packed_ref(x, w, out=None, defer=False):
     from kernels.int4_gemm import w4a16_linear_ref
 
     return _into(out, w4a16_linear_ref(x, w))
 
 
-def _packed_dispatch(x, w, out=None):
+def _packed_dispatch(x, w, out=None, defer=False):
     from kernels.int4_dispatch import w4a16
 
-    return w4a16(x, w, out=out)
+    return w4a16(x, w, out=out, defer=defer)
 
 
 def torch_kernels() -> StepKernels:
@@ -91,7 +94,7 @@ def torch_kernels() -> StepKernels:
         rms_norm=lambda x, w, eps, out=None: _into(out, rms_norm_ref(x, w, eps)),
         add_rms_norm=add_rms_norm,
         add_residual=_add_residual,
-        linear=_packed_aware(lambda x, w, out=None: _into(out, linear_ref(x, w)), _packed_ref),
+        linear=_packed_aware(lambda x, w, out=None, defer=False: _into(out, linear_ref(x, w)), _packed_ref),
         rope_kv_write=lambda *a, q_out=None, **kw: _into(q_out, rope_kv_write_ref(*a, **kw)),
         decode_attention=decode_attention,
         swiglu=lambda gu, out=None: _into(out, swiglu_fused_ref(gu)),
@@ -107,12 +110,16 @@ def triton_kernels() -> StepKernels:
     from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
     from kernels.rope import rope_kv_write_triton
     from kernels.sampling import argmax_triton, sample_triton
+    from kernels.splitk import reduced
     from kernels.swiglu import swiglu_triton
 
     def add_rms_norm(x, residual, w, eps, out=None):
         return add_rms_norm_triton(x, residual, w, eps, out=out)[0]
 
-    return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, _add_residual,
+    def add_residual(x, residual):
+        return residual.add_(reduced(x))
+
+    return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, add_residual,
                        _packed_aware(linear, _packed_dispatch),
                        rope_kv_write_triton, decode_attention, swiglu_triton, argmax_triton, sample_triton)
 
@@ -120,7 +127,8 @@ def triton_kernels() -> StepKernels:
 GEMMS = ("triton", "cublas")
 
 
-def _cublas_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _cublas_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                   defer: bool = False) -> torch.Tensor:
     return torch.matmul(x, w.t(), out=out)
 
 

@@ -305,10 +305,12 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int) -> None
 # host entry point
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-           config: dict | None = None) -> torch.Tensor:
+           config: dict | None = None, defer: bool = False):
     """y = x @ w^T, batch-invariant (see the module docstring). x [M, K] and w [N, K] may have any
     strides (unit stride along K is the fast path); writes into ``out`` [M, N] (any strides) when given.
-    ``config`` overrides the rule's tile choice (tests / tuning only: bits then follow the override)."""
+    ``config`` overrides the rule's tile choice (tests / tuning only: bits then follow the override).
+    ``defer``: where K runs as several splits (one M chunk), return the partials unreduced as a
+    kernels.splitk.SplitSums for the consumer to add (``out`` is then not written)."""
     assert x.dim() == 2 and w.dim() == 2, f"linear: x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}"
     M, K = x.shape
     N, Kw = w.shape
@@ -354,6 +356,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
             xs, w, ws, rows, N, K,
             xs.stride(0), xs.stride(1), w.stride(0), w.stride(1), N, 1, rows * N,
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts)
+        if defer and rows == M:
+            from kernels.splitk import SplitSums
+            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=False)
         rbm = min(16, _next_pow2(rows))
         rbn = 256
         splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](

@@ -568,14 +568,15 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
 # host entry point
 
 def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None, plan, kernel,
-               x_needs_copy, words_per_pair: int) -> torch.Tensor:
+               x_needs_copy, words_per_pair: int, defer: bool = False):
     """The host path shared by the CUDA W4A16 kernels (this one and kernels/int4_mma.py), whose kernels take the
     same arguments (x, qweight, scales, mins, sub, y, sxm, sym, sys, M, N, G, groups per split, n_bt, n_nt):
     argument checks, empty shapes, copies of x / out the kernel cannot read or write in place, then one launch
     and, split-K, the partials into the workspace and the split-order reduce.
     plan(M, N, K, fmt) -> the launch dict; kernel(cfg, x_f16, out32, device) -> the compiled kernel;
     x_needs_copy(x) -> whether x must be made contiguous first; words_per_pair: the kernel's int32 index
-    reaches G * N * words_per_pair."""
+    reaches G * N * words_per_pair. defer: with several splits, return the partials unreduced as a
+    kernels.splitk.SplitSums (out is then not written) for the consumer to add."""
     assert isinstance(pw, PackedWeight), f"{name}: pw must be a PackedWeight, got {type(pw).__name__}"
     assert x.dim() == 2 and x.shape[1] == pw.K, f"{name}: x {tuple(x.shape)} vs weight [{pw.N}, {pw.K}]"
     assert x.dtype in _DTYPES, f"{name}: x dtype {x.dtype} not supported (bf16 / fp16)"
@@ -613,13 +614,16 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
     ws = _SPLITK.get(dev, S * M * N)
     kernel(cfg, x_f16, True, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, ws, sxm, N, M * N,
                                                               *tail], dev, cfg.get("smem", 0))
+    if defer:
+        from kernels.splitk import SplitSums
+        return SplitSums(ws[:S * M * N].view(S, M, N), out.dtype)
     r = _kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, KW, CG, dev)   # format- and shape-free
     r(_cdiv(M * N, 256), 256, [ws, out, sym, M, N, S], dev)
     return out
 
 
 def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, defer: bool = False):
     """y = x @ w^T for a packed weight with the CUDA kernel (module docstring). x [M, K] bf16/fp16 with
     unit column stride; out [M, N] (unit column stride) of x's dtype or float32, allocated when None.
     config: a launch shape overriding MEASURED / the defaults for this call (tuning sweeps; see shape_config)."""
@@ -629,7 +633,7 @@ def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = Non
         kernel=lambda cfg, x_f16, out32, dev: _kernel("w4a16_cuda", pw.fmt, cfg["BT"], x_f16, out32, cfg["KW"],
                                                       cfg["CG"], dev),
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]),
-        words_per_pair=1)
+        words_per_pair=1, defer=defer)
 
 
 __all__ = ["w4a16_cuda", "run_packed", "available", "compiler", "cuda_config", "shape_config", "split_rule", "reserve_workspace",

@@ -266,24 +266,28 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
 # --------------------------------------------------------------------------------------------------
 # the entry point
 
-def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None,
+                defer: bool = False):
+    """defer: a variant that splits K may return its partials unreduced (kernels/splitk.py); the others, and
+    the reference, always return the finished output."""
     v = runnable(variant, x, pw.fmt)
     if v == "ref":
         y = w4a16_linear_ref(x, pw)
         return y if out is None else out.copy_(y)
     if v == "cuda":
-        return int4_cuda.w4a16_cuda(x, pw, out)
+        return int4_cuda.w4a16_cuda(x, pw, out, defer=defer)
     if v in MMA_VARIANTS:
-        return int4_mma.w4a16_mma(x, pw, out, fold=v == "cuda_mma_fold")
+        return int4_mma.w4a16_mma(x, pw, out, fold=v == "cuda_mma_fold", defer=defer)
     if v == "dequant_cublas":
         return dequant_matmul(x, pw, out)
-    return w4a16_linear(x, pw, out)
+    return w4a16_linear(x, pw, out, defer=defer)
 
 
-def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ w^T for a packed weight, through the variant ``choose`` names for this shape and M."""
+def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, defer: bool = False):
+    """y = x @ w^T for a packed weight, through the variant ``choose`` names for this shape and M (defer: see
+    run_variant)."""
     M, K = x.shape
-    return run_variant(choose(M, pw.N, K, pw.fmt), x, pw, out)
+    return run_variant(choose(M, pw.N, K, pw.fmt), x, pw, out, defer)
 
 
 # --------------------------------------------------------------------------------------------------

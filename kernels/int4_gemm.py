@@ -667,12 +667,14 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int) -> None
 # host entry point
 
 def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
-                 config: dict | None = None) -> torch.Tensor:
+                 config: dict | None = None, defer: bool = False):
     """y = x @ w^T for a packed weight, batch-invariant (module docstring). x [M, K] bf16/fp16, any strides;
     writes into ``out`` [M, N] (any strides) when given: x's dtype, or float32 for the unrounded fp32 result
     (same arithmetic, no final rounding; the tests use it to see reduction-order changes that rounding to
     bf16 would hide). ``config`` overrides the rule's tile choice (tests / tuning only: the bits then follow
-    the override)."""
+    the override).
+    ``defer``: where K runs as several splits (one M chunk), return the partials unreduced as a
+    kernels.splitk.SplitSums for the consumer to add (``out`` is then not written)."""
     assert isinstance(pw, PackedWeight), f"w4a16_linear: pw must be a PackedWeight, got {type(pw).__name__}"
     assert x.dim() == 2, f"w4a16_linear: x must be [M, K], got {tuple(x.shape)}"
     M, K = x.shape
@@ -730,6 +732,9 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
             xs, pw.qweight, pw.scales, c, sub, ws, rows, N, G,
             xs.stride(0), xs.stride(1), N, 1, rows * N,
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=False, **consts)
+        if defer and rows == M:
+            from kernels.splitk import SplitSums
+            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=rne)
         rbm = min(16, _next_pow2(rows))
         rbn = 256
         splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](

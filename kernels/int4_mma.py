@@ -831,10 +831,10 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
-              config: dict | None = None, fold: bool = False) -> torch.Tensor:
+              config: dict | None = None, fold: bool = False, defer: bool = False):
     """y = x @ w^T for a packed Q4_0 / Q4_1 / Q4_K weight on tensor cores (module docstring). x [M, K] bf16 /
     fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None. fold: the folded form,
-    y = x @ unpack_folded(w, x.dtype)^T."""
+    y = x @ unpack_folded(w, x.dtype)^T. defer: split-K partials returned unreduced (int4_cuda.run_packed)."""
     if isinstance(pw, PackedWeight) and not supports(pw.fmt):
         raise ValueError(f"w4a16_mma: format {pw.fmt} not supported (only {FORMATS}); use the Triton or CUDA-core kernel")
     return int4_cuda.run_packed(
@@ -844,7 +844,7 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
                                                       pw.N % 16 == 0, fold, cfg["MINB"], cfg["MT"], dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=4)
+        words_per_pair=4, defer=defer)
 
 
 __all__ = ["w4a16_mma", "available", "supports", "mma_config", "shape_config", "reserve_workspace", "MMA_SOURCE",

@@ -22,20 +22,26 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 # arithmetic never depends on how many rows there are, so results are bitwise batch invariant. No host
 # sync; nothing is allocated when `out` is given (CUDA-graph safe).
 
+from kernels.splitk import SplitSums, split_sum
 from kernels.triton_compat import tl, triton
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
-                     sx0, sx1, sr0, sr1, so0, so1,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    # rows are (i0, i1) of a [n0, n_inner, D] view; each operand has its own two leading strides
+                     sx0, sx1, sr0, sr1, so0, so1, sxs,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False):
+    # rows are (i0, i1) of a [n0, n_inner, D] view; each operand has its own two leading strides. SPLIT > 0: x is
+    # a GEMM's unreduced split-K partials (kernels/splitk.py), SPLIT of them sxs apart, summed here as its reduce
+    # would have
     row = tl.program_id(0).to(tl.int64)
     i0 = row // n_inner
     i1 = row % n_inner
     offs = tl.arange(0, BLOCK)
     mask = offs < D
-    x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + offs, mask=mask, other=0.0)
+    if SPLIT > 0:
+        x = split_sum(x_ptr + i0 * sx0 + i1 * sx1 + offs, sxs, mask, SPLIT, res_ptr, RNE)
+    else:
+        x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + offs, mask=mask, other=0.0)
     if HAS_RES:
         r_ptrs = res_ptr + i0 * sr0 + i1 * sr1 + offs
         r = tl.load(r_ptrs, mask=mask, other=0.0)
@@ -74,11 +80,18 @@ def _num_warps(block: int) -> int:
 
 
 def _launch_rms_norm(x, residual, w, eps, out):
+    sums = x if isinstance(x, SplitSums) else None
+    if sums is not None:
+        if residual is None or sums.dtype != residual.dtype or len(sums.shape) != 2:
+            x = sums.reduce()           # no in-kernel sum for this use: the reduce's value, then the plain path
+            sums = None
+        else:
+            x = sums.ws[0]
     D = x.shape[-1]
     if w.shape != (D,) or not w.is_contiguous():
         raise ValueError(f"weight must be contiguous [{D}], got {tuple(w.shape)}")
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=sums.dtype if sums is not None else x.dtype, device=x.device)
     if out.shape != x.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != x shape {tuple(x.shape)}")
     n0, n1, sx0, sx1 = _rows_view(x, "x")
@@ -94,8 +107,10 @@ def _launch_rms_norm(x, residual, w, eps, out):
     if rows == 0:
         return out
     BLOCK = triton.next_power_of_2(D)
+    split = sums.splits if sums is not None else 0
     _rms_norm_kernel[(rows,)](x, residual, w, out, D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1,
-                              HAS_RES=has_res, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+                              x.numel() if split else 0, HAS_RES=has_res, BLOCK=BLOCK, SPLIT=split,
+                              RNE=bool(sums.rne) if sums is not None else False, num_warps=_num_warps(BLOCK))
     return out
 
 
@@ -105,9 +120,10 @@ def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Ten
     return _launch_rms_norm(x, None, w, eps, out)
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+def add_rms_norm_triton(x: torch.Tensor | SplitSums, residual: torch.Tensor, w: torch.Tensor, eps: float,
                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x in place (in the residual's dtype), then normed = rms_norm(residual) * w.
-    Returns (normed, residual). `out` must not alias x or residual."""
+    Returns (normed, residual). `out` must not alias x or residual. x may be a GEMM's unreduced split-K partials
+    (kernels/splitk.py): they are summed in the kernel, the same bits as reducing them first."""
     normed = _launch_rms_norm(x, residual, w, eps, out)
     return normed, residual

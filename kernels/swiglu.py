@@ -17,33 +17,50 @@ def swiglu_fused_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # Triton: grid (rows, column blocks), elementwise in fp32: silu(g) = g / (1 + exp(-g)) as torch computes
 # it. Elementwise, so trivially batch invariant; no host sync, no allocation when `out` is given.
 
+from kernels.splitk import SplitSums, split_sum
 from kernels.triton_compat import tl, triton
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, out_ptr, F, s_gu, s_out, BLOCK: tl.constexpr):
+def _swiglu_kernel(gu_ptr, out_ptr, F, s_gu, s_out, s_split, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0,
+                   RNE: tl.constexpr = False):
+    # SPLIT > 0: gate|up is a GEMM's unreduced split-K partials (kernels/splitk.py), summed here as its reduce would
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
-    g = tl.load(gu_ptr + row * s_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * s_gu + F + cols, mask=mask, other=0.0).to(tl.float32)
+    if SPLIT > 0:
+        g = split_sum(gu_ptr + row * s_gu + cols, s_split, mask, SPLIT, out_ptr, RNE).to(tl.float32)
+        u = split_sum(gu_ptr + row * s_gu + F + cols, s_split, mask, SPLIT, out_ptr, RNE).to(tl.float32)
+    else:
+        g = tl.load(gu_ptr + row * s_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * s_gu + F + cols, mask=mask, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_triton(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_triton(gate_up: torch.Tensor | SplitSums, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up: [R, 2F] (last dim contiguous, any row stride) -> silu(gate) * up, [R, F] in out's dtype
-    (default gate_up's)."""
+    (default gate_up's). gate_up may be a GEMM's unreduced split-K partials (kernels/splitk.py): summed in the
+    kernel, the same bits as reducing them first."""
+    sums = gate_up if isinstance(gate_up, SplitSums) else None
+    if sums is not None:
+        if out is not None and out.dtype != sums.dtype:
+            gate_up, sums = sums.reduce(), None        # rounded to another dtype than out's: reduce first
+        else:
+            gate_up = sums.ws[0]
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or (gate_up.stride(1) != 1 and gate_up.shape[1] > 1):
         raise ValueError(f"gate_up must be [R, 2F] with a contiguous last dim, got {tuple(gate_up.shape)}")
     R, F_ = gate_up.shape[0], gate_up.shape[1] // 2
     if out is None:
-        out = torch.empty((R, F_), dtype=gate_up.dtype, device=gate_up.device)
+        out = torch.empty((R, F_), dtype=sums.dtype if sums is not None else gate_up.dtype, device=gate_up.device)
     if out.shape != (R, F_) or (out.stride(1) != 1 and F_ > 1):
         raise ValueError(f"out must be [{R}, {F_}] with a contiguous last dim, got {tuple(out.shape)}")
     if R == 0 or F_ == 0:
         return out
     BLOCK = min(1024, triton.next_power_of_2(F_))
     _swiglu_kernel[(R, triton.cdiv(F_, BLOCK))](gate_up, out, F_, gate_up.stride(0), out.stride(0),
-                                                 BLOCK=BLOCK, num_warps=4 if BLOCK >= 512 else 1)
+                                                 gate_up.numel() if sums is not None else 0, BLOCK=BLOCK,
+                                                 SPLIT=sums.splits if sums is not None else 0,
+                                                 RNE=sums.rne if sums is not None else False,
+                                                 num_warps=4 if BLOCK >= 512 else 1)
     return out

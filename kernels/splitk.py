@@ -1,0 +1,67 @@
+"""Split-K partial sums handed to the next kernel instead of reduced by a launch of their own.
+
+A GEMM that runs its K range as S splits writes S fp32 partials [S, M, N] and then launches a reduce that adds
+them in split order, ((p0 + p1) + p2) + ..., and rounds once to the output dtype. Called with ``defer=True``
+(kernels/gemm.linear, kernels/int4_gemm.w4a16_linear, the CUDA kernels through int4_cuda.run_packed, the int4
+dispatch) it returns the partials as a SplitSums instead, and the kernel that consumes the output -- the
+residual add + RMSNorm (kernels/rmsnorm.py), SwiGLU (kernels/swiglu.py) -- loads each element's S partials, adds
+them in the same order and rounds the same way (``split_sum``): it sees exactly the value the reduce would have
+written, and the step saves the reduce's launch and the round trip of its output through memory.
+
+The partials are views of the GEMM's shared split-K workspace: the consumer must run before the next GEMM that
+uses that workspace (the fused decoders consume them right away).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.gemm import cast_out
+from kernels.triton_compat import tl, triton
+
+
+@dataclass(frozen=True)
+class SplitSums:
+    ws: torch.Tensor          # [S, M, N] fp32, contiguous
+    dtype: torch.dtype        # the dtype the reduce would round to
+    rne: bool = False         # round to nearest even by hand (Triton's interpreter, bf16), as the reduce does
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.ws.shape[1:]
+
+    @property
+    def splits(self) -> int:
+        return self.ws.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.ws.device
+
+    def reduce(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The reduce's result in torch: the splits added in order in fp32, rounded once (torch's casts round to
+        nearest even, as the GPU's and the hand-rounded interpreter's do)."""
+        acc = self.ws[0].clone()
+        for s in range(1, self.splits):
+            acc += self.ws[s]
+        y = acc.to(self.dtype)
+        return y if out is None else out.copy_(y)
+
+
+def reduced(x) -> torch.Tensor:
+    """x itself, or a SplitSums reduced (for consumers without a split-sum path)."""
+    return x.reduce() if isinstance(x, SplitSums) else x
+
+
+@triton.jit
+def split_sum(p, stride_s, mask, SPLIT: tl.constexpr, like_ptr, RNE: tl.constexpr):
+    """The value at p of partials laid stride_s apart, SPLIT of them: added in split order in fp32, rounded once to
+    like_ptr's dtype (RNE: by hand, for the interpreter) -- the reduce kernels' own arithmetic."""
+    acc = tl.load(p, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p + s * stride_s, mask=mask, other=0.0)
+    return cast_out(acc, like_ptr, RNE)
+
+
+__all__ = ["SplitSums", "reduced", "split_sum"]
