@@ -358,7 +358,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts)
         if defer and rows == M:
             from kernels.splitk import SplitSums
-            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=False)
+            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=False, out=out)
         rbm = min(16, _next_pow2(rows))
         rbn = 256
         splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](

@@ -734,7 +734,7 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=False, **consts)
         if defer and rows == M:
             from kernels.splitk import SplitSums
-            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=rne)
+            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=rne, out=out)
         rbm = min(16, _next_pow2(rows))
         rbn = 256
         splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](

@@ -26,6 +26,7 @@ class SplitSums:
     ws: torch.Tensor          # [S, M, N] fp32, contiguous
     dtype: torch.dtype        # the dtype the reduce would round to
     rne: bool = False         # round to nearest even by hand (Triton's interpreter, bf16), as the reduce does
+    out: torch.Tensor | None = None   # where the GEMM's own reduce would have written [M, N] (finish)
 
     @property
     def shape(self) -> torch.Size:
@@ -47,6 +48,22 @@ class SplitSums:
             acc += self.ws[s]
         y = acc.to(self.dtype)
         return y if out is None else out.copy_(y)
+
+
+    def finish(self) -> torch.Tensor:
+        """The deferred reduce after all, into `out` (a torch reduce when there is none): for a consumer that would
+        read too many partials per program to gain (kernels/rmsnorm.py's rows)."""
+        if self.out is None:
+            return self.reduce()
+        from kernels.gemm import splitk_reduce_kernel
+
+        S, M, N = self.ws.shape
+        y = self.out
+        bm = min(16, triton.next_power_of_2(M))
+        splitk_reduce_kernel[(triton.cdiv(M, bm), triton.cdiv(N, 256))](
+            self.ws, y, M, N, M * N, N, y.stride(0), y.stride(1), SPLIT_K=S, BLOCK_M=bm, BLOCK_N=256,
+            RNE_BF16=self.rne, num_warps=4)
+        return y
 
 
 def reduced(x) -> torch.Tensor:

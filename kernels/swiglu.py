@@ -57,7 +57,7 @@ def swiglu_triton(gate_up: torch.Tensor | SplitSums, out: torch.Tensor | None = 
         raise ValueError(f"out must be [{R}, {F_}] with a contiguous last dim, got {tuple(out.shape)}")
     if R == 0 or F_ == 0:
         return out
-    BLOCK = min(1024, triton.next_power_of_2(F_))
+    BLOCK = min(256 if sums is not None else 1024, triton.next_power_of_2(F_))   # partials: more programs to read them
     _swiglu_kernel[(R, triton.cdiv(F_, BLOCK))](gate_up, out, F_, gate_up.stride(0), out.stride(0),
                                                  gate_up.numel() if sums is not None else 0, BLOCK=BLOCK,
                                                  SPLIT=sums.splits if sums is not None else 0,

@@ -32,11 +32,19 @@ def _exact(a, b, what):
 @needs_kernel
 @pytest.mark.parametrize("S", [2, 5, 12])
 @pytest.mark.parametrize("rne", [False, True])
-def test_consumers_add_partials_as_the_reduce(S, rne):
+@pytest.mark.parametrize("row_limit", [None, 0])
+def test_consumers_add_partials_as_the_reduce(S, rne, row_limit, monkeypatch):
+    """In the consumer, or (row_limit 0: more partials per row than the norm takes) by the reduce run first into the
+    GEMM's out: the same bits either way."""
+    from kernels import rmsnorm
+
+    if row_limit is not None:
+        monkeypatch.setattr(rmsnorm, "SPLIT_ROW_BYTES", row_limit)
     g = _gen(S)
     M, D = 5, 320
     ws = (torch.randn(S, M, 2 * D, generator=g) * torch.logspace(-2, 2, S)[:, None, None]).to(DEV)
-    sums = SplitSums(ws, torch.bfloat16, rne=rne)
+    sums = SplitSums(ws, torch.bfloat16, rne=rne, out=torch.full((M, 2 * D), float("nan"), dtype=torch.bfloat16,
+                                                                   device=DEV))
     y = _reduce_kernel(ws, torch.bfloat16, rne)
     res = (torch.randn(M, 2 * D, generator=g) * 3).bfloat16().to(DEV)
     w = (torch.rand(2 * D, generator=g) + 0.5).bfloat16().to(DEV)
@@ -45,6 +53,8 @@ def test_consumers_add_partials_as_the_reduce(S, rne):
     n2 = add_rms_norm_triton(sums, r2, w, 1e-6)[0]
     _exact(n2, n1, f"add_rms_norm S={S}")
     _exact(r2, r1, f"residual S={S}")
+    if row_limit == 0:
+        _exact(sums.out, y, f"the reduce into out S={S}")
     _exact(swiglu_triton(sums), swiglu_triton(y), f"swiglu S={S}")
     if not (INTERPRET and not rne):        # the interpreter's own bf16 cast truncates: the reduce's RNE path only
         _exact(sums.reduce(), y, f"SplitSums.reduce S={S}")
