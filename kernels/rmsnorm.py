@@ -79,9 +79,12 @@ def _num_warps(block: int) -> int:
     return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8 if block <= 8192 else 16
 
 
-# A row's program reads all S partials of its row: past this many bytes (H200: the 27B hybrid's down projection, 23
-# splits of 5120 columns, made B = 1 steps 5% slower) the GEMM's own reduce, spread over many programs, runs first.
+# A row's program reads all S partials of its row. With few rows and more than SPLIT_ROW_BYTES of partials a row, the
+# GEMM's own reduce (spread over many programs) runs first instead. H200, in-kernel sum against reduce first: the 27B
+# hybrid (5120 columns, 12 and 23 splits) 117.7 against 127.3 tok/s at B = 1 and 752 against 776 at B = 8, but
+# 1,866 against 1,838 at B = 32; Llama-1B Q4_0 1,363 against 1,444 at B = 1, 25,718 against 23,173 at B = 32.
 SPLIT_ROW_BYTES = 64 * 1024
+SPLIT_MIN_ROWS = 16
 
 
 def _launch_rms_norm(x, residual, w, eps, out):
@@ -90,7 +93,7 @@ def _launch_rms_norm(x, residual, w, eps, out):
         if residual is None or sums.dtype != residual.dtype or len(sums.shape) != 2:
             x = sums.reduce()           # no in-kernel sum for this use: the reduce's value, then the plain path
             sums = None
-        elif sums.splits * sums.shape[1] * 4 > SPLIT_ROW_BYTES:
+        elif sums.shape[0] < SPLIT_MIN_ROWS and sums.splits * sums.shape[1] * 4 > SPLIT_ROW_BYTES:
             x = sums.finish()
             sums = None
         else:

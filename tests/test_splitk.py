@@ -40,6 +40,7 @@ def test_consumers_add_partials_as_the_reduce(S, rne, row_limit, monkeypatch):
 
     if row_limit is not None:
         monkeypatch.setattr(rmsnorm, "SPLIT_ROW_BYTES", row_limit)
+        monkeypatch.setattr(rmsnorm, "SPLIT_MIN_ROWS", 1 << 30)
     g = _gen(S)
     M, D = 5, 320
     ws = (torch.randn(S, M, 2 * D, generator=g) * torch.logspace(-2, 2, S)[:, None, None]).to(DEV)
