@@ -80,9 +80,10 @@ def _num_warps(block: int) -> int:
 
 
 # A row's program reads all S partials of its row. With few rows and more than SPLIT_ROW_BYTES of partials a row, the
-# GEMM's own reduce (spread over many programs) runs first instead. H200, in-kernel sum against reduce first: the 27B
-# hybrid (5120 columns, 12 and 23 splits) 117.7 against 127.3 tok/s at B = 1 and 752 against 776 at B = 8, but
-# 1,866 against 1,838 at B = 32; Llama-1B Q4_0 1,363 against 1,444 at B = 1, 25,718 against 23,173 at B = 32.
+# GEMM's own reduce (spread over many programs) runs first instead. H200, in-kernel sum against reduce first (two
+# commits; the second also gave SwiGLU over partials 256-column programs): the 27B hybrid (5120 columns, 12 and 23
+# splits) 117.7 against 127.3 tok/s at B = 1 and 752 against 776 at B = 8, but 1,866 against 1,838 at B = 32;
+# Llama-1B Q4_0 1,363 against 1,444 at B = 1, 25,718 against 23,173 at B = 32.
 SPLIT_ROW_BYTES = 64 * 1024
 SPLIT_MIN_ROWS = 16
 
