@@ -18,7 +18,10 @@ folded=True)), by one packed fma per pair on the GPU; MEASURED sets it on the 27
 H200 sweep (Q4_0 5120x17408, BLOCK_N 64, split 8): FOLD 43.7 / 47.7 / 106 us at B = 1 / 16 / 128, the group
 loop 36.8 / 41.5 / 140; Q4_K favours FOLD at every B (52.9 / 57.3 / 118 vs 58.2 / 64.1 / 265).
 At B = 128 the kernel runs at ~210 TFLOPS, about half of bf16 cuBLAS on the same shape (34816x5120 Q4_K: 214 against
-95 us). Tried and dropped (H200, B = 64 / 128): FOLD with x as the dot's A operand (acc [BLOCK_M, BLOCK_N], the
+95 us). Offline sm_90 compiles (Triton 3.6, the H200 image's, and 3.9; BLOCK_N 128, BLOCK_M 128, 8 warps, W16) show
+why in part: the dequantized [BLOCK_N, BLOCK_K] tile leaves the join/reshape in a layout that is not the wgmma's
+register-A layout, and the conversion goes through shared memory every K block (8 stmatrix + 8 ldmatrix per thread
+and barriers), on top of the x tile's cp.async ring. Tried and dropped (H200, B = 64 / 128): FOLD with x as the dot's A operand (acc [BLOCK_M, BLOCK_N], the
 dequantized weights the B operand through shared memory, BLOCK_M >= 64 so every M lowers to wgmma m64) was slower
 at every tile tried (BLOCK_N 64 / 128 / 256, 4 / 8 warps, BLOCK_K 64, 2-4 stages, splits): 34816x5120 Q4_K B = 128
 275 against 214 us, 16384x5120 105 against 86; and wider swap-AB tiles (BLOCK_N 128 / 256) lost to 64 as well.
