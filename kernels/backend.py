@@ -110,16 +110,12 @@ def triton_kernels() -> StepKernels:
     from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
     from kernels.rope import rope_kv_write_triton
     from kernels.sampling import argmax_triton, sample_triton
-    from kernels.splitk import reduced
     from kernels.swiglu import swiglu_triton
 
     def add_rms_norm(x, residual, w, eps, out=None):
         return add_rms_norm_triton(x, residual, w, eps, out=out)[0]
 
-    def add_residual(x, residual):
-        return residual.add_(reduced(x))
-
-    return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, add_residual,
+    return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, _add_residual,
                        _packed_aware(linear, _packed_dispatch),
                        rope_kv_write_triton, decode_attention, swiglu_triton, argmax_triton, sample_triton)
 

@@ -171,6 +171,17 @@ def splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, s
     tl.store(y_ptrs, cast_out(acc, y_ptr, RNE_BF16), mask=mask)
 
 
+def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, split: int, rne: bool = False) -> torch.Tensor:
+    """y [rows, N] (any strides) = the `split` fp32 partials in ws (split-major, each [rows, N] contiguous) added in
+    split order and rounded once (rne: by hand, the interpreter's bf16); the launch every split-K GEMM ends with."""
+    rows, N = y.shape
+    rbm, rbn = min(16, _next_pow2(rows)), 256
+    splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
+        ws, y, rows, N, rows * N, N, y.stride(0), y.stride(1),
+        SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=rne, num_warps=4)
+    return y
+
+
 # whether triton.jit produced interpreter objects (TRITON_INTERPRET=1 when triton was imported)
 _INTERPRETED = type(_gemm_kernel).__name__ == "InterpretedFunction"
 
@@ -358,10 +369,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts)
         if defer and rows == M:
             from kernels.splitk import SplitSums
-            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=False, out=out)
-        rbm = min(16, _next_pow2(rows))
-        rbn = 256
-        splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
-            ws, ys, rows, N, rows * N, N, ys.stride(0), ys.stride(1),
-            SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=False, num_warps=4)
+            return SplitSums(ws[:split * M * N].view(split, M, N), out)
+        splitk_reduce(ws, ys, split)
     return out

@@ -616,7 +616,7 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
                                                               *tail], dev, cfg.get("smem", 0))
     if defer:
         from kernels.splitk import SplitSums
-        return SplitSums(ws[:S * M * N].view(S, M, N), out.dtype, out=out)
+        return SplitSums(ws[:S * M * N].view(S, M, N), out)
     r = _kernel("w4a16_splitk_reduce", "q4_0", 1, x_f16, out32, KW, CG, dev)   # format- and shape-free
     r(_cdiv(M * N, 256), 256, [ws, out, sym, M, N, S], dev)
     return out

@@ -87,7 +87,7 @@ import os
 import torch
 
 from engine.quant_pack import GROUP, PackedWeight, unpack_folded, unpack_ref
-from kernels.gemm import cast_out, splitk_reduce_kernel
+from kernels.gemm import cast_out, splitk_reduce
 from kernels.triton_compat import tl, triton
 from kernels.workspace import SplitKWorkspace, block_m_from_env
 
@@ -737,12 +737,8 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=False, **consts)
         if defer and rows == M:
             from kernels.splitk import SplitSums
-            return SplitSums(ws[:split * M * N].view(split, M, N), out.dtype, rne=rne, out=out)
-        rbm = min(16, _next_pow2(rows))
-        rbn = 256
-        splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
-            ws, ys, rows, N, rows * N, N, ys.stride(0), ys.stride(1),
-            SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=rne, num_warps=4)
+            return SplitSums(ws[:split * M * N].view(split, M, N), out, rne=rne)
+        splitk_reduce(ws, ys, split, rne)
     return out
 
 

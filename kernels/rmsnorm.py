@@ -91,12 +91,9 @@ SPLIT_MIN_ROWS = 16
 def _launch_rms_norm(x, residual, w, eps, out):
     sums = x if isinstance(x, SplitSums) else None
     if sums is not None:
-        if residual is None or sums.dtype != residual.dtype or len(sums.shape) != 2:
-            x = sums.reduce()           # no in-kernel sum for this use: the reduce's value, then the plain path
-            sums = None
-        elif sums.shape[0] < SPLIT_MIN_ROWS and sums.splits * sums.shape[1] * 4 > SPLIT_ROW_BYTES:
-            x = sums.finish()
-            sums = None
+        wide = sums.shape[0] < SPLIT_MIN_ROWS and sums.splits * sums.shape[1] * 4 > SPLIT_ROW_BYTES
+        if residual is None or sums.dtype != residual.dtype or wide:
+            x, sums = sums.finish(), None    # the GEMM's reduce first, then the plain path
         else:
             x = sums.ws[0]
     D = x.shape[-1]

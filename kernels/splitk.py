@@ -17,16 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.gemm import cast_out
+from kernels.gemm import cast_out, splitk_reduce
 from kernels.triton_compat import tl, triton
 
 
 @dataclass(frozen=True)
 class SplitSums:
     ws: torch.Tensor          # [S, M, N] fp32, contiguous
-    dtype: torch.dtype        # the dtype the reduce would round to
-    rne: bool = False         # round to nearest even by hand (Triton's interpreter, bf16), as the reduce does
-    out: torch.Tensor | None = None   # where the GEMM's own reduce would have written [M, N] (finish)
+    out: torch.Tensor         # [M, N]: where the GEMM's own reduce would have written (its dtype, the rounding's)
+    rne: bool = False         # round to nearest even by hand (Triton's interpreter, bf16), as that reduce does
 
     @property
     def shape(self) -> torch.Size:
@@ -37,38 +36,21 @@ class SplitSums:
         return self.ws.shape[0]
 
     @property
-    def device(self) -> torch.device:
-        return self.ws.device
+    def dtype(self) -> torch.dtype:
+        return self.out.dtype
 
-    def reduce(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The reduce's result in torch: the splits added in order in fp32, rounded once (torch's casts round to
-        nearest even, as the GPU's and the hand-rounded interpreter's do)."""
+    def reduce(self) -> torch.Tensor:
+        """The reduce's result in torch (the definition, for tests): the splits added in order in fp32, rounded
+        once (torch's casts round to nearest even, as the GPU's and the hand-rounded interpreter's do)."""
         acc = self.ws[0].clone()
         for s in range(1, self.splits):
             acc += self.ws[s]
-        y = acc.to(self.dtype)
-        return y if out is None else out.copy_(y)
-
+        return acc.to(self.dtype)
 
     def finish(self) -> torch.Tensor:
-        """The deferred reduce after all, into `out` (a torch reduce when there is none): for a consumer that would
-        read too many partials per program to gain (kernels/rmsnorm.py's rows)."""
-        if self.out is None:
-            return self.reduce()
-        from kernels.gemm import splitk_reduce_kernel
-
-        S, M, N = self.ws.shape
-        y = self.out
-        bm = min(16, triton.next_power_of_2(M))
-        splitk_reduce_kernel[(triton.cdiv(M, bm), triton.cdiv(N, 256))](
-            self.ws, y, M, N, M * N, N, y.stride(0), y.stride(1), SPLIT_K=S, BLOCK_M=bm, BLOCK_N=256,
-            RNE_BF16=self.rne, num_warps=4)
-        return y
-
-
-def reduced(x) -> torch.Tensor:
-    """x itself, or a SplitSums reduced (for consumers without a split-sum path)."""
-    return x.reduce() if isinstance(x, SplitSums) else x
+        """The deferred reduce after all, into `out`: for a consumer that cannot, or would not gain to, add the
+        partials itself."""
+        return splitk_reduce(self.ws, self.out, self.splits, self.rne)
 
 
 @triton.jit
@@ -81,4 +63,4 @@ def split_sum(p, stride_s, mask, SPLIT: tl.constexpr, like_ptr, RNE: tl.constexp
     return cast_out(acc, like_ptr, RNE)
 
 
-__all__ = ["SplitSums", "reduced", "split_sum"]
+__all__ = ["SplitSums", "split_sum"]

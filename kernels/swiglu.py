@@ -45,7 +45,7 @@ def swiglu_triton(gate_up: torch.Tensor | SplitSums, out: torch.Tensor | None = 
     sums = gate_up if isinstance(gate_up, SplitSums) else None
     if sums is not None:
         if out is not None and out.dtype != sums.dtype:
-            gate_up, sums = sums.reduce(), None        # rounded to another dtype than out's: reduce first
+            gate_up, sums = sums.finish(), None        # rounded to another dtype than out's: reduce first
         else:
             gate_up = sums.ws[0]
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or (gate_up.stride(1) != 1 and gate_up.shape[1] > 1):

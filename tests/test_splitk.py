@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemm import linear, splitk_reduce_kernel
+from kernels.gemm import linear, splitk_reduce
 from kernels.int4_gemm import w4a16_linear
 from kernels.rmsnorm import add_rms_norm_triton
 from kernels.splitk import SplitSums
@@ -19,10 +19,7 @@ from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, need
 def _reduce_kernel(ws: torch.Tensor, dtype: torch.dtype, rne: bool) -> torch.Tensor:
     """The reduce the consumers replace (kernels/gemm.py's; int4_cuda's adds in the same order)."""
     S, M, N = ws.shape
-    y = torch.empty(M, N, dtype=dtype, device=ws.device)
-    splitk_reduce_kernel[(-(-M // 16), -(-N // 256))](ws, y, M, N, M * N, N, y.stride(0), y.stride(1), SPLIT_K=S,
-                                                      BLOCK_M=16, BLOCK_N=256, RNE_BF16=rne, num_warps=4)
-    return y
+    return splitk_reduce(ws, torch.empty(M, N, dtype=dtype, device=ws.device), S, rne)
 
 
 def _exact(a, b, what):
@@ -44,8 +41,7 @@ def test_consumers_add_partials_as_the_reduce(S, rne, row_limit, monkeypatch):
     g = _gen(S)
     M, D = 5, 320
     ws = (torch.randn(S, M, 2 * D, generator=g) * torch.logspace(-2, 2, S)[:, None, None]).to(DEV)
-    sums = SplitSums(ws, torch.bfloat16, rne=rne, out=torch.full((M, 2 * D), float("nan"), dtype=torch.bfloat16,
-                                                                   device=DEV))
+    sums = SplitSums(ws, torch.full((M, 2 * D), float("nan"), dtype=torch.bfloat16, device=DEV), rne=rne)
     y = _reduce_kernel(ws, torch.bfloat16, rne)
     res = (torch.randn(M, 2 * D, generator=g) * 3).bfloat16().to(DEV)
     w = (torch.rand(2 * D, generator=g) + 0.5).bfloat16().to(DEV)
