@@ -2,14 +2,15 @@
 
 For every shape N x K of ``micro.shapes`` (weights [N, K], the issue's notation), format of ``micro.fmts``
 and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro.fmt / batch.size) with:
-  <variant>_us      time per call of triton / cuda / cuda_mma / cuda_mma_fold / dequant_cublas
+  <variant>_us      time per call of triton / cuda / cuda_mma / cuda_mma_fold / cuda_wgmma / dequant_cublas
                     (kernels/int4_dispatch.py) and bf16
                     (torch.matmul on the dequantized weight in bf16), each inside one CUDA graph of many calls
                     over rotating copies of the weight (>= 256 MB in all, so every call streams from HBM, not
                     the 60 MB L2); median of 5 replays
   <variant>_ok      1 when the variant's output matches w4a16_linear_ref (outputs scaled to ~N(0, 1);
                     |y - ref| <= atol + rtol |ref|, 1e-2 for the CUDA kernels (exact weights), 3e-2 where
-                    the weight is rounded to bf16 first: triton (FOLD), cuda_mma_fold, dequant_cublas, bf16)
+                    the weight is rounded to bf16 first: triton (FOLD), the folded CUDA kernels, dequant_cublas,
+                    bf16)
   int4_bytes        the packed weight's bytes (quantized values + scales [+ mins, Q4_K sub-scales])
   effective_tbps    int4_bytes / time of the variant the dispatch picks (policy "fastest": MEASURED, else the
                     rule), and <variant>_tbps for each int4 variant
@@ -33,8 +34,9 @@ from engine.quant_pack import FORMATS, pack, unpack_ref
 ROTATE_BYTES = 256 << 20       # weight copies per timed graph: at least this many bytes in all
 CALLS_PER_GRAPH = 48
 REPLAYS = 5
-# exact weights: 1e-2; weights rounded to bf16 first (triton's FOLD, cuda_mma_fold, dequant, bf16): 3e-2
-TOL = {"triton": 3e-2, "cuda": 1e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "dequant_cublas": 3e-2, "bf16": 3e-2}
+# exact weights: 1e-2; weights rounded to bf16 first (triton's FOLD, cuda_mma_fold, cuda_wgmma, dequant, bf16): 3e-2
+TOL = {"triton": 3e-2, "cuda": 1e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "cuda_wgmma": 3e-2, "dequant_cublas": 3e-2,
+       "bf16": 3e-2}
 _QT = {v: k for k, v in FORMATS.items()}
 _SCALE_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q8_0": [0]}
 
@@ -89,7 +91,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple[bool, float]
 def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.device, dtype: torch.dtype,
                 seed: int = 0) -> list[dict]:
     """One dict of metrics (+ '_tags') per B for this shape and format."""
-    from kernels import int4_cuda, int4_dispatch as disp, int4_mma
+    from kernels import int4_cuda, int4_dispatch as disp, int4_mma, int4_wgmma
 
     pw = random_packed(fmt, N, K, seed, device)
     w32 = unpack_ref(pw)
@@ -102,7 +104,8 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
     pws = [pw] + [_clone(pw) for _ in range(max(0, math.ceil(ROTATE_BYTES / pw.nbytes) - 1))]
     w16s = [w16] + [w16.clone() for _ in range(max(0, math.ceil(ROTATE_BYTES / (w16.numel() * 2)) - 1))]
     variants = (["triton", "dequant_cublas"] + (["cuda"] if int4_cuda.available() else [])
-                + (list(disp.MMA_VARIANTS) if int4_mma.available() and int4_mma.supports(fmt) else []))
+                + (list(disp.MMA_VARIANTS) if int4_mma.available() and int4_mma.supports(fmt) else [])
+                + (["cuda_wgmma"] if int4_wgmma.available() and int4_wgmma.supports(fmt) else []))
     dev = xs.device                                    # with its index: the workspaces are keyed by it
     disp.reserve(dev, dtype, [pw], max(batches))
     disp._DENSE.get(dev, dtype, N * K)
@@ -194,7 +197,7 @@ def _print(N, K, fmt, B, m, tags) -> None:
     us = lambda v: f"{m[v + '_us']:.1f}" if v + "_us" in m else "-"  # noqa: E731
     print(f"[verify] int4_gemm {N}x{K} {fmt} B={B}: {str(bool(m['verify_ok'])).lower()}")
     print(f"[perf] int4_gemm {N}x{K} {fmt} B={B}: triton {us('triton')} us, cuda {us('cuda')} us, cuda_mma "
-          f"{us('cuda_mma')} us, fold {us('cuda_mma_fold')} us, dequant+cuBLAS "
+          f"{us('cuda_mma')} us, fold {us('cuda_mma_fold')} us, wgmma {us('cuda_wgmma')} us, dequant+cuBLAS "
           f"{us('dequant_cublas')} us, bf16 cuBLAS {us('bf16')} us; pick {tags['int4_pick']} "
           f"{m.get('effective_tbps', float('nan')):.2f} TB/s, {m.get('speedup_vs_bf16', float('nan')):.2f}x bf16; "
           f"best {tags['int4_best']}")

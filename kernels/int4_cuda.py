@@ -417,10 +417,15 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, kw: int | None = None, c
 class _Kernel:
     """One compiled kernel, launched on torch's current stream with raw pointers."""
 
-    def __init__(self, src: str, name: str, how: str, device: torch.device):
+    def __init__(self, src: str, name: str, how: str, device: torch.device, arch: str | None = None):
+        """arch: a target to name (e.g. "90a" for wgmma; torch's binding only); None: the device's own."""
         self.how, self.name = how, name
         self._smem_set = 0
-        if how == "cupy":
+        if arch is not None:
+            assert how == "torch", "int4_cuda: a named target compiles through torch's NVRTC binding"
+            with torch.cuda.device(device):
+                self.fn = torch.cuda._compile_kernel(src, name, compute_capability=arch)
+        elif how == "cupy":
             with _cupy.cuda.Device(device.index or 0):
                 mod = _cupy.RawModule(code=src, options=("--std=c++14",))
                 self.fn = mod.get_function(name)
@@ -434,7 +439,7 @@ class _Kernel:
         """Launch on torch's current stream; shared_mem: dynamic shared memory in bytes (above 48 KB the kernel's
         limit is raised once, as CUDA requires)."""
         stream = torch.cuda.current_stream(device)
-        if shared_mem > self._smem_set and shared_mem > 48 * 1024:
+        if shared_mem > self._smem_set and shared_mem >= 48 * 1024:
             if self.how == "cupy":
                 self.fn.max_dynamic_shared_size_bytes = shared_mem
             else:

@@ -50,12 +50,12 @@ import sys
 import torch
 
 from engine.quant_pack import GROUP, PackedWeight
-from kernels import int4_cuda, int4_mma
+from kernels import int4_cuda, int4_mma, int4_wgmma
 from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _expand, w4a16_linear, w4a16_linear_ref
 from kernels.triton_compat import tl, triton
 
-VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "dequant_cublas")
-INVARIANT_VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold")
+VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "dequant_cublas")
+INVARIANT_VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma")
 MMA_VARIANTS = ("cuda_mma", "cuda_mma_fold")
 POLICIES = ("invariant", "fastest") + VARIANTS
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
@@ -151,6 +151,8 @@ def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
     if variant == "cuda" and not int4_cuda.available():
         return "triton"
     if variant in MMA_VARIANTS and not (int4_mma.available() and (fmt is None or int4_mma.supports(fmt))):
+        return "triton"
+    if variant == "cuda_wgmma" and not (int4_wgmma.available() and (fmt is None or int4_wgmma.supports(fmt))):
         return "triton"
     return variant
 
@@ -258,6 +260,8 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
         int4_cuda.reserve_workspace(device, shapes, max_rows)
     if int4_mma.available():
         int4_mma.reserve_workspace(device, shapes, max_rows)
+    if int4_wgmma.available():
+        int4_wgmma.reserve_workspace(device, shapes, max_rows)
     if _policy in ("fastest", "dequant_cublas"):
         _DENSE.get(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()),
                    dtype, max(n * k for n, k, _ in shapes))
@@ -278,6 +282,8 @@ def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tens
         return int4_cuda.w4a16_cuda(x, pw, out, defer=defer)
     if v in MMA_VARIANTS:
         return int4_mma.w4a16_mma(x, pw, out, fold=v == "cuda_mma_fold", defer=defer)
+    if v == "cuda_wgmma":
+        return int4_wgmma.w4a16_wgmma(x, pw, out, defer=defer)
     if v == "dequant_cublas":
         return dequant_matmul(x, pw, out)
     return w4a16_linear(x, pw, out, defer=defer)

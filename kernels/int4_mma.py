@@ -155,7 +155,7 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 MAX_WARPS = 32            # warps per block (1024 threads)
 
-MMA_SOURCE = r"""
+MMA_COMMON = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -393,6 +393,13 @@ __device__ __forceinline__ void apply_slot(float (&acc)[MT][4 * NB], const Slot&
     }
 }
 
+// 8 staged x values of one word, k = 8w + 0..7 as pairs (0,1) (2,3) (4,5) (6,7) -> (0,4) (1,5) (2,6) (3,7): the pairs
+// nib_pair makes of the weights
+__device__ __forceinline__ uint4 pair_order(const uint4 v) {
+    return make_uint4(prmt(v.x, v.z, 0x5410u), prmt(v.x, v.z, 0x7632u), prmt(v.y, v.w, 0x5410u),
+                      prmt(v.y, v.w, 0x7632u));
+}
+
 #if FOLD
 // The folded form works on quads of 4 consecutive groups: lane (g, t) owns group 4j + t of quad j, all 16 bytes of
 // its record for rows g and g + 8 (one 16-byte load each), and its scale and offset. The quad's four words p = 0..3
@@ -432,33 +439,48 @@ __device__ __forceinline__ void load_quad(QSlot& sl, QCursor& c, int N, int g_en
     c.g += 4 * P;
 }
 
+// a quad's scale and offset per row, rounded to x's dtype and packed in pairs (q4_0: -0, so q * s rounds once)
+struct QScales { u32 sa[MT], sb[MT], ca[MT], cb[MT]; };
+__device__ __forceinline__ QScales quad_scales(const QSlot& sl) {
+    QScales q;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        q.sa[mt] = pack2(slot_scale(sl.ra[mt])); q.sb[mt] = pack2(slot_scale(sl.rb[mt]));
+#if FMT != 0
+        q.ca[mt] = pack2(slot_min(sl.ra[mt])); q.cb[mt] = pack2(slot_min(sl.rb[mt]));
+#else
+        q.ca[mt] = 0x80008000u; q.cb[mt] = 0x80008000u;
+#endif
+    }
+    return q;
+}
+// word p of the lane's group as the A fragments of two k16 steps (mma.m16n8k16's layout, which is also a warp's
+// part of wgmma's m64 A): the weights q * s + c, one packed fma per pair; lo takes pairs (0,4) (1,5), hi (2,6) (3,7)
+__device__ __forceinline__ void quad_word(const QSlot& sl, const QScales& q, int p, int mt, u32 (&a_lo)[4],
+                                          u32 (&a_hi)[4]) {
+    const u32 wa = p == 0 ? sl.wa[mt].x : p == 1 ? sl.wa[mt].y : p == 2 ? sl.wa[mt].z : sl.wa[mt].w;
+    const u32 wb = p == 0 ? sl.wb[mt].x : p == 1 ? sl.wb[mt].y : p == 2 ? sl.wb[mt].z : sl.wb[mt].w;
+    a_lo[0] = fma2(nib_pair(wa, 0), q.sa[mt], q.ca[mt]); a_lo[1] = fma2(nib_pair(wb, 0), q.sb[mt], q.cb[mt]);
+    a_lo[2] = fma2(nib_pair(wa, 1), q.sa[mt], q.ca[mt]); a_lo[3] = fma2(nib_pair(wb, 1), q.sb[mt], q.cb[mt]);
+    a_hi[0] = fma2(nib_pair(wa, 2), q.sa[mt], q.ca[mt]); a_hi[1] = fma2(nib_pair(wb, 2), q.sb[mt], q.cb[mt]);
+    a_hi[2] = fma2(nib_pair(wa, 3), q.sa[mt], q.ca[mt]); a_hi[3] = fma2(nib_pair(wb, 3), q.sb[mt], q.cb[mt]);
+}
+#endif
+"""
+
+MMA_KERNEL = r"""
+#if FOLD
 // quad j: the weights q * s + c (scale and offset rounded to x's dtype, one packed fma per pair), then per word p
 // and 8-column block two mmas per row tile accumulating straight into acc (the tiles share each x fragment read
 // from shared memory); no fp32 scaling, no group sums of x
 __device__ __forceinline__ void apply_quad(float (&acc)[MT][4 * NB], const QSlot& sl, const u32* const (&xr)[NB],
                                            int j, int t) {
-    u32 sa[MT], sb[MT], ca[MT], cb[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        sa[mt] = pack2(slot_scale(sl.ra[mt])); sb[mt] = pack2(slot_scale(sl.rb[mt]));
-#if FMT != 0
-        ca[mt] = pack2(slot_min(sl.ra[mt])); cb[mt] = pack2(slot_min(sl.rb[mt]));
-#else
-        ca[mt] = 0x80008000u; cb[mt] = 0x80008000u;      // -0: q * s exactly rounded
-#endif
-    }
+    const QScales q = quad_scales(sl);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         u32 a_lo[MT][4], a_hi[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const u32 wa = p == 0 ? sl.wa[mt].x : p == 1 ? sl.wa[mt].y : p == 2 ? sl.wa[mt].z : sl.wa[mt].w;
-            const u32 wb = p == 0 ? sl.wb[mt].x : p == 1 ? sl.wb[mt].y : p == 2 ? sl.wb[mt].z : sl.wb[mt].w;
-            a_lo[mt][0] = fma2(nib_pair(wa, 0), sa[mt], ca[mt]); a_lo[mt][1] = fma2(nib_pair(wb, 0), sb[mt], cb[mt]);
-            a_lo[mt][2] = fma2(nib_pair(wa, 1), sa[mt], ca[mt]); a_lo[mt][3] = fma2(nib_pair(wb, 1), sb[mt], cb[mt]);
-            a_hi[mt][0] = fma2(nib_pair(wa, 2), sa[mt], ca[mt]); a_hi[mt][1] = fma2(nib_pair(wb, 2), sb[mt], cb[mt]);
-            a_hi[mt][2] = fma2(nib_pair(wa, 3), sa[mt], ca[mt]); a_hi[mt][3] = fma2(nib_pair(wb, 3), sb[mt], cb[mt]);
-        }
+        for (int mt = 0; mt < MT; ++mt) quad_word(sl, q, p, mt, a_lo[mt], a_hi[mt]);
 #pragma unroll
         for (int c = 0; c < NB; ++c) {
             const uint4 xv = *reinterpret_cast<const uint4*>(xr[c] + ((4 * j + p) * 4 + t) * 4);
@@ -594,13 +616,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
             while (e >= row_items) { e -= row_items; ++b; }
             uint4* slot = reinterpret_cast<uint4*>(&xs[b][XSLOT(e) * 4]);
             const uint4 v = *slot;
-            // v holds weights 8w + 0..7 as (0,1) (2,3) (4,5) (6,7); the slots want (0,4) (1,5) (2,6) (3,7)
-            uint4 o;
-            o.x = prmt(v.x, v.z, 0x5410u);
-            o.y = prmt(v.x, v.z, 0x7632u);
-            o.z = prmt(v.y, v.w, 0x5410u);
-            o.w = prmt(v.y, v.w, 0x7632u);
-            *slot = o;
+            *slot = pair_order(v);
 #if XSUMS
             // the item's 8 values summed in k order; the group's 4 items are added in word order below
             float p = x_to_f32(v.x & 0xFFFFu);
@@ -699,6 +715,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     }
 }
 """
+MMA_SOURCE = MMA_COMMON + MMA_KERNEL
 
 
 def available() -> bool:

@@ -1,4 +1,4 @@
-"""Run the CUDA sources of kernels/int4_cuda.py and kernels/int4_mma.py on the CPU: the same source text
+"""Run the CUDA sources of kernels/int4_cuda.py, kernels/int4_mma.py and kernels/int4_wgmma.py on the CPU: the same source text
 compiled by g++ with a shim (blocks one after another, each block's threads as std::threads meeting at a
 std::barrier for __syncthreads, __shared__ as function statics shared by the block's threads (dynamic shared
 memory: one buffer of the host's size, checked against the kernel's; cp.async as an immediate copy), the inline-PTX
@@ -169,6 +169,79 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
 }
 """
 
+# kernels/int4_wgmma.py's helpers: a warpgroup's 128 threads exchange their A fragments, B comes from the block's
+# shared memory through the descriptor (PTX ISA: start address, leading-dimension offset = between the two k halves'
+# core matrices, stride-dimension offset = between 8-row blocks, each core matrix 8 rows x 16 B; 16 B units, no
+# swizzle; or the 128-byte swizzle, layout type 1), each k16 step summed in k order like mma16816; fences and waits
+# are no-ops here
+SHIM_WG = r"""
+struct WgMma { std::barrier<>* bar; unsigned a[128][4]; };
+static WgMma* g_wgs;
+static inline void wgmma_fence() {}
+static inline void wgmma_commit() {}
+template <int PENDING> static inline void wgmma_wait() {}
+template <int PENDING> static inline void cp_async_wait() {}
+static inline void fence_proxy_async() {}
+static inline void fence_operand(float&) {}
+template <int NN>
+static inline void wgmma_rs(float (&d)[NN], const unsigned (&a)[4], unsigned long long desc) {
+    const int tid = threadIdx.x & 127, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    WgMma& W = g_wgs[threadIdx.x >> 7];
+    for (int j = 0; j < 4; ++j) W.a[tid][j] = a[j];
+    W.bar->arrive_and_wait();
+    const unsigned start = (unsigned)(desc & 0x3FFFu) << 4, lbo = (unsigned)((desc >> 16) & 0x3FFFu) << 4,
+                   sbo = (unsigned)((desc >> 32) & 0x3FFFu) << 4;
+    const unsigned swz = (unsigned)(desc >> 62);      // 0: no swizzle, 1: 128-byte swizzle (the two the kernel uses)
+    for (int c = 0; c < NN / 4; ++c) {
+        for (int j = 0; j < 4; ++j) {
+            const int row = g + (j >= 2 ? 8 : 0), col = 8 * c + 2 * t + (j & 1);
+            float s = d[4 * c + j];
+            for (int k = 0; k < 16; ++k) {
+                const unsigned av = W.a[w * 32 + (row & 7) * 4 + (k & 7) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+                u16_ bv;
+                unsigned addr;
+                if (swz)    // 128-byte swizzle, K-major: rows 128 B apart, address bits 4-6 ^= bits 7-9
+                    addr = start + (col >> 3) * sbo + (col & 7) * 128 + (k >> 3) * 16 + (k & 7) * 2,
+                    addr ^= ((addr >> 7) & 7u) << 4;
+                else
+                    addr = start + (col >> 3) * sbo + (k >> 3) * lbo + (col & 7) * 16 + (k & 7) * 2;
+                std::memcpy(&bv, g_smem + addr, 2);
+                s += h16_to_f((av >> (16 * (k & 1))) & 0xFFFFu) * h16_to_f(bv);
+            }
+            d[4 * c + j] = s;
+        }
+    }
+    W.bar->arrive_and_wait();
+}
+"""
+
+LAUNCH_WG = r"""
+extern "C" int launch_wg(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
+                          const u16* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
+                          int n_bt, int n_nt, int smem_bytes, unsigned seed) {
+    if (smem_bytes != SMEM_TOTAL) return -1;
+    std::vector<uint4> smem((SMEM_TOTAL + 15) / 16);
+    g_smem = reinterpret_cast<unsigned char*>(smem.data());
+    std::vector<int> order(grid);
+    for (int i = 0; i < grid; ++i) order[i] = i;
+    for (int i = grid - 1; i > 0; --i) { seed = seed * 1664525u + 1013904223u; std::swap(order[i], order[seed % (i + 1)]); }
+    for (int ob = 0; ob < grid; ++ob) {
+        blockIdx.x = order[ob];
+        std::barrier<> bar(block);
+        g_bar = &bar;
+        std::vector<std::unique_ptr<std::barrier<>>> wbars;
+        std::vector<WgMma> wgs(block / 128);
+        for (auto& wg : wgs) { wbars.emplace_back(new std::barrier<>(128)); wg.bar = wbars.back().get(); }
+        g_wgs = wgs.data();
+        std::vector<std::thread> ts;
+        for (int t = 0; t < block; ++t)
+            ts.emplace_back([=] { threadIdx.x = t; w4a16_wgmma(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
+        for (auto& t : ts) t.join();
+    }
+    return 0;
+}
+"""
+
 
 def available() -> bool:
     return shutil.which("g++") is not None
@@ -272,12 +345,44 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
                         *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]),
                         ctypes.c_uint(seed))
     assert rc == 0, f"int4_mma.smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
-    if not o32:
-        return y
+    return _split_order_sum(y, S, out32, x.dtype) if o32 else y
+
+
+def _split_order_sum(y: torch.Tensor, S: int, out32: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Split-K partials [S, M, N] added in split order (int4_cuda's reduce kernel's order), rounded once."""
     acc = y[0].clone()
     for s in range(1, S):
         acc += y[s]
-    return acc if out32 else acc.to(x.dtype)
+    return acc if out32 else acc.to(dtype)
 
 
-__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "splitk_reduce_emulated", "np"]
+def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
+                         seed: int = 0) -> torch.Tensor:
+    """kernels.int4_wgmma.w4a16_wgmma's launch (same config, same arguments) on the CPU, its blocks in a random
+    order (seed); split-K partials added in split order."""
+    from engine.quant_pack import GROUP
+    from kernels import int4_wgmma
+
+    x = x.contiguous()
+    M, K = x.shape
+    N = pw.N
+    cfg = int4_wgmma.wg_config(M, N, K, pw.fmt, config)
+    S = cfg["SPLIT_K"]
+    c = pw.mins if pw.mins is not None else pw.scales
+    sub = pw.sub if pw.sub is not None else pw.scales
+    n = int4_wgmma.SOURCE_DEFINES
+    o32 = out32 or S > 1
+    h = int4_wgmma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["WGS"], cfg["MT"], cfg["U"],
+                          cfg["STAGES"], cfg["MINB"], cfg["SWZ"]).split("\n", n)
+    lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + SHIM_WG + h[n] + LAUNCH_WG)
+    y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
+    ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
+    rc = lib.launch_wg(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
+                       _ptr(pw.scales), _ptr(c), _ptr(sub), _ptr(y),
+                       *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]),
+                       ctypes.c_uint(seed))
+    assert rc == 0, f"int4_wgmma.smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
+    return _split_order_sum(y, S, out32, x.dtype) if o32 else y
+
+
+__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "w4a16_wgmma_emulated", "splitk_reduce_emulated", "np"]

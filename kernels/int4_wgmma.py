@@ -1,0 +1,446 @@
+"""W4A16 projection for large batches on sm_90's warpgroup MMA, y[M, N] = x[M, K] @ w[N, K]^T, the folded weights
+of engine/quant_pack.py (Q4_0 / Q4_1 / Q4_K) kept packed; CUDA C++ compiled at run time for sm_90a (torch's NVRTC
+binding; wgmma needs the "a" target, which CuPy's binding does not name).
+
+Definition: x @ unpack_folded(w, x.dtype)^T, fp32 accumulation, like kernels/int4_mma.py's folded form.
+
+Why: from 64 sequences up a projection is bound by the tensor cores, not by HBM, and each weight must be
+dequantized once per block of as many sequences as possible. The mma.sync kernel (int4_mma) serves a batch tile
+of at most 32 and stages x for a whole split in shared memory, so B = 128 re-reads and re-dequantizes every
+weight four times; Triton's W4A16 kernel (int4_gemm) dequantizes once per 128 sequences but sends the tile
+through shared memory to reach the wgmma's register layout. Here the weights go from the load straight into
+the wgmma's A registers.
+
+The kernel
+  Rows: a block is WGS warpgroups, each owning MT m64 tiles of weight rows (64 MT WGS rows per block); in each
+  tile warp r of the warpgroup gives rows 16r .. 16r + 15 as mma.m16n8k16's A fragment, which is also its part
+  of wgmma's m64 A operand. The fragments are int4_mma's folded ones (quad_word): lane (g, t) loads the whole
+  16-byte record of group 4j + t of quad j for rows g and g + 8, and word p of it becomes the A operand of two
+  k16 steps (nibble pairs (0,4) (1,5), then (2,6) (3,7)), scaled by one packed fma per pair.
+  Sequences: a batch tile of BT (8 .. 128) is the wgmma's N extent: x is the B operand, read by the wgmma
+  from shared memory through a descriptor. It streams through a ring of STAGES quads (BT rows x 128 weights of
+  K each): cp.async copies each 16-byte piece (row b, word p of the quad's group q) to where the k16 step's
+  core matrix wants it, and the thread that copied it then puts the values in the A fragments' k order in
+  place (pair_order and a 4 x 4 transpose of its four pieces) -- no other thread touches them.
+  Per quad: wait for its copies, reorder, fence.proxy.async, one barrier, refill the ring two quads on (the
+  stage the quad before last used: every warpgroup's wgmma_wait<1> has retired those reads by this barrier),
+  then per word p one commit group of 2 MT wgmmas (m64 n BT k16, A from registers), waiting for the previous
+  word's group only, so the next word's dequantization overlaps the tensor cores.
+  Splits: the K range is cut into SPLIT_K splits of whole quads; partials go to int4_cuda's split-K workspace and
+  its reduce (or to the consumer, defer=True), in split order.
+
+Batch invariance: every output element is the chain of its split's k16 steps in quad, word order, then the
+splits added in order 0..S-1; the split, WGS and MT come from (N, K, fmt) alone. M moves only BT (the wgmma's
+N extent, whose columns are independent) and the grid, so row m of y is bitwise the same whatever M is (the GPU
+tests compare rows across BT; the same assumption as int4_gemm's wgmma tiles).
+
+Measured (H200, .device probes, graphs over weights rotated past L2, us per call at B = 128, against Triton's
+W4A16 and bf16 cuBLAS in the same process): Q4_K 5120x17408 103 (Triton 116, cuBLAS 56), 5120x6144 49 (52, 20),
+248320x5120 958 (1143, 682), 34816x5120 242 (215, 93), 16384x5120 94 (79, 44), 14336x5120 91 (79, 39); Q4_0
+5120x17408 100 (105, 56), 17408x5120 125 (118, 51). At B = 64 it lost to Triton on all eight (5120x17408 Q4_K 87
+against 79). So it wins where K is long or N very large, and it is nowhere near cuBLAS: ncu on 34816x5120 puts the
+tensor pipe at 33% busy, one block of 8 warps per SM (12.5% occupancy) issuing an instruction every 9.5 cycles
+per warp (stalls: long scoreboard 2.5, fixed latency 1.5, the per-quad barrier 1.0). What changed it: the units'
+row-fastest order (four-way bank conflicts in the reorder before: 34816x5120 337 -> 272 us), the staging
+addresses computed once per thread (the loop's ~900 instructions per quad and warp -> ~550: 272 -> 242), the
+128-byte swizzle (2-4%). What did not: 2-4 quads of weight loads in flight (U), 3-6 stages, two blocks per SM
+(MINB 2, or one warpgroup per block), BT 128 tiles of one m64 each. The next step is structural: producer warps
+feeding both operands through shared memory (no block-wide barrier per quad) and fewer dequantization
+instructions per weight (two packed fmas per pair now).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.quant_pack import GROUP, PackedWeight
+from kernels import int4_cuda, int4_mma
+
+FORMATS = int4_mma.FORMATS
+BT_CHOICES = (8, 16, 32, 64, 128)   # the wgmma's N extent; more sequences run over the grid
+NUM_SMS = int4_cuda.NUM_SMS
+SMEM_LIMIT = 227 * 1024             # dynamic shared memory per block on sm_90 (opt-in)
+MAX_SPLIT = 32
+MIN_QUADS_PER_SPLIT = 4             # >= 512 weights of K per split
+CONFIG_KEYS = ("WGS", "MT", "U", "STAGES", "MINB", "SWZ", "SPLIT_K", "TARGET_BLOCKS")
+# WGS warpgroups x MT m64 tiles per block; U quads of weight loads in flight per warp; STAGES quads of x in the
+# ring (>= 3: a stage is refilled two quads after its wgmmas were issued); MINB blocks per SM the registers must
+# allow; SWZ: x staged with the 128-byte swizzle. TARGET_BLOCKS: the split reaches this many blocks (one batch tile).
+# H200 sweep (below): two warpgroups of two m64 tiles (256 rows, 255 registers, one block per SM) were the fastest
+# or within 5% at B = 128 on all eight shapes.
+DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 1, "SWZ": 1, "TARGET_BLOCKS": NUM_SMS}
+MEASURED: dict[tuple[int, int, str], dict] = {}
+
+WG_KERNEL = r"""
+#define WGS (RT / 4)                        /* warpgroups per block */
+#define STAGE_BYTES (8 * 256 * NB)          /* one quad of x: 128 k x 8 NB rows x 2 B */
+// SWZ 1: the stage as two K-major atoms of 64 k with the 128-byte swizzle (row b's 16-byte chunk c at
+// (c ^ (b & 7)) * 16); SWZ 0: no swizzle, each k16 step's core matrices [2 k halves][NB][8 rows][16 B]
+#if SWZ
+#define PIECE(b, p, q) (((p) >> 1) * NB * 1024 + (b) * 128 + (((4 * ((p) & 1) + (q)) ^ ((b) & 7)) << 4))
+#else
+#define PIECE(b, p, q) ((((4 * (p) + (q)) * NB) + ((b) >> 3)) * 128 + ((b) & 7) * 16)
+#endif
+#define SMEM_TOTAL (STAGES * STAGE_BYTES)
+
+#ifndef ONEPASS_HOST_EMU
+#if X_F16
+#define WG_T "f16"
+#else
+#define WG_T "bf16"
+#endif
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory");
+}
+template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
+// x reordered by ordinary stores, then read by the wgmma (the async proxy)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// keeps the compiler from reading an accumulator before the wait that completes its wgmmas
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+/*WGMMA_RS*/
+#endif
+
+// where piece (row b, word p of the quad's group q) of a stage goes: core matrix (k16 step 2p + (q >> 1), k half
+// q & 1), rows b of 8 * NB; the step's two k halves are NB * 128 B apart, its 8-row blocks 128 B apart
+__device__ __forceinline__ int x_piece(int b, int p, int q) { return ((4 * p + q) * NB + (b >> 3)) * 128 + (b & 7) * 16; }
+
+// unit i of a stage (its four pieces q = 0..3) is row b, word p: a warp's units are 8 rows x 4 words, so each
+// quarter-warp's 16-byte accesses cover 128 contiguous bytes of shared memory (no bank conflicts; with the words
+// of a row in one quarter-warp they were 8 KB apart, four-way conflicts) and each row's 64 contiguous bytes of x
+#define UNIT_ROW(i) ((((i) >> 5) << 3) | ((i) & 7))
+#define UNIT_WORD(i) (((i) >> 3) & 3)
+#define UPT ((BT * 4 + RT * 32 - 1) / (RT * 32))     /* units per thread */
+
+// this thread's units, fixed for the whole K loop: where each reads x (the split's first quad), its row b and word
+// p; live: a row below M (else its pieces are zeros)
+struct XUnits {
+    const u16* src[UPT];
+    int b[UPT], p[UPT];
+    bool has[UPT], live[UPT];
+};
+
+__device__ __forceinline__ XUnits x_units(const u16* __restrict__ x, int sxm, int M, int m0, int g_lo) {
+    XUnits u;
+#pragma unroll
+    for (int k = 0; k < UPT; ++k) {
+        const int i = threadIdx.x + k * RT * 32, b = UNIT_ROW(i), p = UNIT_WORD(i);
+        u.has[k] = i < BT * 4;
+        u.live[k] = u.has[k] && m0 + b < M;
+        u.src[k] = x + (u.live[k] ? (i64)(m0 + b) * sxm + (i64)g_lo * 32 + 8 * p : 0);
+        u.b[k] = b;
+        u.p[k] = p;
+    }
+    return u;
+}
+
+// quad qn of the split (gq of its groups inside it) into the stage at dst: piece (b, p, q) holds the k of k16 step
+// 2p + (q >> 1), k half q & 1, row b (PIECE)
+__device__ __forceinline__ void stage_copy(u32 dst, const XUnits& u, int qn, int gq) {
+#pragma unroll
+    for (int k = 0; k < UPT; ++k) {
+        if (u.has[k]) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const bool live = u.live[k] && q < gq;
+                cp_async16_s(dst + PIECE(u.b[k], u.p[k], q), u.src[k] + (live ? qn * 128 + q * 32 : 0), live ? 16 : 0);
+            }
+        }
+    }
+}
+
+// the same thread's pieces, in place, in the A fragments' k order: core matrix (step 2p + h, half kh) row b takes
+// from each group q = 0..3 (lane t = q's two k slots) the pair nib_pair(word p, 2h + kh) makes of the weights
+__device__ __forceinline__ void stage_order(unsigned char* st, const XUnits& u) {
+#pragma unroll
+    for (int k = 0; k < UPT; ++k) {
+        if (u.has[k]) {
+            uint4* r[4];
+            uint4 o[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                r[q] = reinterpret_cast<uint4*>(st + PIECE(u.b[k], u.p[k], q));
+                o[q] = pair_order(*r[q]);
+            }
+            *r[0] = make_uint4(o[0].x, o[1].x, o[2].x, o[3].x);
+            *r[1] = make_uint4(o[0].y, o[1].y, o[2].y, o[3].y);
+            *r[2] = make_uint4(o[0].z, o[1].z, o[2].z, o[3].z);
+            *r[3] = make_uint4(o[0].w, o[1].w, o[2].w, o[3].w);
+        }
+    }
+}
+
+// no-swizzle K-major descriptor of a stage's k16 step 0 (address, leading-dimension offset = between the k halves,
+// stride-dimension offset = between 8-row blocks; 16 B units); step s is s * 256 NB bytes on
+__device__ __forceinline__ unsigned long long x_desc0(u32 base) {
+    return (unsigned long long)((base >> 4) & 0x3FFFu) | ((unsigned long long)((NB * 128u) >> 4) << 16)
+           | ((unsigned long long)(128u >> 4) << 32);
+}
+#if SWZ
+// 128-byte swizzle, K-major: 8-row blocks 1024 B apart (stride-dimension offset), layout type 1 (bits 62-63); k16
+// step s starts 32 B into its atom per step (the swizzle is applied to the address bits, atoms 1024-byte aligned)
+__device__ __forceinline__ unsigned long long x_desc0_swz(u32 base) {
+    return (unsigned long long)((base >> 4) & 0x3FFFu) | (1ull << 16) | ((unsigned long long)(1024u >> 4) << 32)
+           | (1ull << 62);
+}
+#define X_DESC(desc0, s) ((desc0) + (unsigned long long)(((s) >> 2) * NB * 64 + ((s) & 3) * 2))
+#define DESC0(base) x_desc0_swz(base)
+#else
+#define X_DESC(desc0, s) ((desc0) + (unsigned long long)((s) * 16 * NB))
+#define DESC0(base) x_desc0(base)
+#endif
+
+// one quad on the warpgroup's tensor cores: per word, the A fragments of every tile, then one commit group of their
+// wgmmas; waiting for the word before only, so the next word's fragments are made while this one runs
+__device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QSlot& sl, unsigned long long desc0) {
+    const QScales q = quad_scales(sl);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        u32 a_lo[MT][4], a_hi[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) quad_word(sl, q, p, mt, a_lo[mt], a_hi[mt]);
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            wgmma_rs(acc[mt], a_lo[mt], X_DESC(desc0, 2 * p));
+            wgmma_rs(acc[mt], a_hi[mt], X_DESC(desc0, 2 * p + 1));
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(RT * 32, MINB)
+w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
+            const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
+            int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt)
+{
+#ifdef ONEPASS_HOST_EMU
+    unsigned char* smem = g_smem;
+#else
+    extern __shared__ __align__(1024) unsigned char smem[];
+#endif
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, t = lane & 3;
+    int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
+    const int bt = pid % n_bt; pid /= n_bt;
+    const int nt = pid % n_nt;
+    const int s = pid / n_nt;
+    const int m0 = bt * BT;
+    const int n0 = (nt * WGS + (warp >> 2)) * 64 * MT + 16 * (warp & 3);    // this warp's rows of its first tile
+    const int g_lo = s * gps;
+    const int ng = min(G, g_lo + gps) - g_lo;   // groups of this split
+    const int nq = (ng + 3) >> 2;               // quads (only a last split may end in a partial one)
+
+    QCursor cur;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int na = min(n0 + 64 * mt + g8, N - 1);
+        cur.na[mt] = na;
+        cur.db[mt] = min(n0 + 64 * mt + g8 + 8, N - 1) - na;      // rows past N re-read a valid row
+    }
+    cur.g = g_lo + t;
+    cur.w = reinterpret_cast<const uint4*>(qw);
+    cur.s = sc; cur.m = mn; cur.u = sub;
+
+    const u32 sbase = smem_addr(smem);
+    const XUnits xu = x_units(x, sxm, M, m0, g_lo);
+#pragma unroll
+    for (int q = 0; q < STAGES - 2; ++q) {
+        if (q < nq) stage_copy(sbase + q * STAGE_BYTES, xu, q, min(4, ng - 4 * q));
+        cp_async_commit();
+    }
+    QSlot ring[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < nq) load_quad(ring[u], cur, N, g_lo + ng);
+    }
+    float acc[MT][4 * NB];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) acc[mt][j] = 0.0f;
+    }
+
+    int st = 0, sn = STAGES - 2;                // the stages of quad i and of quad i + STAGES - 2
+    for (int i0 = 0; i0 < nq; i0 += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u;
+            if (i < nq) {
+                cp_async_wait<STAGES - 3>();                          // this thread's pieces of quad i
+                stage_order(smem + st * STAGE_BYTES, xu);
+                fence_proxy_async();
+                __syncthreads();
+                const int qn = i + STAGES - 2;                        // into the stage of quad i - 2
+                if (qn < nq) stage_copy(sbase + sn * STAGE_BYTES, xu, qn, min(4, ng - 4 * qn));
+                cp_async_commit();
+                apply_quad_wg(acc, ring[u], DESC0(sbase + st * STAGE_BYTES));
+                if (i + U < nq) load_quad(ring[u], cur, N, g_lo + ng);
+                st = st == STAGES - 1 ? 0 : st + 1;
+                sn = sn == STAGES - 1 ? 0 : sn + 1;
+            }
+        }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) fence_operand(acc[mt][j]);
+    }
+
+    // lane (g, t) holds rows g, g + 8 of each of its tiles x sequences 8c + 2t, + 1
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) {
+            const int n = n0 + 64 * mt + g8 + ((j & 3) >= 2 ? 8 : 0), m = m0 + 8 * (j >> 2) + 2 * t + (j & 1);
+            if (n < N && m < M) {
+#if OUT32
+                reinterpret_cast<float*>(y)[(i64)s * sys + (i64)m * sym + n] = acc[mt][j];
+#else
+                reinterpret_cast<u16*>(y)[(i64)m * sym + n] = f32_to_x(acc[mt][j]);
+#endif
+            }
+        }
+    }
+}
+"""
+
+SOURCE_DEFINES = 14
+
+
+def _wgmma_rs_text(nb: int) -> str:
+    """wgmma_rs(d, a, desc): d[4 nb] += A (64 x 16; this warp's 16 rows in a, mma.m16n8k16's A layout) times the
+    16 x 8nb slice of x that desc names: one warpgroup-wide wgmma.mma_async m64n(8nb)k16, A from registers,
+    scale-d 1 (accumulate), B K-major."""
+    n = 4 * nb
+    d = ", ".join(f"%{i}" for i in range(n))
+    a = ", ".join(f"%{n + i}" for i in range(4))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    asm = (f"{{ .reg .pred p; setp.ne.b32 p, %{n + 5}, 0; wgmma.mma_async.sync.aligned.m64n{8 * nb}k16.f32.\" WG_T "
+           f"\".\" WG_T \" {{{d}}}, {{{a}}}, %{n + 4}, p, 1, 1, 0; }}")
+    return (f"__device__ __forceinline__ void wgmma_rs(float (&d)[{n}], const u32 (&a)[4], unsigned long long desc) {{\n"
+            f'    asm volatile("{asm}"\n'
+            f"                 : {outs}\n"
+            f'                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));\n}}\n')
+
+
+def source(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: int, stages: int, minb: int = 1,
+           swz: int = 1) -> str:
+    """The full source of one instantiation: SOURCE_DEFINES #define lines, then int4_mma's common device code
+    (the folded form's loads and fragments) and WG_KERNEL."""
+    head = (f"#define FMT {int4_mma.FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n"
+            f"#define OUT32 {int(out32)}\n#define RT {4 * wgs}\n#define P 1\n#define U {u}\n#define GMAX 32\n"
+            f"#define N16 1\n#define FOLD 1\n#define MINB {minb}\n#define MT {mt}\n#define STAGES {stages}\n"
+            f"#define SWZ {swz}\n")
+    assert head.count("\n") == SOURCE_DEFINES
+    return head + int4_mma.MMA_COMMON + WG_KERNEL.replace("/*WGMMA_RS*/", _wgmma_rs_text(_cdiv(bt, 8)))
+
+
+def available() -> bool:
+    """Whether the kernel can run here: an sm_90 device (wgmma needs the sm_90a target) and torch's NVRTC
+    binding (it names the target exactly)."""
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and hasattr(torch.cuda, "_compile_kernel"))
+
+
+def supports(fmt: str) -> bool:
+    return fmt in FORMATS
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: int, stages: int, minb: int,
+            swz: int, device: torch.device):
+    if not available():
+        raise RuntimeError("int4_wgmma: needs an sm_90 GPU and torch.cuda._compile_kernel")
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, wgs, mt, u, stages, minb, swz), "w4a16_wgmma", "torch", device,
+                             arch="90a")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """DEFAULTS, then MEASURED[(N, K, fmt)], then config (int4_cuda.layered_config), checked."""
+    out = int4_cuda.layered_config("int4_wgmma", (N, K, fmt), DEFAULTS, (MEASURED.get((N, K, fmt)), config),
+                                   CONFIG_KEYS)
+    if out["WGS"] not in (1, 2) or out["MT"] not in (1, 2) or not 1 <= out["U"] <= 4 or not 3 <= out["STAGES"] <= 6 \
+            or not 1 <= out["MINB"] <= 4 or out["SWZ"] not in (0, 1):
+        raise ValueError(f"int4_wgmma: config {out} for {(N, K, fmt)}: need WGS and MT in (1, 2), 1 <= U <= 4, "
+                         f"3 <= STAGES <= 6, 1 <= MINB <= 4 and SWZ in (0, 1)")
+    return out
+
+
+def smem_bytes(bt: int, stages: int) -> int:
+    """The block's dynamic shared memory (the kernel's SMEM_TOTAL): STAGES quads of x for 8 * ceil(BT / 8) rows."""
+    return stages * 8 * 256 * _cdiv(bt, 8)
+
+
+def split(G: int, n_nt: int, c: dict) -> tuple[int, int]:
+    """(S, groups per split): SPLIT_K splits if named, else the fewest (each >= MIN_QUADS_PER_SPLIT quads) that
+    make n_nt * S >= TARGET_BLOCKS; splits of whole quads."""
+    Q = _cdiv(G, 4)
+    if c.get("SPLIT_K"):
+        S = max(1, min(int(c["SPLIT_K"]), Q))
+    else:
+        S = 1
+        while S < MAX_SPLIT and n_nt * S < c["TARGET_BLOCKS"] and _cdiv(Q, S + 1) >= MIN_QUADS_PER_SPLIT:
+            S += 1
+    gps = _cdiv(Q, S) * 4
+    return _cdiv(G, gps), gps
+
+
+def wg_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """The launch for x [M, K]: the split from (N, K, fmt) and config only; BT the smallest of BT_CHOICES holding
+    M (128, over the grid, above)."""
+    c = shape_config(N, K, fmt, config)
+    rows = 64 * c["MT"] * c["WGS"]
+    n_nt = _cdiv(N, rows)
+    S, gps = split(K // GROUP, n_nt, c)
+    bt = next((b for b in BT_CHOICES if M <= b), BT_CHOICES[-1])
+    smem = smem_bytes(bt, c["STAGES"])
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"int4_wgmma: BT={bt} STAGES={c['STAGES']} needs {smem} B of shared memory (limit {SMEM_LIMIT})")
+    n_bt = _cdiv(M, bt)
+    return {"BT": bt, "WGS": c["WGS"], "MT": c["MT"], "U": c["U"], "STAGES": c["STAGES"], "MINB": c["MINB"], "SWZ": c["SWZ"],
+            "SPLIT_K": S,
+            "groups_per_split": gps, "grid": n_bt * n_nt * S, "block": 128 * c["WGS"], "n_bt": n_bt, "n_nt": n_nt,
+            "smem": smem, "workspace_floats": S * M * N if S > 1 else 0}
+
+
+def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
+    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    need = max([wg_config(max_rows, n, k, f, config)["workspace_floats"] for n, k, f in shapes if supports(f)],
+               default=0)
+    if need:
+        int4_cuda._SPLITK.get(device, need)
+
+
+def w4a16_wgmma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
+                config: dict | None = None, defer: bool = False):
+    """y = x @ unpack_folded(w, x.dtype)^T for a packed Q4_0 / Q4_1 / Q4_K weight (module docstring). x [M, K] bf16 /
+    fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None. defer: split-K partials
+    returned as a kernels.splitk.SplitSums."""
+    if isinstance(pw, PackedWeight) and not supports(pw.fmt):
+        raise ValueError(f"w4a16_wgmma: format {pw.fmt} not supported (only {FORMATS}); use the Triton kernel")
+    return int4_cuda.run_packed(
+        "w4a16_wgmma", x, pw, out,
+        plan=lambda M, N, K, fmt: wg_config(M, N, K, fmt, config),
+        kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["WGS"], cfg["MT"], cfg["U"],
+                                                      cfg["STAGES"], cfg["MINB"], cfg["SWZ"], dev),
+        # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
+        x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
+        words_per_pair=4, defer=defer)
+
+
+__all__ = ["w4a16_wgmma", "available", "supports", "wg_config", "shape_config", "reserve_workspace", "source",
+           "MEASURED", "FORMATS", "WG_KERNEL"]

@@ -1,0 +1,108 @@
+"""kernels/int4_wgmma.py: the large-batch W4A16 kernel on sm_90's wgmma. On the CPU its source runs under
+tests/cuda_emu.py (wgmma emulated as PTX defines its operands); on an H200 the compiled kernel against the folded
+reference, rows independent of M, graph capture."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import int4_wgmma
+from tests import cuda_emu
+from tests.test_int4_cuda import (emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
+                                  gpu_strided_and_graph_capture)
+from tests.test_int4_gemm import _weight, _x  # noqa: F401  (also sets the interpreter flag)
+from tests.test_int4_mma import folded_weights
+
+ON_GPU = torch.cuda.is_available()
+needs_wg = pytest.mark.skipif(ON_GPU and not int4_wgmma.available(), reason="no sm_90 device or no torch NVRTC binding")
+needs_emu = pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+
+
+def _plan(M, N, K, fmt, config=None):
+    return int4_wgmma.wg_config(M, N, K, fmt, config)
+
+
+# (N, K, fmt, Ms, config): rows past N, partial quads (K = 1088: 34 groups; K = 160: 5), splits, two warpgroups
+# and two m64 tiles, batch tiles of 8..32 (rows past M), x staged without and with the 128-byte swizzle
+EMU = [(72, 1088, "q4_1", (3, 20), {"WGS": 1, "MT": 1, "STAGES": 3, "SPLIT_K": 2, "SWZ": 0}),
+       (136, 768, "q4_k", (1, 9, 32), {"WGS": 2, "MT": 1, "U": 2, "STAGES": 4}),
+       (40, 160, "q4_0", (5, 16), {"WGS": 1, "MT": 2, "STAGES": 5}),
+       (200, 1024, "q4_k", (3, 17), {"WGS": 2, "MT": 2, "U": 1, "STAGES": 3, "SPLIT_K": 3})]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]['WGS']}x{c[4]['MT']}")
+def test_wgmma_source_emulated_matches_folded_ref(seed, case):
+    """Staging ring, in-place reorder, descriptors, A fragments and the epilogue on the exact source text: against
+    x @ unpack_folded(w)^T (bf16 and fp16 x), rows bitwise independent of M, bf16 out the fp32 result rounded once."""
+    emulated_matches_ref(cuda_emu.w4a16_wgmma_emulated, _plan, seed, *case, weights=folded_weights)
+
+
+@needs_emu
+def test_wgmma_launch_shape_is_bit_neutral(seed):
+    """WGS, MT, U, STAGES and the staging's swizzle move rows between warps and change the pipeline, never a row's
+    sum (same split); the block order does not matter either."""
+    pw, xs = _weight("q4_k", 136, 1024, seed % 1000, device="cpu")
+    x = _x(seed, 12, 1024, xs, device="cpu")
+    base = {"WGS": 1, "MT": 1, "U": 1, "STAGES": 3, "SPLIT_K": 2}
+    want = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=base)
+    for cfg in ({"WGS": 2, "MT": 2, "U": 2, "STAGES": 4}, {"WGS": 1, "MT": 2, "U": 3, "STAGES": 6, "SWZ": 0}):
+        got = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config={**base, **cfg}, seed=seed + 1)
+        assert torch.equal(got, want), f"{cfg} changed the bits"
+
+
+def test_wgmma_launch_rules():
+    """The split comes from (N, K, fmt) and the per-shape config alone (whole quads, >= 4 per split unless named),
+    so it is the same at every M; BT is the wgmma's N extent; bad configs are refused."""
+    for N, K, fmt in [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 6144, "q4_k"), (2048, 8192, "q4_0")]:
+        c = _plan(128, N, K, fmt)
+        G, gps, S = K // 32, c["groups_per_split"], c["SPLIT_K"]
+        assert gps % 4 == 0 and (S - 1) * gps < G <= S * gps
+        assert S == 1 or gps >= 4 * int4_wgmma.MIN_QUADS_PER_SPLIT
+        assert all((_plan(m, N, K, fmt)["SPLIT_K"], _plan(m, N, K, fmt)["groups_per_split"]) == (S, gps)
+                   for m in (1, 9, 64, 300))
+    assert [_plan(m, 4096, 4096, "q4_0")["BT"] for m in (1, 8, 9, 33, 64, 65, 128, 300)] == [8, 8, 16, 64, 64, 128,
+                                                                                                128, 128]
+    assert _plan(300, 4096, 4096, "q4_0")["n_bt"] == 3
+    assert _plan(128, 4096, 4096, "q4_0")["smem"] == int4_wgmma.DEFAULTS["STAGES"] * 128 * 256
+    for bad in ({"WGS": 3}, {"MT": 4}, {"STAGES": 2}, {"U": 0}, {"SWZ": 2}):
+        with pytest.raises(ValueError, match="int4_wgmma"):
+            _plan(4, 4096, 4096, "q4_k", bad)
+    with pytest.raises(ValueError, match="not supported"):
+        int4_wgmma.w4a16_wgmma(torch.zeros(1, 64), _weight("q8_0", 16, 64, 0, device="cpu")[0])
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("case", [(40, 256, "q4_0"), (72, 1024, "q4_1"), (33, 768, "q4_k"), (1000, 1088, "q4_0"),
+                                  (34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 17408, "q4_0")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_wgmma_matches_folded_ref(seed, case):
+    gpu_matches_ref(int4_wgmma.w4a16_wgmma, _plan, "cuda_wgmma", seed, *case, weights=folded_weights)
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (2048, 8192, "q4_k"), (5120, 4096, "q4_0")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_wgmma_batch_invariant_fp32(seed, case):
+    """Every batch tile (m64n8 .. m64n128) gives a row the same bits."""
+    gpu_rows_independent_of_m(int4_wgmma.w4a16_wgmma, seed, *case)
+
+
+@pytest.mark.gpu
+@needs_wg
+def test_wgmma_batch_invariant_at_large_tiles(seed):
+    """Rows computed in tiles of 128 (M = 128, 200) equal the same rows computed alone or in tiles of 64."""
+    pw, xs = _weight("q4_k", 2048, 5120, seed % 1000, device="cuda")
+    x = _x(seed, 200, 5120, xs, device="cuda")
+    y_all = int4_wgmma.w4a16_wgmma(x, pw, torch.empty(200, 2048, device="cuda"))
+    for lo, M in ((0, 128), (100, 64), (199, 1), (64, 40)):
+        y = int4_wgmma.w4a16_wgmma(x[lo:lo + M], pw, torch.empty(M, 2048, device="cuda"))
+        assert torch.equal(y, y_all[lo:lo + M]), f"rows {lo}..{lo + M} depend on M"
+
+
+@pytest.mark.gpu
+@needs_wg
+def test_wgmma_strided_and_graph_capture(seed):
+    gpu_strided_and_graph_capture(int4_wgmma.w4a16_wgmma, seed, 2048, 8192, "q4_k", weights=folded_weights)
