@@ -1,5 +1,5 @@
 """`w4a16(x, pw, out)`: the engine's projection for a weight kept quantized (a PackedWeight), choosing per
-shape among four variants:
+shape among six variants:
 
   "triton"          kernels/int4_gemm.py: tensor-core W4A16 kernel, any B, batch-invariant
   "cuda"            kernels/int4_cuda.py: CUDA-core W4A16 kernel for small B (CuPy / NVRTC), batch-invariant
@@ -7,6 +7,8 @@ shape among four variants:
                     Q4_1 / Q4_K; NVRTC like "cuda"), batch-invariant
   "cuda_mma_fold"   the same kernel's folded form: group scales folded into bf16 / fp16 weights
                     (engine.quant_pack.unpack_folded), one fp32 accumulation across K; batch-invariant
+  "cuda_wgmma"      kernels/int4_wgmma.py: the folded weights on sm_90's wgmma, batch tiles of up to 128
+                    (NVRTC through torch, sm_90a only); batch-invariant
   "dequant_cublas"  dequantize the packed weight into a reusable per-device workspace (one bf16/fp16 [N, K]
                     buffer shared by every projection: memory = the largest single matrix, never a second
                     copy of the model), then torch.matmul. Not batch-invariant (cuBLAS picks its algorithm
@@ -24,7 +26,8 @@ Policies (``set_policy`` / ``engine.int4``):
               as engine.gemm=cublas engines do.
   "fastest":  per (N, K, fmt, B bucket), any variant; like engine.gemm=cublas, B streams may then differ
               from the single stream in the last bits.
-  "triton" | "cuda" | "cuda_mma" | "cuda_mma_fold" | "dequant_cublas": force one variant (benchmarks, tests).
+  "triton" | "cuda" | "cuda_mma" | "cuda_mma_fold" | "cuda_wgmma" | "dequant_cublas": force one variant
+              (benchmarks, tests).
               ``ONEPASS_INT4_VARIANT``
               does the same from the environment.
 
@@ -64,22 +67,23 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # (python -m kernels.int4_dispatch prints these lines from a recorded run). Empty until measured.
 # Measured on the H200 (torch 2.11, triton 3.6, cupy 14.2; experiment int4_gemm: the issue's five Q4_0 shapes at
 # B = 1..128, commit 2a7e149 (5120x17408 and 17408x5120 at 0675de4), and the 27B hybrid's five Q4_K projections at
-# B = 1, 8, 16, 32, 64, 128, and its LM head 248320x5120, all six again at 10a25e8 (Triton's W16)):
+# B = 1, 8, 16, 32, 64, 128, and its LM head 248320x5120, all six again at 10a25e8 (Triton's W16); every shape at
+# B = 64 and 128 again at e516e01, with cuda_wgmma):
 # the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
 # the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
 MEASURED: dict[tuple[int, int, str], dict] = {
-    (2048, 8192, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'dequant_cublas', 128: 'dequant_cublas'},
-    (4096, 4096, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
-    (5120, 6144, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'dequant_cublas'},
+    (2048, 8192, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
+    (4096, 4096, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'triton'},
+    (5120, 6144, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'dequant_cublas'},
     (5120, 12288, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma_fold', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma', 2: 'cuda_mma_fold', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
-    (5120, 17408, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'triton'},
-    (5120, 17408, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
+    (5120, 17408, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'cuda_wgmma'},
+    (5120, 17408, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'cuda_wgmma'},
     (14336, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
     (16384, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
     (17408, 5120, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'dequant_cublas'},
     (34816, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
-    (248320, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
+    (248320, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'cuda_wgmma'},
 }
 
 _policy = os.environ.get("ONEPASS_INT4_VARIANT", "").strip() or "invariant"
