@@ -383,14 +383,17 @@ def smem_bytes(bt: int, stages: int) -> int:
 
 
 def split(G: int, n_nt: int, c: dict) -> tuple[int, int]:
-    """(S, groups per split): SPLIT_K splits if named, else the fewest (each >= MIN_QUADS_PER_SPLIT quads) that
-    make n_nt * S >= TARGET_BLOCKS; splits of whole quads."""
+    """(S, groups per split): SPLIT_K splits if named, else the most (each >= MIN_QUADS_PER_SPLIT quads) whose
+    n_nt * S blocks still fit in TARGET_BLOCKS, one wave of the blocks the SMs hold at once: a block runs a
+    whole split, so a second wave of a few blocks costs as much as the first (at e516e01 the rule was "the fewest
+    reaching TARGET_BLOCKS": 5120x17408 took 7 splits, 140 blocks on 132 SMs). Splits of whole quads."""
     Q = _cdiv(G, 4)
     if c.get("SPLIT_K"):
         S = max(1, min(int(c["SPLIT_K"]), Q))
     else:
         S = 1
-        while S < MAX_SPLIT and n_nt * S < c["TARGET_BLOCKS"] and _cdiv(Q, S + 1) >= MIN_QUADS_PER_SPLIT:
+        while (S < MAX_SPLIT and n_nt * (S + 1) <= c["TARGET_BLOCKS"]
+               and _cdiv(Q, S + 1) >= MIN_QUADS_PER_SPLIT):
             S += 1
     gps = _cdiv(Q, S) * 4
     return _cdiv(G, gps), gps

@@ -52,13 +52,14 @@ def test_wgmma_launch_shape_is_bit_neutral(seed):
 
 
 def test_wgmma_launch_rules():
-    """The split comes from (N, K, fmt) and the per-shape config alone (whole quads, >= 4 per split unless named),
-    so it is the same at every M; BT is the wgmma's N extent; bad configs are refused."""
+    """The split comes from (N, K, fmt) and the per-shape config alone (whole quads, >= 4 per split unless named, at
+    most one wave of blocks), so it is the same at every M; BT is the wgmma's N extent; bad configs are refused."""
     for N, K, fmt in [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 6144, "q4_k"), (2048, 8192, "q4_0")]:
         c = _plan(128, N, K, fmt)
         G, gps, S = K // 32, c["groups_per_split"], c["SPLIT_K"]
         assert gps % 4 == 0 and (S - 1) * gps < G <= S * gps
         assert S == 1 or gps >= 4 * int4_wgmma.MIN_QUADS_PER_SPLIT
+        assert S == 1 or c["n_nt"] * S <= int4_wgmma.DEFAULTS["TARGET_BLOCKS"]      # one wave of blocks
         assert all((_plan(m, N, K, fmt)["SPLIT_K"], _plan(m, N, K, fmt)["groups_per_split"]) == (S, gps)
                    for m in (1, 9, 64, 300))
     assert [_plan(m, 4096, 4096, "q4_0")["BT"] for m in (1, 8, 9, 33, 64, 65, 128, 300)] == [8, 8, 16, 64, 64, 128,
