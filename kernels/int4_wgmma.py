@@ -34,19 +34,21 @@ splits added in order 0..S-1; the split, WGS and MT come from (N, K, fmt) alone.
 N extent, whose columns are independent) and the grid, so row m of y is bitwise the same whatever M is (the GPU
 tests compare rows across BT; the same assumption as int4_gemm's wgmma tiles).
 
-Measured (H200, .device probes, graphs over weights rotated past L2, us per call at B = 128, against Triton's
-W4A16 and bf16 cuBLAS in the same process): Q4_K 5120x17408 103 (Triton 116, cuBLAS 56), 5120x6144 49 (52, 20),
-248320x5120 958 (1143, 682), 34816x5120 242 (215, 93), 16384x5120 94 (79, 44), 14336x5120 91 (79, 39); Q4_0
-5120x17408 100 (105, 56), 17408x5120 125 (118, 51). At B = 64 it lost to Triton on all eight (5120x17408 Q4_K 87
-against 79). So it wins where K is long or N very large, and it is nowhere near cuBLAS: ncu on 34816x5120 puts the
-tensor pipe at 33% busy, one block of 8 warps per SM (12.5% occupancy) issuing an instruction every 9.5 cycles
-per warp (stalls: long scoreboard 2.5, fixed latency 1.5, the per-quad barrier 1.0). What changed it: the units'
-row-fastest order (four-way bank conflicts in the reorder before: 34816x5120 337 -> 272 us), the staging
-addresses computed once per thread (the loop's ~900 instructions per quad and warp -> ~550: 272 -> 242), the
-128-byte swizzle (2-4%). What did not: 2-4 quads of weight loads in flight (U), 3-6 stages, two blocks per SM
-(MINB 2, or one warpgroup per block), BT 128 tiles of one m64 each. The next step is structural: producer warps
-feeding both operands through shared memory (no block-wide barrier per quad) and fewer dequantization
-instructions per weight (two packed fmas per pair now).
+Measured (H200, experiment int4_gemm at 64c4aa5, us per call at B = 128, against Triton's W4A16 and bf16 cuBLAS
+in the same job): Q4_K 5120x17408 74.5 (Triton 116, cuBLAS 56), 5120x6144 34 (52, 20), 16384x5120 72 (80, 45),
+14336x5120 69 (79, 40), 248320x5120 1,006 (1,141, 694), 34816x5120 239 (214, 93); Q4_0 5120x17408 72 (106, 56),
+2048x8192 22 (30, 17). The fastest kernel at B = 128 on ten of eleven shapes and at B = 64 on eight, and still
+1.3-2.6x bf16 cuBLAS's time. The split decides a lot: a block runs a whole split with one block per SM, so splits
+are chosen to fill one wave (split()); with "the fewest reaching 132 blocks" 5120x17408 ran 7 splits, 140 blocks,
+105 us. 34816x5120 is 136 blocks of 256 rows: two waves whatever the split.
+Why not faster (ncu, 34816x5120, an earlier build): the tensor pipe 33% busy, one block of 8 warps per SM (12.5%
+occupancy) issuing an instruction every 9.5 cycles per warp (stalls: long scoreboard 2.5, fixed latency 1.5, the
+per-quad barrier 1.0). What helped (34816x5120): the units' row-fastest order (four-way bank conflicts in the
+reorder before: 337 -> 272 us), the staging addresses computed once per thread (~900 -> ~550 instructions per quad
+and warp: 272 -> 242), the 128-byte swizzle (2-4%). What did not: 2-4 quads of weight loads in flight (U), 3-6
+stages, two blocks per SM (MINB 2, or one warpgroup per block), one m64 tile per warpgroup. The next step is
+structural: producer warps feeding both operands through shared memory (no block-wide barrier per quad) and fewer
+dequantization instructions per weight (two packed fmas per pair now).
 """
 from __future__ import annotations
 
