@@ -16,11 +16,13 @@ The kernel
   tile warp r of the warpgroup gives rows 16r .. 16r + 15 as mma.m16n8k16's A fragment, which is also its part
   of wgmma's m64 A operand. The fragments are int4_mma's folded ones (quad_word): lane (g, t) loads the whole
   16-byte record of group 4j + t of quad j for rows g and g + 8, and word p of it becomes the A operand of two
-  k16 steps (nibble pairs (0,4) (1,5), then (2,6) (3,7)), scaled by one packed fma per pair.
+  k16 steps (nibble pairs (0,4) (1,5), then (2,6) (3,7)): per pair one packed fma makes the exact integers and
+  one more applies the group's scale and offset.
   Sequences: a batch tile of BT (8 .. 128) is the wgmma's N extent: x is the B operand, read by the wgmma
   from shared memory through a descriptor. It streams through a ring of STAGES quads (BT rows x 128 weights of
-  K each): cp.async copies each 16-byte piece (row b, word p of the quad's group q) to where the k16 step's
-  core matrix wants it, and the thread that copied it then puts the values in the A fragments' k order in
+  K each, two K-major atoms of 64 k with the 128-byte swizzle): cp.async copies each 16-byte piece (row b,
+  word p of the quad's group q) to where its k16 step reads it, and the thread that copied it then puts the
+  values in the A fragments' k order in
   place (pair_order and a 4 x 4 transpose of its four pieces) -- no other thread touches them.
   Per quad: wait for its copies, reorder, fence.proxy.async, one barrier, refill the ring two quads on (the
   stage the quad before last used: every warpgroup's wgmma_wait<1> has retired those reads by this barrier),
