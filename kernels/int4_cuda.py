@@ -561,10 +561,16 @@ _SPLITK = SplitKWorkspace()
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
     """Size the split-K workspace for up to max_rows rows of every (N, K, fmt) in shapes (before capture),
     with their MEASURED launch shapes, or ``config`` for all of them."""
+    reserve_splits(device, shapes, max_rows, lambda M, N, K, fmt: cuda_config(M, N, K, fmt, config))
+
+
+def reserve_splits(device: torch.device | str, shapes, max_rows: int, plan) -> None:
+    """Grow the split-K workspace (shared by the CUDA kernels) to the largest need of max_rows rows of the
+    (N, K, fmt) in shapes, plan(M, N, K, fmt) giving each launch's "workspace_floats"."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    need = max([cuda_config(max_rows, n, k, f, config)["workspace_floats"] for n, k, f in shapes], default=0)
+    need = max([plan(max_rows, n, k, f)["workspace_floats"] for n, k, f in shapes], default=0)
     if need:
         _SPLITK.get(device, need)
 
@@ -641,5 +647,5 @@ def w4a16_cuda(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = Non
         words_per_pair=1, defer=defer)
 
 
-__all__ = ["w4a16_cuda", "run_packed", "available", "compiler", "cuda_config", "shape_config", "split_rule", "reserve_workspace",
+__all__ = ["w4a16_cuda", "run_packed", "available", "compiler", "cuda_config", "shape_config", "split_rule", "reserve_workspace", "reserve_splits",
            "CUDA_SOURCE", "source", "BTG", "MEASURED"]

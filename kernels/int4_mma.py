@@ -838,13 +838,8 @@ def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None, fol
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
     """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    need = max([mma_config(max_rows, n, k, f, config)["workspace_floats"] for n, k, f in shapes if supports(f)],
-               default=0)
-    if need:
-        int4_cuda._SPLITK.get(device, need)
+    int4_cuda.reserve_splits(device, [s for s in shapes if supports(s[2])], max_rows,
+                             lambda M, N, K, fmt: mma_config(M, N, K, fmt, config))
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,

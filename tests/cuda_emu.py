@@ -160,9 +160,14 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
         std::vector<WarpMma> warps(nw);
         for (int w = 0; w < nw; ++w) { wbars.emplace_back(new std::barrier<>(32)); warps[w].bar = wbars[w].get(); }
         g_warps = warps.data();
+#ifdef ONEPASS_EMU_WG
+        std::vector<WgMma> wgs(block / 128);           // a warpgroup's 128 threads meet at its own barrier
+        for (auto& wg : wgs) { wbars.emplace_back(new std::barrier<>(128)); wg.bar = wbars.back().get(); }
+        g_wgs = wgs.data();
+#endif
         std::vector<std::thread> ts;
         for (int t = 0; t < block; ++t)
-            ts.emplace_back([=] { threadIdx.x = t; w4a16_mma(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
+            ts.emplace_back([=] { threadIdx.x = t; KERNEL(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
         for (auto& t : ts) t.join();
     }
     return 0;
@@ -175,6 +180,7 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
 # swizzle; or the 128-byte swizzle, layout type 1), each k16 step summed in k order like mma16816; fences and waits
 # are no-ops here
 SHIM_WG = r"""
+#define ONEPASS_EMU_WG 1
 struct WgMma { std::barrier<>* bar; unsigned a[128][4]; };
 static WgMma* g_wgs;
 static inline void wgmma_fence() {}
@@ -212,33 +218,6 @@ static inline void wgmma_rs(float (&d)[NN], const unsigned (&a)[4], unsigned lon
         }
     }
     W.bar->arrive_and_wait();
-}
-"""
-
-LAUNCH_WG = r"""
-extern "C" int launch_wg(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
-                          const u16* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
-                          int n_bt, int n_nt, int smem_bytes, unsigned seed) {
-    if (smem_bytes != SMEM_TOTAL) return -1;
-    std::vector<uint4> smem((SMEM_TOTAL + 15) / 16);
-    g_smem = reinterpret_cast<unsigned char*>(smem.data());
-    std::vector<int> order(grid);
-    for (int i = 0; i < grid; ++i) order[i] = i;
-    for (int i = grid - 1; i > 0; --i) { seed = seed * 1664525u + 1013904223u; std::swap(order[i], order[seed % (i + 1)]); }
-    for (int ob = 0; ob < grid; ++ob) {
-        blockIdx.x = order[ob];
-        std::barrier<> bar(block);
-        g_bar = &bar;
-        std::vector<std::unique_ptr<std::barrier<>>> wbars;
-        std::vector<WgMma> wgs(block / 128);
-        for (auto& wg : wgs) { wbars.emplace_back(new std::barrier<>(128)); wg.bar = wbars.back().get(); }
-        g_wgs = wgs.data();
-        std::vector<std::thread> ts;
-        for (int t = 0; t < block; ++t)
-            ts.emplace_back([=] { threadIdx.x = t; w4a16_wgmma(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
-        for (auto& t : ts) t.join();
-    }
-    return 0;
 }
 """
 
@@ -319,70 +298,66 @@ def splitk_reduce_emulated(ws: torch.Tensor, out32: bool = False) -> torch.Tenso
     return y
 
 
-def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
-                       fold: bool = False, seed: int = 0) -> torch.Tensor:
-    """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU, its blocks in a random order
-    (seed); split-K partials are added in split order as int4_cuda's reduce kernel does."""
+def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], shims: str, kernel: str,
+                     out32: bool, seed: int) -> torch.Tensor:
+    """One launch of int4_mma's or int4_wgmma's source (its defines, then the emulator's shims, then the body) with
+    the arguments run_packed gives it; split-K partials added in split order (int4_cuda's reduce kernel's order)."""
     from engine.quant_pack import GROUP
-    from kernels import int4_mma
 
-    x = x.contiguous()
     M, K = x.shape
-    N = pw.N
-    cfg = int4_mma.mma_config(M, N, K, pw.fmt, config, fold)
-    S = cfg["SPLIT_K"]
+    N, S = pw.N, cfg["SPLIT_K"]
     c = pw.mins if pw.mins is not None else pw.scales
     sub = pw.sub if pw.sub is not None else pw.scales
-    n = int4_mma.SOURCE_DEFINES
     o32 = out32 or S > 1
-    h = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["RT"], cfg["P"], cfg["U"],
-                        N % 16 == 0, fold, cfg["MINB"], cfg["MT"]).split("\n", n)
-    lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + h[n] + LAUNCH_MMA)
+    h, body = head_and_body
+    lib = _lib(h + "\n" + SHIM + SHIM_MMA + shims + f"#define KERNEL {kernel}\n" + body + LAUNCH_MMA)
     y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
     rc = lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
                         _ptr(pw.scales), _ptr(c), _ptr(sub), _ptr(y),
                         *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]),
                         ctypes.c_uint(seed))
-    assert rc == 0, f"int4_mma.smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
-    return _split_order_sum(y, S, out32, x.dtype) if o32 else y
-
-
-def _split_order_sum(y: torch.Tensor, S: int, out32: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Split-K partials [S, M, N] added in split order (int4_cuda's reduce kernel's order), rounded once."""
+    assert rc == 0, f"{kernel}: the host's smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
+    if not o32:
+        return y
     acc = y[0].clone()
     for s in range(1, S):
         acc += y[s]
-    return acc if out32 else acc.to(dtype)
+    return acc if out32 else acc.to(x.dtype)
+
+
+def _split_defines(src: str, n: int) -> list[str]:
+    h = src.split("\n", n)
+    return ["\n".join(h[:n]), h[n]]
+
+
+def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
+                       fold: bool = False, seed: int = 0) -> torch.Tensor:
+    """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU, its blocks in a random order
+    (seed); split-K partials are added in split order as int4_cuda's reduce kernel does."""
+    from kernels import int4_mma
+
+    x = x.contiguous()
+    M, K = x.shape
+    cfg = int4_mma.mma_config(M, pw.N, K, pw.fmt, config, fold)
+    src = int4_mma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["RT"], cfg["P"],
+                          cfg["U"], pw.N % 16 == 0, fold, cfg["MINB"], cfg["MT"])
+    return _run_tensor_core(x, pw, cfg, _split_defines(src, int4_mma.SOURCE_DEFINES), "", "w4a16_mma", out32, seed)
 
 
 def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
                          seed: int = 0) -> torch.Tensor:
     """kernels.int4_wgmma.w4a16_wgmma's launch (same config, same arguments) on the CPU, its blocks in a random
     order (seed); split-K partials added in split order."""
-    from engine.quant_pack import GROUP
     from kernels import int4_wgmma
 
     x = x.contiguous()
     M, K = x.shape
-    N = pw.N
-    cfg = int4_wgmma.wg_config(M, N, K, pw.fmt, config)
-    S = cfg["SPLIT_K"]
-    c = pw.mins if pw.mins is not None else pw.scales
-    sub = pw.sub if pw.sub is not None else pw.scales
-    n = int4_wgmma.SOURCE_DEFINES
-    o32 = out32 or S > 1
-    h = int4_wgmma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, o32, cfg["WGS"], cfg["MT"], cfg["U"],
-                          cfg["STAGES"], cfg["MINB"], cfg["SWZ"]).split("\n", n)
-    lib = _lib("\n".join(h[:n]) + "\n" + SHIM + SHIM_MMA + SHIM_WG + h[n] + LAUNCH_WG)
-    y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
-    ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
-    rc = lib.launch_wg(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
-                       _ptr(pw.scales), _ptr(c), _ptr(sub), _ptr(y),
-                       *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]),
-                       ctypes.c_uint(seed))
-    assert rc == 0, f"int4_wgmma.smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
-    return _split_order_sum(y, S, out32, x.dtype) if o32 else y
+    cfg = int4_wgmma.wg_config(M, pw.N, K, pw.fmt, config)
+    src = int4_wgmma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["WGS"],
+                            cfg["MT"], cfg["U"], cfg["STAGES"], cfg["MINB"], cfg["SWZ"])
+    return _run_tensor_core(x, pw, cfg, _split_defines(src, int4_wgmma.SOURCE_DEFINES), SHIM_WG, "w4a16_wgmma", out32,
+                            seed)
 
 
 __all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "w4a16_wgmma_emulated", "splitk_reduce_emulated", "np"]
