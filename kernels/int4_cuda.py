@@ -556,6 +556,7 @@ def cuda_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) ->
 
 
 _SPLITK = SplitKWorkspace()
+_FLAGS = SplitKWorkspace(torch.int32, zeroed=True)     # stream-K tiles' tickets (int4_wgmma), zero between launches
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
@@ -565,14 +566,19 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
 
 
 def reserve_splits(device: torch.device | str, shapes, max_rows: int, plan) -> None:
-    """Grow the split-K workspace (shared by the CUDA kernels) to the largest need of max_rows rows of the
-    (N, K, fmt) in shapes, plan(M, N, K, fmt) giving each launch's "workspace_floats"."""
+    """Grow the split-K workspace (shared by the CUDA kernels) and the stream-K flags to the largest need of
+    max_rows rows of the (N, K, fmt) in shapes, plan(M, N, K, fmt) giving each launch's "workspace_floats" (and
+    "flag_ints")."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    need = max([plan(max_rows, n, k, f)["workspace_floats"] for n, k, f in shapes], default=0)
+    plans = [plan(max_rows, n, k, f) for n, k, f in shapes]
+    need = max([p["workspace_floats"] for p in plans], default=0)
     if need:
         _SPLITK.get(device, need)
+    flags = max([p.get("flag_ints", 0) for p in plans], default=0)
+    if flags:
+        _FLAGS.get(device, flags)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -583,7 +589,9 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
     """The host path shared by the CUDA W4A16 kernels (this one and kernels/int4_mma.py), whose kernels take the
     same arguments (x, qweight, scales, mins, sub, y, sxm, sym, sys, M, N, G, groups per split, n_bt, n_nt):
     argument checks, empty shapes, copies of x / out the kernel cannot read or write in place, then one launch
-    and, split-K, the partials into the workspace and the split-order reduce.
+    and, split-K, the partials into the workspace and the split-order reduce. A stream-K plan ("workers" > 0,
+    int4_wgmma) passes the workers where the groups per split go, plus the workspace and the flags, and its
+    kernel writes out itself.
     plan(M, N, K, fmt) -> the launch dict; kernel(cfg, x_f16, out32, device) -> the compiled kernel;
     x_needs_copy(x) -> whether x must be made contiguous first; words_per_pair: the kernel's int32 index
     reaches G * N * words_per_pair. defer: with several splits, return the partials unreduced as a
@@ -617,7 +625,12 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
     S, dev = cfg["SPLIT_K"], x.device
     sxm = x.stride(0) if M > 1 else K
     sym = out.stride(0) if M > 1 else N
-    tail = [M, N, G, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]]
+    tail = [M, N, G, cfg.get("workers") or cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"]]
+    if cfg.get("workers"):      # stream-K: the kernel finishes the shared tiles itself (ws, flags); defer moot
+        ws, flags = _SPLITK.get(dev, cfg["workspace_floats"]), _FLAGS.get(dev, cfg["flag_ints"])
+        kernel(cfg, x_f16, out32, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0,
+                                                                   *tail, ws, flags], dev, cfg.get("smem", 0))
+        return out
     if S == 1:
         kernel(cfg, x_f16, out32, dev)(cfg["grid"], cfg["block"], [x, pw.qweight, pw.scales, c, sub, out, sxm, sym, 0,
                                                                    *tail], dev, cfg.get("smem", 0))

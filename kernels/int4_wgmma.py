@@ -30,9 +30,15 @@ The kernel
   word's group only, so the next word's dequantization overlaps the tensor cores.
   Splits: the K range is cut into SPLIT_K splits of whole quads; partials go to int4_cuda's split-K workspace and
   its reduce (or to the consumer, defer=True), in split order.
+  Stream-K: with more row tiles than one wave of blocks (34816x5120: 136 tiles of 256 rows on 132 SMs; the LM
+  heads), whole tiles in a second wave would leave most SMs idle. Instead TARGET_BLOCKS blocks take equal ranges
+  of the tiles' quads, tile-major; a range is at least a tile long, so a tile is shared by at most two blocks,
+  which meet through a per-tile ticket: the first leaves its fp32 partial in the workspace, the second adds it
+  (one commutative addition) and stores the tile.
 
 Batch invariance: every output element is the chain of its split's k16 steps in quad, word order, then the
-splits added in order 0..S-1; the split, WGS and MT come from (N, K, fmt) alone. M moves only BT (the wgmma's
+splits added in order 0..S-1 (stream-K: the two chains of a shared tile added); the split, the stream-K ranges,
+WGS and MT come from (N, K, fmt) alone. M moves only BT (the wgmma's
 N extent, whose columns are independent) and the grid, so row m of y is bitwise the same whatever M is (the GPU
 tests compare rows across BT; the same assumption as int4_gemm's wgmma tiles).
 
@@ -67,13 +73,15 @@ NUM_SMS = int4_cuda.NUM_SMS
 SMEM_LIMIT = 227 * 1024             # dynamic shared memory per block on sm_90 (opt-in)
 MAX_SPLIT = 32
 MIN_QUADS_PER_SPLIT = 4             # >= 512 weights of K per split
-CONFIG_KEYS = ("WGS", "MT", "U", "STAGES", "MINB", "SWZ", "SPLIT_K", "TARGET_BLOCKS")
+CONFIG_KEYS = ("WGS", "MT", "U", "STAGES", "MINB", "SWZ", "SK", "SPLIT_K", "TARGET_BLOCKS")
 # WGS warpgroups x MT m64 tiles per block; U quads of weight loads in flight per warp; STAGES quads of x in the
 # ring (>= 3: a stage is refilled two quads after its wgmmas were issued); MINB blocks per SM the registers must
 # allow; SWZ: x staged with the 128-byte swizzle. TARGET_BLOCKS: the split reaches this many blocks (one batch tile).
+# SK: with more row tiles than TARGET_BLOCKS (and no SPLIT_K named), stream-K: TARGET_BLOCKS blocks share the
+# tiles' K steps evenly instead of a second, mostly idle wave of whole tiles.
 # H200 sweep (below): two warpgroups of two m64 tiles (256 rows, 255 registers, one block per SM) were the fastest
 # or within 5% at B = 128 on all eight shapes.
-DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 1, "SWZ": 1, "TARGET_BLOCKS": NUM_SMS}
+DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 1, "SWZ": 1, "SK": 1, "TARGET_BLOCKS": NUM_SMS}
 MEASURED: dict[tuple[int, int, str], dict] = {}
 
 WG_KERNEL = r"""
@@ -218,28 +226,15 @@ __device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QS
     }
 }
 
-extern "C" __global__ void __launch_bounds__(RT * 32, MINB)
-w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
-            const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
-            int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt)
+// one segment: the block's MT WGS m64 tiles of rows (this warp's first row n0) times the batch tile at m0, over the
+// groups g_lo .. g_lo + ng of K, into acc (zeroed here); the smem ring is free when it starts and when it returns
+__device__ __forceinline__ void k_segment(float (&acc)[MT][4 * NB], unsigned char* smem, const u16* __restrict__ x,
+                                          const u32* __restrict__ qw, const u16* __restrict__ sc,
+                                          const u16* __restrict__ mn, const u16* __restrict__ sub, int sxm, int M,
+                                          int N, int n0, int m0, int g_lo, int ng)
 {
-#ifdef ONEPASS_HOST_EMU
-    unsigned char* smem = g_smem;
-#else
-    extern __shared__ __align__(1024) unsigned char smem[];
-#endif
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g8 = lane >> 2, t = lane & 3;
-    int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
-    const int bt = pid % n_bt; pid /= n_bt;
-    const int nt = pid % n_nt;
-    const int s = pid / n_nt;
-    const int m0 = bt * BT;
-    const int n0 = (nt * WGS + (warp >> 2)) * 64 * MT + 16 * (warp & 3);    // this warp's rows of its first tile
-    const int g_lo = s * gps;
-    const int ng = min(G, g_lo + gps) - g_lo;   // groups of this split
-    const int nq = (ng + 3) >> 2;               // quads (only a last split may end in a partial one)
-
+    const int lane = threadIdx.x & 31, g8 = lane >> 2, t = lane & 3;
+    const int nq = (ng + 3) >> 2;               // quads (only a segment ending at K may end in a partial one)
     QCursor cur;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -263,7 +258,6 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     for (int u = 0; u < U; ++u) {
         if (u < nq) load_quad(ring[u], cur, N, g_lo + ng);
     }
-    float acc[MT][4 * NB];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -291,21 +285,31 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         }
     }
     wgmma_wait<0>();
+    cp_async_wait<0>();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int j = 0; j < 4 * NB; ++j) fence_operand(acc[mt][j]);
     }
+    __syncthreads();                            // every warpgroup's wgmmas are done with the ring
+}
 
-    // lane (g, t) holds rows g, g + 8 of each of its tiles x sequences 8c + 2t, + 1
+// lane (g, t) holds rows g, g + 8 of each of its tiles x sequences 8c + 2t, + 1: element j of tile mt
+#define ACC_ROW(mt, j) (n0 + 64 * (mt) + (lane >> 2) + (((j) & 3) >= 2 ? 8 : 0))
+#define ACC_SEQ(j) (m0 + 8 * ((j) >> 2) + 2 * (lane & 3) + ((j) & 1))
+
+__device__ __forceinline__ void store_acc(const float (&acc)[MT][4 * NB], void* __restrict__ y, i64 off, int sym,
+                                          int M, int N, int n0, int m0)
+{
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int j = 0; j < 4 * NB; ++j) {
-            const int n = n0 + 64 * mt + g8 + ((j & 3) >= 2 ? 8 : 0), m = m0 + 8 * (j >> 2) + 2 * t + (j & 1);
+            const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
             if (n < N && m < M) {
 #if OUT32
-                reinterpret_cast<float*>(y)[(i64)s * sys + (i64)m * sym + n] = acc[mt][j];
+                reinterpret_cast<float*>(y)[off + (i64)m * sym + n] = acc[mt][j];
 #else
                 reinterpret_cast<u16*>(y)[(i64)m * sym + n] = f32_to_x(acc[mt][j]);
 #endif
@@ -313,9 +317,103 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         }
     }
 }
+
+#if SK
+// a tile whose K range two blocks share (stream-K): the first to finish (ticket 0) leaves its fp32 partial in ws
+// and raises the tile's ready flag; the other waits for the flag (the first is running: it holds its ticket), adds
+// the partial to its own (one fp32 addition, commutative: the same bits whichever came first), stores the tile and
+// resets both flags for the next launch
+__device__ __forceinline__ void sk_combine(float (&acc)[MT][4 * NB], unsigned char* smem, void* __restrict__ y,
+                                           float* __restrict__ ws, int* __restrict__ flags, int tile, int sym, int M,
+                                           int N, int n0, int m0)
+{
+    volatile int* s_ticket = reinterpret_cast<volatile int*>(smem);    // the ring is free between segments
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) *s_ticket = atomicAdd(&flags[2 * tile], 1);
+    __syncthreads();
+    const int ticket = *s_ticket;
+    __syncthreads();                            // read by all before the next segment refills the ring
+    if (ticket == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < 4 * NB; ++j) {
+                const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
+                if (n < N && m < M) ws[(i64)m * N + n] = acc[mt][j];
+            }
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicExch(&flags[2 * tile + 1], 1);
+        return;
+    }
+    if (threadIdx.x == 0) {
+        while (atomicAdd(&flags[2 * tile + 1], 0) == 0) {}
+        flags[2 * tile] = 0;
+        flags[2 * tile + 1] = 0;
+    }
+    __syncthreads();
+    __threadfence();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) {
+            const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
+            if (n < N && m < M) acc[mt][j] += __ldcg(&ws[(i64)m * N + n]);
+        }
+    }
+    store_acc(acc, y, 0, sym, M, N, n0, m0);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(RT * 32, MINB)
+w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
+            const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
+            int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt
+#if SK
+            , float* __restrict__ ws, int* __restrict__ flags
+#endif
+            )
+{
+#ifdef ONEPASS_HOST_EMU
+    unsigned char* smem = g_smem;
+#else
+    extern __shared__ __align__(1024) unsigned char smem[];
+#endif
+    const int warp = threadIdx.x >> 5;
+    int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
+    const int bt = pid % n_bt; pid /= n_bt;
+    const int m0 = bt * BT;
+    float acc[MT][4 * NB];
+#if SK
+    // stream-K: the n_nt x Q (tile, quad) steps of K, tile-major, cut into gps equal ranges, one per block of this
+    // batch tile; a range covers whole tiles and at most one tile's tail (first) and one tile's head (last), each
+    // shared with one other block (gps <= n_nt: a range is at least a tile long)
+    const int Q = (G + 3) >> 2;
+    const i64 T = (i64)n_nt * Q;
+    i64 it = T * pid / gps;
+    const i64 hi = T * (pid + 1) / gps;
+    while (it < hi) {
+        const int nt = (int)(it / Q), q0 = (int)(it % Q);
+        const int q1 = (int)min((i64)Q, q0 + (hi - it));
+        const int n0 = (nt * WGS + (warp >> 2)) * 64 * MT + 16 * (warp & 3);
+        k_segment(acc, smem, x, qw, sc, mn, sub, sxm, M, N, n0, m0, 4 * q0, min(G, 4 * q1) - 4 * q0);
+        if (q0 == 0 && q1 == Q) store_acc(acc, y, 0, sym, M, N, n0, m0);
+        else sk_combine(acc, smem, y, ws, flags, bt * n_nt + nt, sym, M, N, n0, m0);
+        it += q1 - q0;
+    }
+#else
+    const int nt = pid % n_nt;
+    const int s = pid / n_nt;
+    const int n0 = (nt * WGS + (warp >> 2)) * 64 * MT + 16 * (warp & 3);    // this warp's rows of its first tile
+    const int g_lo = s * gps;
+    k_segment(acc, smem, x, qw, sc, mn, sub, sxm, M, N, n0, m0, g_lo, min(G, g_lo + gps) - g_lo);
+    store_acc(acc, y, (i64)s * sys, sym, M, N, n0, m0);
+#endif
+}
 """
 
-SOURCE_DEFINES = 14
+SOURCE_DEFINES = 15
 
 
 def _wgmma_rs_text(nb: int) -> str:
@@ -335,13 +433,13 @@ def _wgmma_rs_text(nb: int) -> str:
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: int, stages: int, minb: int = 1,
-           swz: int = 1) -> str:
+           swz: int = 1, sk: bool = False) -> str:
     """The full source of one instantiation: SOURCE_DEFINES #define lines, then int4_mma's common device code
     (the folded form's loads and fragments) and WG_KERNEL."""
     head = (f"#define FMT {int4_mma.FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n"
             f"#define OUT32 {int(out32)}\n#define RT {4 * wgs}\n#define P 1\n#define U {u}\n#define GMAX 32\n"
             f"#define N16 1\n#define FOLD 1\n#define MINB {minb}\n#define MT {mt}\n#define STAGES {stages}\n"
-            f"#define SWZ {swz}\n")
+            f"#define SWZ {swz}\n#define SK {int(sk)}\n")
     assert head.count("\n") == SOURCE_DEFINES
     return head + int4_mma.MMA_COMMON + WG_KERNEL.replace("/*WGMMA_RS*/", _wgmma_rs_text(_cdiv(bt, 8)))
 
@@ -359,11 +457,11 @@ def supports(fmt: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: int, stages: int, minb: int,
-            swz: int, device: torch.device):
+            swz: int, sk: bool, device: torch.device):
     if not available():
         raise RuntimeError("int4_wgmma: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, wgs, mt, u, stages, minb, swz), "w4a16_wgmma", "torch", device,
-                             arch="90a")
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, wgs, mt, u, stages, minb, swz, sk), "w4a16_wgmma", "torch",
+                             device, arch="90a")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -375,9 +473,10 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     out = int4_cuda.layered_config("int4_wgmma", (N, K, fmt), DEFAULTS, (MEASURED.get((N, K, fmt)), config),
                                    CONFIG_KEYS)
     if out["WGS"] not in (1, 2) or out["MT"] not in (1, 2) or not 1 <= out["U"] <= 4 or not 3 <= out["STAGES"] <= 6 \
-            or not 1 <= out["MINB"] <= 4 or out["SWZ"] not in (0, 1):
+            or not 1 <= out["MINB"] <= 4 or out["SWZ"] not in (0, 1) or out["SK"] not in (0, 1) \
+            or out.get("TARGET_BLOCKS", 1) < 1:
         raise ValueError(f"int4_wgmma: config {out} for {(N, K, fmt)}: need WGS and MT in (1, 2), 1 <= U <= 4, "
-                         f"3 <= STAGES <= 6, 1 <= MINB <= 4 and SWZ in (0, 1)")
+                         f"3 <= STAGES <= 6, 1 <= MINB <= 4, SWZ and SK in (0, 1), TARGET_BLOCKS >= 1")
     return out
 
 
@@ -404,21 +503,26 @@ def split(G: int, n_nt: int, c: dict) -> tuple[int, int]:
 
 
 def wg_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
-    """The launch for x [M, K]: the split from (N, K, fmt) and config only; BT the smallest of BT_CHOICES holding
-    M (128, over the grid, above)."""
+    """The launch for x [M, K]: the split (or stream-K) from (N, K, fmt) and config only; BT the smallest of
+    BT_CHOICES holding M (128, over the grid, above). Stream-K ("workers" > 0): that many blocks per batch tile
+    share the row tiles' K steps, a partial tile's fp32 sum through the workspace (M x N floats) and two flags per
+    tile ("flag_ints")."""
     c = shape_config(N, K, fmt, config)
     rows = 64 * c["MT"] * c["WGS"]
     n_nt = _cdiv(N, rows)
-    S, gps = split(K // GROUP, n_nt, c)
+    G = K // GROUP
+    workers = c["TARGET_BLOCKS"] if c["SK"] and not c.get("SPLIT_K") and n_nt > c["TARGET_BLOCKS"] else 0
+    S, gps = (1, _cdiv(G, 4) * 4) if workers else split(G, n_nt, c)
     bt = next((b for b in BT_CHOICES if M <= b), BT_CHOICES[-1])
     smem = smem_bytes(bt, c["STAGES"])
     if smem > SMEM_LIMIT:
         raise ValueError(f"int4_wgmma: BT={bt} STAGES={c['STAGES']} needs {smem} B of shared memory (limit {SMEM_LIMIT})")
     n_bt = _cdiv(M, bt)
     return {"BT": bt, "WGS": c["WGS"], "MT": c["MT"], "U": c["U"], "STAGES": c["STAGES"], "MINB": c["MINB"], "SWZ": c["SWZ"],
-            "SPLIT_K": S,
-            "groups_per_split": gps, "grid": n_bt * n_nt * S, "block": 128 * c["WGS"], "n_bt": n_bt, "n_nt": n_nt,
-            "smem": smem, "workspace_floats": S * M * N if S > 1 else 0}
+            "SPLIT_K": S, "groups_per_split": gps, "workers": workers,
+            "grid": n_bt * (workers or n_nt * S), "block": 128 * c["WGS"], "n_bt": n_bt, "n_nt": n_nt,
+            "smem": smem, "workspace_floats": M * N if workers else (S * M * N if S > 1 else 0),
+            "flag_ints": 2 * n_bt * n_nt if workers else 0}
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
@@ -438,7 +542,7 @@ def w4a16_wgmma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = No
         "w4a16_wgmma", x, pw, out,
         plan=lambda M, N, K, fmt: wg_config(M, N, K, fmt, config),
         kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["WGS"], cfg["MT"], cfg["U"],
-                                                      cfg["STAGES"], cfg["MINB"], cfg["SWZ"], dev),
+                                                      cfg["STAGES"], cfg["MINB"], cfg["SWZ"], cfg["workers"] > 0, dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4, defer=defer)

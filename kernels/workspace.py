@@ -1,27 +1,31 @@
-"""Shared by the GEMM kernels: scratch buffers for split-K partial sums (one per device, grown on demand,
-never freed while a captured CUDA graph may still point at an older one) and the BLOCK_M pin read from
+"""Shared by the GEMM kernels: scratch buffers for split-K partial sums and stream-K flags (one per device, grown on
+demand, never freed while a captured CUDA graph may still point at an older one) and the BLOCK_M pin read from
 the environment."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 
 class SplitKWorkspace:
-    def __init__(self) -> None:
+    """fp32 scratch by default; zeroed=True (with an integer dtype): flags the kernels leave zero when they end."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, zeroed: bool = False) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
+        self._make = functools.partial(torch.zeros if zeroed else torch.empty, dtype=dtype)
 
     def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        """An fp32 buffer of at least `numel` elements (a fresh one on the CPU, for the interpreter)."""
+        """A buffer of at least `numel` elements (a fresh one on the CPU, for the interpreter)."""
         if device.type != "cuda":
-            return torch.empty(numel, dtype=torch.float32, device=device)
+            return self._make(numel, device=device)
         ws = self._buffers.get(device)
         if ws is None or ws.numel() < numel:
             if ws is not None:
                 self._retired.append(ws)  # a captured graph may still point at it
-            ws = torch.empty(numel, dtype=torch.float32, device=device)
+            ws = self._make(numel, device=device)
             self._buffers[device] = ws
         return ws
 

@@ -143,7 +143,7 @@ static inline void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigne
 LAUNCH_MMA = r"""
 extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, const u16* sc, const u16* mn,
                            const u16* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
-                           int n_bt, int n_nt, int smem_bytes, unsigned seed) {
+                           int n_bt, int n_nt, int smem_bytes, unsigned seed, float* ws, int* flags) {
     if (smem_bytes != SMEM_TOTAL) return -1;          // the host's shared-memory size must be the kernel's
     const int nw = block / 32;
     std::vector<uint4> smem((SMEM_TOTAL + 15) / 16);
@@ -167,7 +167,11 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
 #endif
         std::vector<std::thread> ts;
         for (int t = 0; t < block; ++t)
-            ts.emplace_back([=] { threadIdx.x = t; KERNEL(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
+            ts.emplace_back([=] { threadIdx.x = t; KERNEL(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt
+#if SK
+                                                          , ws, flags
+#endif
+                                                          ); });
         for (auto& t : ts) t.join();
     }
     return 0;
@@ -189,6 +193,11 @@ template <int PENDING> static inline void wgmma_wait() {}
 template <int PENDING> static inline void cp_async_wait() {}
 static inline void fence_proxy_async() {}
 static inline void fence_operand(float&) {}
+// stream-K: only thread 0 touches the flags and blocks run one after another, so plain reads and writes do
+static inline int atomicAdd(int* p, int v) { const int o = *p; *p = o + v; return o; }
+static inline int atomicExch(int* p, int v) { const int o = *p; *p = v; return o; }
+static inline void __threadfence() {}
+static inline float __ldcg(const float* p) { return *p; }
 template <int NN>
 static inline void wgmma_rs(float (&d)[NN], const unsigned (&a)[4], unsigned long long desc) {
     const int tid = threadIdx.x & 127, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -301,23 +310,29 @@ def splitk_reduce_emulated(ws: torch.Tensor, out32: bool = False) -> torch.Tenso
 def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], shims: str, kernel: str,
                      out32: bool, seed: int) -> torch.Tensor:
     """One launch of int4_mma's or int4_wgmma's source (its defines, then the emulator's shims, then the body) with
-    the arguments run_packed gives it; split-K partials added in split order (int4_cuda's reduce kernel's order)."""
+    the arguments run_packed gives it; split-K partials added in split order (int4_cuda's reduce kernel's order).
+    Stream-K (cfg["workers"]): the workspace and zeroed flags too, which the kernel must leave zero."""
     from engine.quant_pack import GROUP
 
     M, K = x.shape
-    N, S = pw.N, cfg["SPLIT_K"]
+    N, S, workers = pw.N, cfg["SPLIT_K"], cfg.get("workers", 0)
     c = pw.mins if pw.mins is not None else pw.scales
     sub = pw.sub if pw.sub is not None else pw.scales
     o32 = out32 or S > 1
     h, body = head_and_body
-    lib = _lib(h + "\n" + SHIM + SHIM_MMA + shims + f"#define KERNEL {kernel}\n" + body + LAUNCH_MMA)
+    lib = _lib(h + "\n" + SHIM + SHIM_MMA + shims + f"#define KERNEL {kernel}\n#ifndef SK\n#define SK 0\n#endif\n"
+               + body + LAUNCH_MMA)
     y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
+    ws = torch.full((max(1, cfg.get("workspace_floats", 0)),), float("nan"))
+    flags = torch.zeros(max(1, cfg.get("flag_ints", 0)), dtype=torch.int32)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
     rc = lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
                         _ptr(pw.scales), _ptr(c), _ptr(sub), _ptr(y),
-                        *ints(K, N, M * N, M, N, K // GROUP, cfg["groups_per_split"], cfg["n_bt"], cfg["n_nt"], cfg["smem"]),
-                        ctypes.c_uint(seed))
+                        *ints(K, N, M * N, M, N, K // GROUP, workers or cfg["groups_per_split"], cfg["n_bt"],
+                              cfg["n_nt"], cfg["smem"]),
+                        ctypes.c_uint(seed), _ptr(ws), _ptr(flags))
     assert rc == 0, f"{kernel}: the host's smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
+    assert not flags.any(), f"{kernel}: stream-K flags left set: {flags.nonzero().flatten().tolist()}"
     if not o32:
         return y
     acc = y[0].clone()
@@ -355,7 +370,7 @@ def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict 
     M, K = x.shape
     cfg = int4_wgmma.wg_config(M, pw.N, K, pw.fmt, config)
     src = int4_wgmma.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["WGS"],
-                            cfg["MT"], cfg["U"], cfg["STAGES"], cfg["MINB"], cfg["SWZ"])
+                            cfg["MT"], cfg["U"], cfg["STAGES"], cfg["MINB"], cfg["SWZ"], cfg["workers"] > 0)
     return _run_tensor_core(x, pw, cfg, _split_defines(src, int4_wgmma.SOURCE_DEFINES), SHIM_WG, "w4a16_wgmma", out32,
                             seed)
 

@@ -3,6 +3,8 @@ tests/cuda_emu.py (wgmma emulated as PTX defines its operands); on an H200 the c
 reference, rows independent of M, graph capture."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -23,8 +25,12 @@ def _plan(M, N, K, fmt, config=None):
 
 
 # (N, K, fmt, Ms, config): rows past N, partial quads (K = 1088: 34 groups; K = 160: 5), splits, two warpgroups
-# and two m64 tiles, batch tiles of 8..32 (rows past M), x staged without and with the 128-byte swizzle
-EMU = [(72, 1088, "q4_1", (3, 20), {"WGS": 1, "MT": 1, "STAGES": 3, "SPLIT_K": 2, "SWZ": 0}),
+# and two m64 tiles, batch tiles of 8..32 (rows past M), x staged without and with the 128-byte swizzle; stream-K
+# (more row tiles than TARGET_BLOCKS): 5 tiles of 9 quads on 3 blocks (tile heads and tails, the partial quad in a
+# tail, rows past N in a shared tile), 5 tiles of 128 rows and 6 quads
+EMU = [(300, 1088, "q4_1", (2, 19), {"WGS": 1, "MT": 1, "STAGES": 3, "TARGET_BLOCKS": 3}),
+       (520, 768, "q4_k", (5,), {"WGS": 2, "MT": 1, "TARGET_BLOCKS": 3}),
+       (72, 1088, "q4_1", (3, 20), {"WGS": 1, "MT": 1, "STAGES": 3, "SPLIT_K": 2, "SWZ": 0}),
        (136, 768, "q4_k", (1, 9, 32), {"WGS": 2, "MT": 1, "U": 2, "STAGES": 4}),
        (40, 160, "q4_0", (5, 16), {"WGS": 1, "MT": 2, "STAGES": 5}),
        (200, 1024, "q4_k", (3, 17), {"WGS": 2, "MT": 2, "U": 1, "STAGES": 3, "SPLIT_K": 3})]
@@ -66,7 +72,12 @@ def test_wgmma_launch_rules():
                                                                                                 128, 128]
     assert _plan(300, 4096, 4096, "q4_0")["n_bt"] == 3
     assert _plan(128, 4096, 4096, "q4_0")["smem"] == int4_wgmma.DEFAULTS["STAGES"] * 128 * 256
-    for bad in ({"WGS": 3}, {"MT": 4}, {"STAGES": 2}, {"U": 0}, {"SWZ": 2}):
+    sk = _plan(128, 34816, 5120, "q4_k")            # 136 row tiles of 256 on 132 SMs: stream-K, one wave
+    assert (sk["workers"], sk["grid"], sk["SPLIT_K"], sk["flag_ints"]) == (132, 132, 1, 272)
+    assert sk["workspace_floats"] == 128 * 34816 and _plan(300, 34816, 5120, "q4_k")["grid"] == 3 * 132
+    assert _plan(128, 34816, 5120, "q4_k", {"SK": 0})["grid"] == 136
+    assert _plan(128, 16384, 5120, "q4_k")["workers"] == 0                  # 64 tiles: splits fill the wave
+    for bad in ({"WGS": 3}, {"MT": 4}, {"STAGES": 2}, {"U": 0}, {"SWZ": 2}, {"SK": 2}, {"TARGET_BLOCKS": 0}):
         with pytest.raises(ValueError, match="int4_wgmma"):
             _plan(4, 4096, 4096, "q4_k", bad)
     with pytest.raises(ValueError, match="not supported"):
@@ -91,19 +102,45 @@ def test_wgmma_batch_invariant_fp32(seed, case):
     gpu_rows_independent_of_m(int4_wgmma.w4a16_wgmma, seed, *case)
 
 
+# stream-K forced on small shapes: 8 row tiles of 256 on 5 blocks, 4 tiles (the last one partial) on 3
+SK_SMALL = [(2048, 5120, "q4_k", {"TARGET_BLOCKS": 5}), (1000, 1088, "q4_0", {"TARGET_BLOCKS": 3})]
+
+
 @pytest.mark.gpu
 @needs_wg
-def test_wgmma_batch_invariant_at_large_tiles(seed):
+@pytest.mark.parametrize("case", SK_SMALL, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_wgmma_stream_k(seed, case):
+    """Stream-K (tiles shared by two blocks, their partials met through the workspace and the flags): against the
+    folded reference at B = 1..256, rows independent of M, and the same bits on every repeat (the flags are left
+    zero for the next launch)."""
+    N, K, fmt, config = case
+    assert _plan(64, N, K, fmt, config)["workers"] == config["TARGET_BLOCKS"]
+    fn = functools.partial(int4_wgmma.w4a16_wgmma, config=config)
+    gpu_matches_ref(fn, lambda M, N, K, fmt: _plan(M, N, K, fmt, config), "cuda_wgmma stream-K", seed, N, K, fmt,
+                    weights=folded_weights)
+    gpu_rows_independent_of_m(fn, seed, N, K, fmt)
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    x = _x(seed, 77, K, xs, device="cuda")
+    first = fn(x, pw)
+    for _ in range(5):
+        assert torch.equal(fn(x, pw), first), "stream-K result changed between launches"
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("config", [None, {"TARGET_BLOCKS": 5}], ids=["split", "stream_k"])
+def test_wgmma_batch_invariant_at_large_tiles(seed, config):
     """Rows computed in tiles of 128 (M = 128, 200) equal the same rows computed alone or in tiles of 64."""
     pw, xs = _weight("q4_k", 2048, 5120, seed % 1000, device="cuda")
     x = _x(seed, 200, 5120, xs, device="cuda")
-    y_all = int4_wgmma.w4a16_wgmma(x, pw, torch.empty(200, 2048, device="cuda"))
+    y_all = int4_wgmma.w4a16_wgmma(x, pw, torch.empty(200, 2048, device="cuda"), config=config)
     for lo, M in ((0, 128), (100, 64), (199, 1), (64, 40)):
-        y = int4_wgmma.w4a16_wgmma(x[lo:lo + M], pw, torch.empty(M, 2048, device="cuda"))
+        y = int4_wgmma.w4a16_wgmma(x[lo:lo + M], pw, torch.empty(M, 2048, device="cuda"), config=config)
         assert torch.equal(y, y_all[lo:lo + M]), f"rows {lo}..{lo + M} depend on M"
 
 
 @pytest.mark.gpu
 @needs_wg
-def test_wgmma_strided_and_graph_capture(seed):
-    gpu_strided_and_graph_capture(int4_wgmma.w4a16_wgmma, seed, 2048, 8192, "q4_k", weights=folded_weights)
+@pytest.mark.parametrize("shape", [(2048, 8192), (34816, 5120)], ids=["split", "stream_k"])
+def test_wgmma_strided_and_graph_capture(seed, shape):
+    gpu_strided_and_graph_capture(int4_wgmma.w4a16_wgmma, seed, *shape, "q4_k", weights=folded_weights)
