@@ -69,7 +69,8 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # B = 1..128, commit 2a7e149 (5120x17408 and 17408x5120 at 0675de4), and the 27B hybrid's five Q4_K projections at
 # B = 1, 8, 16, 32, 64, 128, and its LM head 248320x5120, all six again at 10a25e8 (Triton's W16); every shape at
 # B = 64 and 128 again at e516e01 and 64c4aa5, with cuda_wgmma; Llama-3.2-1B's other Q4_0 shapes 3072x2048,
-# 16384x2048, 2048x2048 and its LM head 128256x2048 at B = 1, 8, 32, 64, 128 at c6b561b):
+# 16384x2048, 2048x2048 and its LM head 128256x2048 at B = 1, 8, 32, 64, 128 at c6b561b; the six Q4_K shapes at
+# B = 8..128 and 128256x2048 at 9cece18, with cuda_wgmma's stream-K on the shapes of more than 132 row tiles):
 # the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
 # the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
@@ -82,13 +83,13 @@ MEASURED: dict[tuple[int, int, str], dict] = {
     (5120, 12288, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma_fold', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma', 2: 'cuda_mma_fold', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
     (5120, 17408, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'triton', 128: 'cuda_wgmma'},
     (5120, 17408, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
-    (14336, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
+    (14336, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_wgmma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_wgmma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
     (16384, 2048, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_wgmma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_wgmma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
     (16384, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
     (17408, 5120, 'q4_0'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_mma', 32: 'cuda_mma', 64: 'triton', 128: 'cuda_wgmma'},
-    (34816, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'},
-    (128256, 2048, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_wgmma', 32: 'cuda_wgmma', 64: 'triton', 128: 'cuda_wgmma'}, 1: 'cuda_mma', 8: 'cuda_wgmma', 32: 'cuda_wgmma', 64: 'triton', 128: 'cuda_wgmma'},
-    (248320, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'cuda_wgmma'},
+    (34816, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
+    (128256, 2048, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_wgmma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_wgmma', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
+    (248320, 5120, 'q4_k'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_wgmma', 128: 'cuda_wgmma'},
 }
 
 _policy = os.environ.get("ONEPASS_INT4_VARIANT", "").strip() or "invariant"

@@ -48,7 +48,11 @@ in the same job): Q4_K 5120x17408 74.5 (Triton 116, cuBLAS 56), 5120x6144 34 (52
 2048x8192 22 (30, 17). The fastest kernel at B = 128 on ten of eleven shapes and at B = 64 on eight, and still
 1.3-2.6x bf16 cuBLAS's time. The split decides a lot: a block runs a whole split with one block per SM, so splits
 are chosen to fill one wave (split()); with "the fewest reaching 132 blocks" 5120x17408 ran 7 splits, 140 blocks,
-105 us. 34816x5120 is 136 blocks of 256 rows: two waves whatever the split.
+105 us. 34816x5120 was 136 blocks of 256 rows, two waves whatever the split; stream-K (9cece18) runs it in one:
+145 us at B = 128 (Triton 214) and 108 at B = 64 (Triton 130; 199 in two waves). On the LM heads, whose tail wave
+was already small, it is mixed: 248320x5120 1,035 us at B = 128 (1,006 in 8 waves), 679 at B = 64 (Triton 770);
+128256x2048 Q4_0 147 against 161 at B = 64, 208 against 199 at B = 128, and 95 against 61 at B = 8 (not understood
+yet; the mma kernels serve B <= 16 there).
 Why not faster (ncu, 34816x5120, an earlier build): the tensor pipe 33% busy, one block of 8 warps per SM (12.5%
 occupancy) issuing an instruction every 9.5 cycles per warp (stalls: long scoreboard 2.5, fixed latency 1.5, the
 per-quad barrier 1.0). What helped (34816x5120): the units' row-fastest order (four-way bank conflicts in the
