@@ -236,6 +236,7 @@ def int4_gemm(df: pd.DataFrame):
         "CUDA mma (us)": _opt(df, "metrics.cuda_mma_us"),
         "mma folded (us)": _opt(df, "metrics.cuda_mma_fold_us"),
         "wgmma (us)": _opt(df, "metrics.cuda_wgmma_us"),
+        "wgmma x2 (us)": _opt(df, "metrics.cuda_wgmma_x2_us"),
         "dequant + cuBLAS (us)": _opt(df, "metrics.dequant_cublas_us"),
         "bf16 cuBLAS (us)": _opt(df, "metrics.bf16_us"),
         "picked": _tag(df, "tags.int4_pick"),
@@ -247,8 +248,8 @@ def int4_gemm(df: pd.DataFrame):
     d["_n"] = num(df, "params.micro.n")
     d["_k"] = num(df, "params.micro.k")
     d = d.sort_values(["format", "_n", "_k", "B"], ascending=[True, False, True, True]).drop(columns=["_n", "_k"])
-    md = d.to_markdown(index=False, floatfmt=("", "", ".0f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", "", ".2f",
-                                              ".2f", "", ""))
+    md = d.to_markdown(index=False, floatfmt=("", "", ".0f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", "",
+                                              ".2f", ".2f", "", ""))
     return md.replace("nan", "—"), None
 
 

@@ -77,16 +77,25 @@ NUM_SMS = int4_cuda.NUM_SMS
 SMEM_LIMIT = 227 * 1024             # dynamic shared memory per block on sm_90 (opt-in)
 MAX_SPLIT = 32
 MIN_QUADS_PER_SPLIT = 4             # >= 512 weights of K per split
-CONFIG_KEYS = ("WGS", "MT", "U", "STAGES", "MINB", "SWZ", "SK", "SPLIT_K", "TARGET_BLOCKS")
+CONFIG_KEYS = ("WGS", "MT", "U", "STAGES", "MINB", "SWZ", "SK", "SK_HALVE", "SPLIT_K", "TARGET_BLOCKS")
 # WGS warpgroups x MT m64 tiles per block; U quads of weight loads in flight per warp; STAGES quads of x in the
 # ring (>= 3: a stage is refilled two quads after its wgmmas were issued); MINB blocks per SM the registers must
-# allow; SWZ: x staged with the 128-byte swizzle. TARGET_BLOCKS: the split reaches this many blocks (one batch tile).
-# SK: with more row tiles than TARGET_BLOCKS (and no SPLIT_K named), stream-K: TARGET_BLOCKS blocks share the
-# tiles' K steps evenly instead of a second, mostly idle wave of whole tiles.
+# allow (0: auto_minb); SWZ: x staged with the 128-byte swizzle. TARGET_BLOCKS: the split reaches this many blocks
+# (one batch tile). SK: with more row tiles than TARGET_BLOCKS (and no SPLIT_K named), stream-K: TARGET_BLOCKS
+# blocks share the tiles' K steps evenly instead of a second, mostly idle wave of whole tiles. SK_HALVE: where
+# tiles of two m64 fill more than half of TARGET_BLOCKS but not all, tiles of one m64 (twice as many) for stream-K.
+# The split, the stream-K ranges and so the bits follow from (N, K, fmt, config); MINB, U, STAGES and SWZ do not
+# change a bit, so MINB may follow the batch tile.
 # H200 sweep (below): two warpgroups of two m64 tiles (256 rows, 255 registers, one block per SM) were the fastest
 # or within 5% at B = 128 on all eight shapes.
-DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 1, "SWZ": 1, "SK": 1, "TARGET_BLOCKS": NUM_SMS}
+DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 0, "SWZ": 1, "SK": 1, "SK_HALVE": 0,
+            "TARGET_BLOCKS": NUM_SMS}
 MEASURED: dict[tuple[int, int, str], dict] = {}
+# the dispatch's "cuda_wgmma_x2": two blocks per SM below 128 sequences, splits and stream-K sized for them
+# (H200, B = 32 / 64 / 128, us: 5120x17408 Q4_K 33 / 58 / 81 against the default's 49.8 / 63.8 / 74.7; 34816x5120
+# in tiles of one m64, stream-K on 264 blocks, 72 / 105 / 193 against 87 / 107 / 145). Different splits: its bits
+# differ from the default's, so an engine takes one or the other for every M.
+X2 = {"TARGET_BLOCKS": 2 * NUM_SMS, "SK_HALVE": 1}
 
 WG_KERNEL = r"""
 #define WGS (RT / 4)                        /* warpgroups per block */
@@ -477,10 +486,11 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     out = int4_cuda.layered_config("int4_wgmma", (N, K, fmt), DEFAULTS, (MEASURED.get((N, K, fmt)), config),
                                    CONFIG_KEYS)
     if out["WGS"] not in (1, 2) or out["MT"] not in (1, 2) or not 1 <= out["U"] <= 4 or not 3 <= out["STAGES"] <= 6 \
-            or not 1 <= out["MINB"] <= 4 or out["SWZ"] not in (0, 1) or out["SK"] not in (0, 1) \
+            or not 0 <= out["MINB"] <= 4 or out["SWZ"] not in (0, 1) or out["SK"] not in (0, 1) \
+            or out["SK_HALVE"] not in (0, 1) \
             or out.get("TARGET_BLOCKS", 1) < 1:
         raise ValueError(f"int4_wgmma: config {out} for {(N, K, fmt)}: need WGS and MT in (1, 2), 1 <= U <= 4, "
-                         f"3 <= STAGES <= 6, 1 <= MINB <= 4, SWZ and SK in (0, 1), TARGET_BLOCKS >= 1")
+                         f"3 <= STAGES <= 6, 0 <= MINB <= 4, SWZ, SK and SK_HALVE in (0, 1), TARGET_BLOCKS >= 1")
     return out
 
 
@@ -506,23 +516,38 @@ def split(G: int, n_nt: int, c: dict) -> tuple[int, int]:
     return _cdiv(G, gps), gps
 
 
+def auto_minb(bt: int, target_blocks: int) -> int:
+    """MINB 0: blocks per SM the registers must allow, by batch tile (bit-neutral). Two at tiles of up to 32,
+    whose accumulators leave room (H200, B = 32: 5120x17408 Q4_K 45.9 against 49.8 us, 34816x5120 79 against 87);
+    at 64 only when the launch has two blocks per SM to hide the cap (one block capped at 128 registers: 5120x17408
+    81.8 against 63.8 us); one at 128 (capped, its 128 accumulators spill: 399 us)."""
+    if bt <= 32:
+        return 2
+    return 2 if bt == 64 and target_blocks >= 2 * NUM_SMS else 1
+
+
 def wg_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     """The launch for x [M, K]: the split (or stream-K) from (N, K, fmt) and config only; BT the smallest of
     BT_CHOICES holding M (128, over the grid, above). Stream-K ("workers" > 0): that many blocks per batch tile
     share the row tiles' K steps, a partial tile's fp32 sum through the workspace (M x N floats) and two flags per
     tile ("flag_ints")."""
     c = shape_config(N, K, fmt, config)
-    rows = 64 * c["MT"] * c["WGS"]
-    n_nt = _cdiv(N, rows)
+    target = c.get("TARGET_BLOCKS", NUM_SMS)
+    n_nt = _cdiv(N, 64 * c["MT"] * c["WGS"])
+    stream_k = c["SK"] and not c.get("SPLIT_K")
+    if stream_k and c["SK_HALVE"] and c["MT"] == 2 and target // 2 < n_nt <= target:
+        c["MT"] = 1
+        n_nt = _cdiv(N, 64 * c["WGS"])
     G = K // GROUP
-    workers = c["TARGET_BLOCKS"] if c["SK"] and not c.get("SPLIT_K") and n_nt > c["TARGET_BLOCKS"] else 0
+    workers = target if stream_k and n_nt > target else 0
     S, gps = (1, _cdiv(G, 4) * 4) if workers else split(G, n_nt, c)
     bt = next((b for b in BT_CHOICES if M <= b), BT_CHOICES[-1])
     smem = smem_bytes(bt, c["STAGES"])
     if smem > SMEM_LIMIT:
         raise ValueError(f"int4_wgmma: BT={bt} STAGES={c['STAGES']} needs {smem} B of shared memory (limit {SMEM_LIMIT})")
     n_bt = _cdiv(M, bt)
-    return {"BT": bt, "WGS": c["WGS"], "MT": c["MT"], "U": c["U"], "STAGES": c["STAGES"], "MINB": c["MINB"], "SWZ": c["SWZ"],
+    minb = c["MINB"] or auto_minb(bt, target)
+    return {"BT": bt, "WGS": c["WGS"], "MT": c["MT"], "U": c["U"], "STAGES": c["STAGES"], "MINB": minb, "SWZ": c["SWZ"],
             "SPLIT_K": S, "groups_per_split": gps, "workers": workers,
             "grid": n_bt * (workers or n_nt * S), "block": 128 * c["WGS"], "n_bt": n_bt, "n_nt": n_nt,
             "smem": smem, "workspace_floats": M * N if workers else (S * M * N if S > 1 else 0),

@@ -27,9 +27,10 @@ def _plan(M, N, K, fmt, config=None):
 # (N, K, fmt, Ms, config): rows past N, partial quads (K = 1088: 34 groups; K = 160: 5), splits, two warpgroups
 # and two m64 tiles, batch tiles of 8..32 (rows past M), x staged without and with the 128-byte swizzle; stream-K
 # (more row tiles than TARGET_BLOCKS): 5 tiles of 9 quads on 3 blocks (tile heads and tails, the partial quad in a
-# tail, rows past N in a shared tile), 5 tiles of 128 rows and 6 quads
+# tail, rows past N in a shared tile), 5 tiles of 128 rows and 6 quads; 3 tiles of two m64 halved into 5 of one
 EMU = [(300, 1088, "q4_1", (2, 19), {"WGS": 1, "MT": 1, "STAGES": 3, "TARGET_BLOCKS": 3}),
        (520, 768, "q4_k", (5,), {"WGS": 2, "MT": 1, "TARGET_BLOCKS": 3}),
+       (300, 1088, "q4_1", (4,), {"WGS": 1, "MT": 2, "TARGET_BLOCKS": 3, "SK_HALVE": 1}),
        (72, 1088, "q4_1", (3, 20), {"WGS": 1, "MT": 1, "STAGES": 3, "SPLIT_K": 2, "SWZ": 0}),
        (136, 768, "q4_k", (1, 9, 32), {"WGS": 2, "MT": 1, "U": 2, "STAGES": 4}),
        (40, 160, "q4_0", (5, 16), {"WGS": 1, "MT": 2, "STAGES": 5}),
@@ -77,7 +78,13 @@ def test_wgmma_launch_rules():
     assert sk["workspace_floats"] == 128 * 34816 and _plan(300, 34816, 5120, "q4_k")["grid"] == 3 * 132
     assert _plan(128, 34816, 5120, "q4_k", {"SK": 0})["grid"] == 136
     assert _plan(128, 16384, 5120, "q4_k")["workers"] == 0                  # 64 tiles: splits fill the wave
-    for bad in ({"WGS": 3}, {"MT": 4}, {"STAGES": 2}, {"U": 0}, {"SWZ": 2}, {"SK": 2}, {"TARGET_BLOCKS": 0}):
+    x2 = _plan(32, 34816, 5120, "q4_k", int4_wgmma.X2)   # 136 tiles of 256 rows: 272 of 128, stream-K on 264
+    assert (x2["MT"], x2["n_nt"], x2["workers"], x2["grid"], x2["MINB"]) == (1, 272, 264, 264, 2)
+    assert [_plan(m, 5120, 17408, "q4_k", int4_wgmma.X2)["SPLIT_K"] for m in (1, 64, 128)] == [13, 13, 13]
+    assert [_plan(m, 5120, 17408, "q4_k", int4_wgmma.X2)["MINB"] for m in (32, 64, 128)] == [2, 2, 1]
+    assert [_plan(m, 5120, 17408, "q4_k")["MINB"] for m in (32, 64, 128)] == [2, 1, 1]
+    for bad in ({"WGS": 3}, {"MT": 4}, {"STAGES": 2}, {"U": 0}, {"SWZ": 2}, {"SK": 2}, {"TARGET_BLOCKS": 0},
+                {"SK_HALVE": 3}):
         with pytest.raises(ValueError, match="int4_wgmma"):
             _plan(4, 4096, 4096, "q4_k", bad)
     with pytest.raises(ValueError, match="not supported"):
@@ -100,6 +107,19 @@ def test_wgmma_matches_folded_ref(seed, case):
 def test_wgmma_batch_invariant_fp32(seed, case):
     """Every batch tile (m64n8 .. m64n128) gives a row the same bits."""
     gpu_rows_independent_of_m(int4_wgmma.w4a16_wgmma, seed, *case)
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("case", [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (72, 1024, "q4_1")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_wgmma_x2(seed, case):
+    """The dispatch's cuda_wgmma_x2 (two blocks per SM below 128 sequences; tiles halved for stream-K on the
+    34816-row shape): against the folded reference at B = 1..256, rows independent of M."""
+    fn = functools.partial(int4_wgmma.w4a16_wgmma, config=int4_wgmma.X2)
+    gpu_matches_ref(fn, lambda M, N, K, fmt: _plan(M, N, K, fmt, int4_wgmma.X2), "cuda_wgmma_x2", seed, *case,
+                    weights=folded_weights)
+    gpu_rows_independent_of_m(fn, seed, *case)
 
 
 # stream-K forced on small shapes: 8 row tiles of 256 on 5 blocks, 4 tiles (the last one partial) on 3
