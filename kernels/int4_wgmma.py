@@ -51,8 +51,9 @@ are chosen to fill one wave (split()); with "the fewest reaching 132 blocks" 512
 105 us. 34816x5120 was 136 blocks of 256 rows, two waves whatever the split; stream-K (9cece18) runs it in one:
 145 us at B = 128 (Triton 214) and 108 at B = 64 (Triton 130; 199 in two waves). On the LM heads, whose tail wave
 was already small, it is mixed: 248320x5120 1,035 us at B = 128 (1,006 in 8 waves), 679 at B = 64 (Triton 770);
-128256x2048 Q4_0 147 against 161 at B = 64, 208 against 199 at B = 128, and 95 against 61 at B = 8 (not understood
-yet; the mma kernels serve B <= 16 there). cuda_wgmma_x2 (X2: splits for two blocks per SM, which tiles of up to
+128256x2048 Q4_0 147 against 161 at B = 64, 208 against 199 at B = 128, and 95 against 61 at B = 8 (likely: at
+small tiles two blocks fit an SM, so 501 whole tiles ran two per SM while 132 stream-K ranges run one; the 264
+ranges of cuda_wgmma_x2 take 60.6 us there; the mma kernels serve B <= 16 anyway). cuda_wgmma_x2 (X2: splits for two blocks per SM, which tiles of up to
 64 sequences leave registers for) at d5049fa, B = 32: 5120x17408 Q4_K 32.8 us against the folded mma kernel's 43.1
 and this kernel's default 45.0, 34816x5120 71.0 (83.6, 78.7), the LM head 387 (565, 515); B = 16 5120x17408 Q4_0
 27.3 (31.4); at B = 128 the default stays ahead (5120x17408 Q4_K 74.8 against 80.6).

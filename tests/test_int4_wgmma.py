@@ -46,6 +46,22 @@ def test_wgmma_source_emulated_matches_folded_ref(seed, case):
 
 
 @needs_emu
+def test_wgmma_stream_k_over_batch_tiles_emulated(seed):
+    """Stream-K with two batch tiles (M = 130: the flags are per batch tile and row tile): rows equal the same rows
+    computed alone, and the fp32 result the folded reference."""
+    pw, xs = _weight("q4_0", 200, 640, seed % 1000, device="cpu")
+    x = _x(seed, 130, 640, xs, device="cpu")
+    config = {"WGS": 1, "MT": 1, "STAGES": 3, "TARGET_BLOCKS": 3}    # 4 tiles of 5 quads: two shared
+    assert _plan(130, 200, 640, "q4_0", config)["n_bt"] == 2 and _plan(130, 200, 640, "q4_0", config)["workers"] == 3
+    y = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=config, seed=seed)
+    ref = x.float() @ folded_weights(pw, x.dtype).T
+    assert (y - ref).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())
+    for lo, M in ((128, 2), (0, 3)):
+        part = cuda_emu.w4a16_wgmma_emulated(x[lo:lo + M], pw, out32=True, config=config, seed=seed + 1)
+        assert torch.equal(part, y[lo:lo + M]), f"rows {lo}..{lo + M} depend on M"
+
+
+@needs_emu
 def test_wgmma_launch_shape_is_bit_neutral(seed):
     """WGS, MT, U, STAGES and the staging's swizzle move rows between warps and change the pipeline, never a row's
     sum (same split); the block order does not matter either."""
