@@ -556,7 +556,9 @@ def cuda_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) ->
 
 
 _SPLITK = SplitKWorkspace()
-_FLAGS = SplitKWorkspace(torch.int32, zeroed=True)     # stream-K tiles' tickets (int4_wgmma), zero between launches
+# stream-K tiles' tickets (int4_wgmma), zero between launches; like the split-K workspace, one buffer per device:
+# launches on one stream at a time (the engine's), never two streams at once
+_FLAGS = SplitKWorkspace(torch.int32, zeroed=True)
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
