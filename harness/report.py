@@ -58,9 +58,11 @@ def runs_from_csv(name: str) -> pd.DataFrame:
 ROW_KEYS: dict[str, tuple[str, ...]] = {
     "int4_gemm": ("params.micro.n", "params.micro.k", "params.micro.fmt", "params.batch.size"),
     "hybrid_27b": ("params.engine.weights", "params.engine.int4", "params.kv_cache.state_dtype",
-                   "params.scheduler.mode", "params.batch.size"),
-    "int4_e2e": ("params.model.name", "params.engine.weights", "params.batch.size"),
+                   "params.scheduler.mode", "params.engine.pdl", "params.batch.size"),
+    "int4_e2e": ("params.model.name", "params.engine.weights", "params.engine.pdl", "params.batch.size"),
 }
+# a key column that runs recorded before it existed lack, and the value they ran with
+ROW_KEY_DEFAULTS = {"params.engine.pdl": "False"}   # PDL came in with engine.pdl (kernels/pdl.py)
 
 
 def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
@@ -72,6 +74,7 @@ def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataF
                          f"(tables with one: {sorted(ROW_KEYS)}) or record without --merge")
 
     def keys(df: pd.DataFrame) -> pd.Series:
+        df = df.assign(**{c: df[c].fillna(v) if c in df else v for c, v in ROW_KEY_DEFAULTS.items() if c in cols})
         missing = [c for c in cols if c not in df]
         if missing:
             raise ValueError(f"--merge: runs of {name!r} lack the row-key columns {missing}")
@@ -253,11 +256,17 @@ def int4_gemm(df: pd.DataFrame):
     return md.replace("nan", "—"), None
 
 
+def _pdl(df: pd.DataFrame) -> pd.Series:
+    """Whether the run's kernels launched with PDL (metrics.pdl; runs recorded before it existed: off)."""
+    return _opt(df, "metrics.pdl").fillna(0).map(lambda v: "on" if v else "off")
+
+
 @table("int4_e2e")
 def int4_e2e(df: pd.DataFrame):
     d = pd.DataFrame({
         "model": df["params.model.name"],
         "weights": df["params.engine.weights"] if "params.engine.weights" in df else "dequant",
+        "PDL": _pdl(df),
         "B": num(df, "params.batch.size").astype(int),
         "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
         "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
@@ -266,8 +275,8 @@ def int4_e2e(df: pd.DataFrame):
         "load (s)": num(df, "metrics.load_s"),
         "floor reached": _opt(df, "metrics.floor_frac"),
         "verified": check(num(df, "metrics.verify_ok")),
-    }).sort_values(["model", "B", "weights"], ascending=[True, True, False])
-    md = d.to_markdown(index=False, floatfmt=("", "", ".0f", ",.0f", ".3f", ",.0f", ",.0f", ".1f", ".0%", ""))
+    }).sort_values(["model", "B", "weights", "PDL"], ascending=[True, True, False, True])
+    md = d.to_markdown(index=False, floatfmt=("", "", "", ".0f", ",.0f", ".3f", ",.0f", ",.0f", ".1f", ".0%", ""))
     return md.replace("nan%", "—").replace("nan", "—"), None
 
 
@@ -297,6 +306,7 @@ def hybrid_27b(df: pd.DataFrame):
                         if "params.engine.int4" in df else "—"),
         "state": df["params.kv_cache.state_dtype"] if "params.kv_cache.state_dtype" in df else "float32",
         "mode": df["params.scheduler.mode"],
+        "PDL": _pdl(df),
         "B": num(df, "params.batch.size").astype(int),
         "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
         # static: p50 of the step's wall time; continuous: the mean device time of a serving step
@@ -307,8 +317,9 @@ def hybrid_27b(df: pd.DataFrame):
         "bf16 state: greedy agree": _opt(df, "metrics.bf16_state_greedy_agree"),
         "bf16 state: logit err": _opt(df, "metrics.bf16_state_logit_err"),
         "verified": check(num(df, "metrics.verify_ok")),
-    }).sort_values(["weights", "state", "mode", "B"], ascending=[False, False, False, True])
-    md = d.to_markdown(index=False, floatfmt=("", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f", ".0%", ".1e", ""))
+    }).sort_values(["weights", "state", "mode", "PDL", "B"], ascending=[False, False, False, True, True])
+    md = d.to_markdown(index=False, floatfmt=("", "", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f", ".0%", ".1e",
+                                              ""))
     return md.replace("nan%", "—").replace("nan", "—"), None
 
 

@@ -25,6 +25,7 @@ from harness import tracking
 from harness.roofline import copy_bandwidth, decode_floor_bytes, hybrid_floor_bytes, weight_bytes_per_step
 from harness.synth import resolve_gguf
 from harness.workload import prompt_ids, workload_digest
+from kernels import pdl
 from kernels.ops import get_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,12 +114,14 @@ def build(cfg) -> Built:
     dev, dtype, backend = resolve_engine(cfg.engine)
     if cfg.kv_cache.state_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"kv_cache.state_dtype={cfg.kv_cache.state_dtype!r}; choose float32 or bfloat16")
+    pdl.set_enabled(bool(cfg.engine.pdl))   # read at each launch / graph capture: this job's steppers follow it
     packed = cfg.engine.weights == "packed"
     if packed:
         from kernels.int4_dispatch import set_policy
 
         set_policy(cfg.engine.int4, max_batch=cfg.batch.size)   # the invariant pick for this engine's batch
-    memo = (OmegaConf.to_yaml(cfg.model), OmegaConf.to_yaml(cfg.engine), cfg.kv_cache.ctx, cfg.scheduler.mode)
+    engine_key = {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if k != "pdl"}  # same weights either way
+    memo = (OmegaConf.to_yaml(cfg.model), str(engine_key), cfg.kv_cache.ctx, cfg.scheduler.mode)
     if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:  # a sweep's next job: same weights, no regeneration
         b = _IN_MEMORY["built"]
         b.state_dtype = DTYPES[cfg.kv_cache.state_dtype]
@@ -191,6 +194,11 @@ def device_name(dev: torch.device) -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
+def pdl_active(dev: torch.device, backend: str) -> bool:
+    """Whether this job's step kernels launch with PDL (engine.pdl, and a GPU that has it; kernels/pdl.py)."""
+    return backend == "triton" and pdl.enabled(dev)
+
+
 def peak_mem_mb(dev: torch.device) -> float:
     if dev.type == "cuda":
         return torch.cuda.max_memory_allocated(dev) / 2**20
@@ -232,7 +240,8 @@ def run_job(cfg, out_dir: Path) -> float:
     ctx = cfg.kv_cache.ctx
     print(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "
           f"{mcfg.vocab_size}; {built.gguf_path.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "
-          f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''}; "
+          f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''}"
+          f"{', PDL' if pdl_active(dev, built.backend) else ''}; "
           f"weights {cfg.engine.weights}: {weights_mb(built.weights):,.0f} MiB on the device, file "
           f"{file_mb(built.gguf_path):,.0f} MiB)")
     print(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
@@ -270,6 +279,7 @@ def run_job(cfg, out_dir: Path) -> float:
         "throughput_tok_s": tput, "per_stream_tok_s": tput / B,
         "step_ms_p50": percentile_ms(result.step_s, 0.5), "step_ms_p90": percentile_ms(result.step_s, 0.9),
         "steps": len(result.step_s), "verify_ok": int(verdict.ok), "peak_mem_mb": peak_mem_mb(dev),
+        "pdl": int(pdl_active(dev, built.backend)),
         "single_stream_tok_s": single_tput, "speedup_vs_single": tput / single_tput if single_tput else 0.0,
         "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
         "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),

@@ -38,8 +38,8 @@ import math
 
 import torch
 
+from kernels import pdl
 from kernels.attention import attention_ref
-
 from kernels.triton_compat import tl, triton
 
 MIN_CHUNK = 128          # keys; every chunk is a multiple of this (and of BLOCK_N)
@@ -116,8 +116,8 @@ def _decode_attn_stage1(
     stride_lr, stride_lh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
+    PAGED: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,8 +193,8 @@ def _decode_attn_stage2(
     stride_or, stride_oh,
     stride_por, stride_poh, stride_pos,
     stride_lr, stride_lh,
-    HEAD_DIM: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-):
+    HEAD_DIM: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(pos_ptr + r).to(tl.int32) + 1
@@ -321,8 +321,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plse.stride(0), plse.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         BLOCK_N=_block_n(D), MIN_CHUNK=MIN_CHUNK, PAGED=paged, PAGE=page, DOT_PREC=dot_prec, UPCAST=upcast,
-        num_warps=4, num_stages=2,
-    )
+        num_warps=4, num_stages=2, **pdl.triton_opts(q.device))
     if splits > 1:
         _decode_attn_stage2[(R, H)](
             positions, out, po, plse,
@@ -331,8 +330,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             po.stride(0), po.stride(1), po.stride(2),
             plse.stride(0), plse.stride(1),
             HEAD_DIM=D, MIN_CHUNK=MIN_CHUNK, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=1 if D <= 64 else 2,
-        )
+            num_warps=1 if D <= 64 else 2, **pdl.triton_opts(positions.device))
     return out
 
 

@@ -14,11 +14,14 @@ def embedding_ref(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 # `out` has another dtype). ids are read on device: no host sync, no allocation when `out` is given.
 # Ids must lie in [0, V): they are not checked (that would need a sync or a device assert).
 
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 
 @triton.jit
-def _embedding_kernel(ids_ptr, table_ptr, out_ptr, D, s_ids, s_table, s_out, BLOCK: tl.constexpr):
+def _embedding_kernel(ids_ptr, table_ptr, out_ptr, D, s_ids, s_table, s_out, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -49,5 +52,6 @@ def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor |
         return out
     BLOCK = min(1024, triton.next_power_of_2(D))
     _embedding_kernel[(R, triton.cdiv(D, BLOCK))](flat, table, out2, D, flat.stride(0), table.stride(0), out2.stride(0),
-                                                   BLOCK=BLOCK, num_warps=4 if BLOCK >= 512 else 1)
+                                                   BLOCK=BLOCK, num_warps=4 if BLOCK >= 512 else 1,
+                                                   **pdl.triton_opts(flat.device))
     return out

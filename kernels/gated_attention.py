@@ -25,6 +25,7 @@ import torch
 
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rope import _kv_index, apply_rope_ref, check_kv_write
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 
@@ -78,7 +79,9 @@ def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor, out: torch.Tensor 
 def _gated_rope_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cs_ptr, k_ptr, v_ptr, q_ptr, qw_ptr, kw_ptr, bt_ptr,
                           n_heads, kv_heads, eps, block_size,
                           s_qkv, s_cs, s_q0, s_q1, s_k0, s_k1, s_k2, s_v0, s_v1, s_v2, s_bt,
-                          D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, PAGED: tl.constexpr):
+                          D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, PAGED: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     HALF: tl.constexpr = RD // 2
@@ -152,12 +155,14 @@ def gated_rope_kv_write_triton(qkv, positions, slots, cos_sin_cache, k_cache, v_
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
         D=D, RD=rotary_dim, BLOCK=BLOCK, PAGED=paged,
-        num_warps=1 if BLOCK <= 128 else 2, enable_fp_fusion=False)
+        num_warps=1 if BLOCK <= 128 else 2, enable_fp_fusion=False, **pdl.triton_opts(qkv.device))
     return q_out
 
 
 @triton.jit
-def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, H, D, s_o0, s_o1, s_g0, s_g1, s_y0, s_y1, BLOCK: tl.constexpr):
+def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, H, D, s_o0, s_o1, s_g0, s_g1, s_y0, s_y1, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -183,5 +188,5 @@ def sigmoid_gate_mul_triton(o: torch.Tensor, gate: torch.Tensor, out: torch.Tens
     BLOCK = triton.next_power_of_2(D)
     _sigmoid_gate_kernel[(R, H)](o, gate, out, H, D, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
                                  out.stride(0), out.stride(1), BLOCK=BLOCK, num_warps=1 if BLOCK <= 128 else 2,
-                                 enable_fp_fusion=False)
+                                 enable_fp_fusion=False, **pdl.triton_opts(o.device))
     return out

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.qwen35 import L2NORM_EPS, Qwen35Model, l2norm
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 # channels per conv-ring program, one per lane: H200, one 27B GDN layer (10240 channels, 4 taps, fp32 ring), us per
@@ -123,7 +124,8 @@ def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Te
 @triton.jit
 def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr,
                       C, T, stride_xr, stride_or,
-                      K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr):
+                      K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     # One program: BLOCK_C channels of one run, one channel per lane (1-D: no cross-lane selects). Each tap
     # is loaded where it lives -- the run's x rows or the old ring -- and summed in tap order, as the
     # reference does. Every ring read comes before the barrier, every ring write after it.
@@ -179,7 +181,9 @@ def conv_ring_update_triton(x: torch.Tensor, conv_state: torch.Tensor, conv_weig
     grid = (R // seq_len, triton.cdiv(C, BLOCK_C))
     _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, positions if positions is not None else slots,
                             C, seq_len, x.stride(0), out.stride(0),
-                            K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None, num_warps=max(1, min(8, BLOCK_C // 128)))
+                            K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None,
+                            num_warps=max(1, min(8, BLOCK_C // 128)),
+                            **pdl.triton_opts(x.device))
     return out
 
 
@@ -189,7 +193,8 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
                      stride_ar, stride_br, stride_or, stride_oh,
                      HV, DK, DV, scale, eps,
                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
-                     HAS_POS: tl.constexpr):
+                     HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -255,7 +260,7 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
                            a.stride(0), b.stride(0), out.stride(0), out.stride(1),
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
-                           HAS_POS=positions is not None, num_warps=num_warps)
+                           HAS_POS=positions is not None, num_warps=num_warps, **pdl.triton_opts(q.device))
     return out
 
 
@@ -285,7 +290,8 @@ def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
 
 @triton.jit
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -310,5 +316,6 @@ def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         return out
     BLOCK = _next_pow2(dv)
     _gated_norm_kernel[(R, hv)](o, z, weight, out, dv, float(eps), o.stride(0), o.stride(1), z.stride(0),
-                                z.stride(1), out.stride(0), BLOCK=BLOCK, num_warps=1 if BLOCK <= 128 else 2)
+                                z.stride(1), out.stride(0), BLOCK=BLOCK, num_warps=1 if BLOCK <= 128 else 2,
+                                **pdl.triton_opts(o.device))
     return out

@@ -53,6 +53,7 @@ import functools
 
 import torch
 
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 from kernels.workspace import SplitKWorkspace, block_m_from_env
 
@@ -91,7 +92,8 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                  KB_PER_SPLIT,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     # program -> (split, M tile, N tile); split outermost, GROUP_M swizzle inside a split
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -157,7 +159,8 @@ def cast_out(acc, y_ptr, RNE_BF16: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, stride_yn,
                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         RNE_BF16: tl.constexpr):
+                         RNE_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     # y = ((p0 + p1) + p2) + ... in fp32, then one rounding: a fixed order per element. Shared with the
     # int4 kernels (kernels/int4_gemm.py).
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -178,7 +181,7 @@ def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, split: int, rne: bool = Fal
     rbm, rbn = min(16, _next_pow2(rows)), 256
     splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
         ws, y, rows, N, rows * N, N, y.stride(0), y.stride(1),
-        SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=rne, num_warps=4)
+        SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=rne, num_warps=4, **pdl.triton_opts(ws.device))
     return y
 
 
@@ -354,7 +357,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         _gemm_kernel[(cfg["grid"],)](
             x, w, out, M, N, K,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), 0,
-            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts)
+            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts, **pdl.triton_opts(x.device))
         return out
 
     chunk = cfg["m_chunk"]
@@ -366,7 +369,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         _gemm_kernel[(grid,)](
             xs, w, ws, rows, N, K,
             xs.stride(0), xs.stride(1), w.stride(0), w.stride(1), N, 1, rows * N,
-            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts)
+            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts, **pdl.triton_opts(xs.device))
         if defer and rows == M:
             from kernels.splitk import SplitSums
             return SplitSums(ws[:split * M * N].view(split, M, N), out)

@@ -60,6 +60,7 @@ import os
 import torch
 
 from engine.quant_pack import GROUP, PackedWeight
+from kernels import pdl
 from kernels.workspace import SplitKWorkspace
 
 try:  # optional dependency
@@ -187,6 +188,8 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
     __shared__ __align__(16) float xs[BT][CG * 32];
     __shared__ float xsum[BT][CG];
     __shared__ float red[KW > 1 ? KW - 1 : 1][BT][32];
+    pdl_trigger();                              // kernels/pdl.py: x and y belong to the kernels around this one
+    pdl_wait();
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
@@ -348,6 +351,8 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
 extern "C" __global__ void __launch_bounds__(256)
 w4a16_splitk_reduce(const float* __restrict__ ws, void* __restrict__ y, int sym, int M, int N, int S)
 {
+    pdl_trigger();
+    pdl_wait();
     const i64 idx = (i64)blockIdx.x * 256 + threadIdx.x;
     const i64 total = (i64)M * N;
     if (idx >= total) return;
@@ -411,7 +416,7 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, kw: int | None = None, c
     kw, cg = kw or KW, cg or CG
     head = (f"#define FMT {FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n#define OUT32 {int(out32)}\n"
             f"#define KW {kw}\n#define CG {cg}\n")
-    return head + CUDA_SOURCE
+    return head + pdl.CUDA_HELPERS + CUDA_SOURCE
 
 
 class _Kernel:
@@ -445,7 +450,10 @@ class _Kernel:
             else:
                 self.fn.set_shared_memory_config(shared_mem)
             self._smem_set = shared_mem
-        if self.how == "cupy":
+        if pdl.enabled(device):   # every kernel of these modules keeps the PDL contract (kernels/pdl.py)
+            func = self.fn.kernel.ptr if self.how == "cupy" else self.fn.func   # RawKernel -> Function
+            pdl.launch_ex(func, grid, block, shared_mem, stream.cuda_stream, list(args))
+        elif self.how == "cupy":
             import numpy as np
 
             ptr = stream.cuda_stream

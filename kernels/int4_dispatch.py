@@ -58,6 +58,7 @@ import torch
 from engine.quant_pack import GROUP, PackedWeight
 from kernels import int4_cuda, int4_mma, int4_wgmma
 from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _expand, w4a16_linear, w4a16_linear_ref
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2", "dequant_cublas")
@@ -178,8 +179,9 @@ def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, c_ptr, sub_ptr, w_ptr, N, G, stride_wn,
-                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """w[n, 32g + k] = the packed weight's value (unpack_ref's fp32 arithmetic), rounded to w's dtype."""
+    pdl.enter(PDL)  # kernels/pdl.py
     WPG: tl.constexpr = 8 if FMT == 3 else 4
     g = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -241,7 +243,8 @@ def dequantize_into(pw: PackedWeight, dst: torch.Tensor) -> torch.Tensor:
     block_n = 64
     tgt = dst if not _INTERPRETED else torch.empty((N, K), dtype=torch.float32, device=dst.device)
     _dequant_kernel[(K // GROUP, -(-N // block_n))](pw.qweight, pw.scales, c, sub, tgt, N, K // GROUP, tgt.stride(0),
-                                                   FMT=FMT_CODE[pw.fmt], BLOCK_N=block_n, UPCAST=_INTERPRETED)
+                                                   FMT=FMT_CODE[pw.fmt], BLOCK_N=block_n, UPCAST=_INTERPRETED,
+                                                   **pdl.triton_opts(pw.qweight.device))
     if tgt is not dst:
         dst.copy_(tgt)
     return dst

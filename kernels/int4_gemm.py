@@ -88,6 +88,7 @@ import torch
 
 from engine.quant_pack import GROUP, PackedWeight, unpack_folded, unpack_ref
 from kernels.gemm import cast_out, splitk_reduce
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 from kernels.workspace import SplitKWorkspace, block_m_from_env
 
@@ -471,7 +472,9 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, y_ptr, M, N, G,
                   stride_xm, stride_xk, stride_ym, stride_yn, stride_ys, KB_PER_SPLIT,
                   FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GPB: tl.constexpr,
                   EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
-                  DEQ_ASM: tl.constexpr, X_F16: tl.constexpr, FOLD: tl.constexpr, W16: tl.constexpr):
+                  DEQ_ASM: tl.constexpr, X_F16: tl.constexpr, FOLD: tl.constexpr, W16: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     # FMT: 0 q4_0, 1 q4_1, 2 q4_k, 3 q8_0
     # program -> (split, N tile, M tile), M tile fastest: programs sharing a weight tile run together
     pid = tl.program_id(0)
@@ -721,7 +724,7 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
         _w4a16_kernel[(cfg["grid"],)](
             x, pw.qweight, pw.scales, c, sub, out, M, N, G,
             x.stride(0), x.stride(1), out.stride(0), out.stride(1), 0,
-            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=rne, **consts)
+            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=rne, **consts, **pdl.triton_opts(x.device))
         return out
 
     chunk = cfg["m_chunk"]
@@ -734,7 +737,7 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
         _w4a16_kernel[(grid,)](
             xs, pw.qweight, pw.scales, c, sub, ws, rows, N, G,
             xs.stride(0), xs.stride(1), N, 1, rows * N,
-            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=False, **consts)
+            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=False, **consts, **pdl.triton_opts(xs.device))
         if defer and rows == M:
             from kernels.splitk import SplitSums
             return SplitSums(ws[:split * M * N].view(split, M, N), out, rne=rne)

@@ -84,7 +84,7 @@ import functools
 import torch
 
 from engine.quant_pack import GROUP, PackedWeight
-from kernels import int4_cuda
+from kernels import int4_cuda, pdl
 
 FORMATS = ("q4_0", "q4_1", "q4_k")
 FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2}
@@ -155,7 +155,7 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 MAX_WARPS = 32            # warps per block (1024 threads)
 
-MMA_COMMON = r"""
+MMA_COMMON = pdl.CUDA_HELPERS + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -525,6 +525,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     float (*red)[RT][32][MT * 4 * NB] = reinterpret_cast<float (*)[RT][32][MT * 4 * NB]>(smem + XS_BYTES + XP_BYTES);
 #endif
 
+    pdl_trigger();                              // kernels/pdl.py
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;
     const int rt = warp % RT, ph = warp / RT;
@@ -591,6 +592,10 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
         if (u < ni) load_slot(ring[u], cur, N);
     }
 #endif
+
+    // PDL: the weights above are constant, so they load while the kernel before this one finishes; x and the
+    // outputs wait for it
+    pdl_wait();
 
     // 2. x[m0 .. m0 + BT, split's K range) -> shared memory, 8 values per item: every item's 16 bytes copied
     //    at once (cp.async: in flight together, no registers held beside the weight ring; rows past M and the

@@ -263,17 +263,19 @@ __device__ __forceinline__ void k_segment(float (&acc)[MT][4 * NB], unsigned cha
     cur.w = reinterpret_cast<const uint4*>(qw);
     cur.s = sc; cur.m = mn; cur.u = sub;
 
+    QSlot ring[U];                              // the weights first: constant, so in flight before the PDL wait
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < nq) load_quad(ring[u], cur, N, g_lo + ng);
+    }
+    pdl_wait();                                 // x, the outputs and the stream-K flags: after the kernel before
+
     const u32 sbase = smem_addr(smem);
     const XUnits xu = x_units(x, sxm, M, m0, g_lo);
 #pragma unroll
     for (int q = 0; q < STAGES - 2; ++q) {
         if (q < nq) stage_copy(sbase + q * STAGE_BYTES, xu, q, min(4, ng - 4 * q));
         cp_async_commit();
-    }
-    QSlot ring[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        if (u < nq) load_quad(ring[u], cur, N, g_lo + ng);
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -397,6 +399,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
 #else
     extern __shared__ __align__(1024) unsigned char smem[];
 #endif
+    pdl_trigger();                              // kernels/pdl.py
     const int warp = threadIdx.x >> 5;
     int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
     const int bt = pid % n_bt; pid /= n_bt;

@@ -23,13 +23,16 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 # sync; nothing is allocated when `out` is given (CUDA-graph safe).
 
 from kernels.splitk import SplitSums, split_sum
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
                      sx0, sx1, sr0, sr1, so0, so1, sxs,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     # rows are (i0, i1) of a [n0, n_inner, D] view; each operand has its own two leading strides. SPLIT > 0: x is
     # a GEMM's unreduced split-K partials (kernels/splitk.py), SPLIT of them sxs apart, summed here as its reduce
     # would have
@@ -119,7 +122,8 @@ def _launch_rms_norm(x, residual, w, eps, out):
     split = sums.splits if sums is not None else 0
     _rms_norm_kernel[(rows,)](x, residual, w, out, D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1,
                               x.numel() if split else 0, HAS_RES=has_res, BLOCK=BLOCK, SPLIT=split,
-                              RNE=bool(sums.rne) if sums is not None else False, num_warps=_num_warps(BLOCK))
+                              RNE=bool(sums.rne) if sums is not None else False, num_warps=_num_warps(BLOCK),
+                              **pdl.triton_opts(x.device))
     return out
 
 

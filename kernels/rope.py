@@ -86,6 +86,7 @@ def rope_kv_write_ref(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.T
 # q into q_out, or k (roped) and v (copied) into the cache. Every (row, head) is independent: batch
 # invariant. Launched with enable_fp_fusion=False so x1*c - x2*s rounds like torch's separate ops.
 
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 
@@ -105,7 +106,9 @@ def _rope_kv_write_kernel(qkv_ptr, pos_ptr, slot_ptr, cs_ptr, k_ptr, v_ptr, q_pt
                           n_heads, kv_heads, eps, block_size,
                           s_qkv, s_cs, s_q0, s_q1, s_k0, s_k1, s_k2, s_v0, s_v1, s_v2, s_bt,
                           HALF: tl.constexpr, BLOCK: tl.constexpr,
-                          HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, PAGED: tl.constexpr):
+                          HAS_QNORM: tl.constexpr, HAS_KNORM: tl.constexpr, PAGED: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -202,5 +205,5 @@ def rope_kv_write_triton(qkv: torch.Tensor, positions: torch.Tensor, slots: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0,
         HALF=HALF, BLOCK=BLOCK, HAS_QNORM=q_norm is not None, HAS_KNORM=k_norm is not None, PAGED=paged,
-        num_warps=1 if BLOCK <= 64 else 2, enable_fp_fusion=False)
+        num_warps=1 if BLOCK <= 64 else 2, enable_fp_fusion=False, **pdl.triton_opts(qkv.device))
     return q_out

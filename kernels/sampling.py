@@ -169,6 +169,7 @@ def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 # --------------------------------------------------------------------------------------------------
 # Triton
 
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 
@@ -247,8 +248,9 @@ def _from_key(k):
 
 
 @triton.jit
-def _uniform_kernel(seed_ptr, step_ptr, s_step, out_ptr, s_out, V, BLOCK4: tl.constexpr):
+def _uniform_kernel(seed_ptr, step_ptr, s_step, out_ptr, s_out, V, BLOCK4: tl.constexpr, PDL: tl.constexpr = False):
     """Debug/test: the race's uniforms of row r, laid out like the logits."""
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK4 + tl.arange(0, BLOCK4)
     j = tl.arange(0, 4)
@@ -265,7 +267,8 @@ def _uniform_kernel(seed_ptr, step_ptr, s_step, out_ptr, s_out, V, BLOCK4: tl.co
 
 @triton.jit
 def _stats_kernel(x_ptr, s_x, V, temp_ptr, topk_ptr, topp_ptr, cmax_ptr, cmin_ptr, csum_ptr, s_ws,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(temp_ptr + r).to(tl.float32)
@@ -377,7 +380,8 @@ def _kth_largest(keys, k):
 @triton.jit
 def _threshold_kernel(x_ptr, s_x, V, temp_ptr, topk_ptr, topp_ptr, cmax_ptr, cmin_ptr, csum_ptr, s_ws, S,
                       thr_ptr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                      NCAND: tl.constexpr):
+                      NCAND: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     t = tl.load(temp_ptr + r).to(tl.float32)
     k = tl.load(topk_ptr + r).to(tl.int64)
@@ -417,7 +421,8 @@ def _threshold_kernel(x_ptr, s_x, V, temp_ptr, topk_ptr, topp_ptr, cmax_ptr, cmi
 
 @triton.jit
 def _race_kernel(x_ptr, s_x, V, temp_ptr, thr_ptr, cmax_ptr, seed_ptr, step_ptr, s_step, val_ptr, idx_ptr, s_ws,
-                 SAMPLE: tl.constexpr, CHUNK: tl.constexpr):
+                 SAMPLE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     i = tl.arange(0, CHUNK // 4)
@@ -454,7 +459,8 @@ def _race_kernel(x_ptr, s_x, V, temp_ptr, thr_ptr, cmax_ptr, seed_ptr, step_ptr,
 
 
 @triton.jit
-def _reduce_kernel(val_ptr, idx_ptr, s_ws, S, out_ptr, BLOCK_S: tl.constexpr):
+def _reduce_kernel(val_ptr, idx_ptr, s_ws, S, out_ptr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_S)
     m = k < S
@@ -490,8 +496,10 @@ def argmax_triton(logits: torch.Tensor, out: torch.Tensor | None = None,
     ws = _workspace(R, V, logits.device, workspace)
     S, CHUNK = num_chunks(V), chunk_size(V)
     _race_kernel[(R, S)](logits, logits.stride(0), V, logits, logits, logits, logits, logits, 0,
-                         ws.val, ws.idx, ws.val.stride(0), SAMPLE=False, CHUNK=CHUNK, num_warps=4)
-    _reduce_kernel[(R,)](ws.val, ws.idx, ws.val.stride(0), S, out, BLOCK_S=_next_pow2(S), num_warps=1)
+                         ws.val, ws.idx, ws.val.stride(0), SAMPLE=False, CHUNK=CHUNK, num_warps=4,
+                         **pdl.triton_opts(logits.device))
+    _reduce_kernel[(R,)](ws.val, ws.idx, ws.val.stride(0), S, out, BLOCK_S=_next_pow2(S), num_warps=1,
+    **pdl.triton_opts(ws.val.device))
     return out
 
 
@@ -519,13 +527,14 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     s_step = 0 if step.numel() == 1 else step.reshape(-1).stride(0)
     BLOCK = min(MAX_SEARCH_BLOCK, _next_pow2(V))
     _stats_kernel[(R, S)](logits, logits.stride(0), V, temperature, top_k, top_p, ws.cmax, ws.cmin, ws.csum, s_ws,
-                          CHUNK=CHUNK, num_warps=4)
+                          CHUNK=CHUNK, num_warps=4, **pdl.triton_opts(logits.device))
     _threshold_kernel[(R,)](logits, logits.stride(0), V, temperature, top_k, top_p, ws.cmax, ws.cmin, ws.csum, s_ws,
                             S, ws.thresh, BLOCK_S=_next_pow2(S), CHUNK=CHUNK, BLOCK=min(BLOCK, CHUNK), NCAND=NT,
-                            num_warps=8)
+                            num_warps=8, **pdl.triton_opts(logits.device))
     _race_kernel[(R, S)](logits, logits.stride(0), V, temperature, ws.thresh, ws.cmax, seeds, step.reshape(-1), s_step,
-                         ws.val, ws.idx, s_ws, SAMPLE=True, CHUNK=CHUNK, num_warps=4)
-    _reduce_kernel[(R,)](ws.val, ws.idx, s_ws, S, out, BLOCK_S=_next_pow2(S), num_warps=1)
+                         ws.val, ws.idx, s_ws, SAMPLE=True, CHUNK=CHUNK, num_warps=4, **pdl.triton_opts(logits.device))
+    _reduce_kernel[(R,)](ws.val, ws.idx, s_ws, S, out, BLOCK_S=_next_pow2(S), num_warps=1,
+    **pdl.triton_opts(ws.val.device))
     return out
 
 
@@ -536,5 +545,6 @@ def uniform_triton(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch
     s_step = 0 if step.numel() == 1 else step.reshape(-1).stride(0)
     BLOCK4 = min(256, _next_pow2(-(-vocab // 4)))
     _uniform_kernel[(R, triton.cdiv(-(-vocab // 4), BLOCK4))](seeds, step.reshape(-1), s_step, out, out.stride(0),
-                                                             vocab, BLOCK4=BLOCK4, num_warps=4)
+                                                             vocab, BLOCK4=BLOCK4, num_warps=4,
+                                                             **pdl.triton_opts(seeds.device))
     return out

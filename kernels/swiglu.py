@@ -18,12 +18,14 @@ def swiglu_fused_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # it. Elementwise, so trivially batch invariant; no host sync, no allocation when `out` is given.
 
 from kernels.splitk import SplitSums, split_sum
+from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 
 @triton.jit
 def _swiglu_kernel(gu_ptr, out_ptr, F, s_gu, s_out, s_split, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0,
-                   RNE: tl.constexpr = False):
+                   RNE: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
     # SPLIT > 0: gate|up is a GEMM's unreduced split-K partials (kernels/splitk.py), summed here as its reduce would
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -62,5 +64,5 @@ def swiglu_triton(gate_up: torch.Tensor | SplitSums, out: torch.Tensor | None = 
                                                  gate_up.numel() if sums is not None else 0, BLOCK=BLOCK,
                                                  SPLIT=sums.splits if sums is not None else 0,
                                                  RNE=sums.rne if sums is not None else False,
-                                                 num_warps=4 if BLOCK >= 512 else 1)
+                                                 num_warps=4 if BLOCK >= 512 else 1, **pdl.triton_opts(gate_up.device))
     return out

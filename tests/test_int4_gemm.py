@@ -564,7 +564,7 @@ def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None, fold=True
            "stride_ym": "i32", "stride_yn": "constexpr", "stride_ys": "i32", "KB_PER_SPLIT": "i32"}
     consts = {"stride_xk": 1, "stride_yn": 1, "FMT": ig.FMT_CODE[fmt], "BLOCK_M": BM, "BLOCK_N": BN, "GPB": 4,
               "EVEN_K": even, "W_EVICT": "evict_first", "UPCAST": False, "RNE_BF16": False, "DEQ_ASM": asm,
-              "X_F16": xdt == "fp16", "FOLD": fold, "W16": w16}
+              "X_F16": xdt == "fp16", "FOLD": fold, "W16": w16, "PDL": False}
     assert set(names) == set(sig) | set(consts), names
     for n in consts:
         sig.setdefault(n, "constexpr")

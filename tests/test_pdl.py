@@ -1,0 +1,172 @@
+"""Programmatic dependent launch (kernels/pdl.py): every kernel that may be launched with it keeps the contract
+(trigger, then wait, before touching anything but weights), and a step's outputs are bitwise the same with it
+on and off."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import int4_cuda, int4_mma, int4_wgmma, pdl
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
+
+
+def _jit_functions(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d.func if isinstance(d, ast.Call) else d) == "triton.jit" for d in node.decorator_list):
+            yield node
+
+
+def _launched_kernels(tree):
+    """Names of Triton kernels launched as NAME[grid](...) in a module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
+                and isinstance(node.func.value, ast.Name):
+            yield node.func.value.id, node
+
+
+def test_every_launched_triton_kernel_enters_with_pdl():
+    """A kernel launched from kernels/ takes PDL, its first statement is pdl.enter(PDL), and its launch passes
+    pdl.triton_opts (which sets PDL and launch_pdl together: the attribute never comes without the wait)."""
+    checked = 0
+    for path in KERNEL_FILES:
+        tree = ast.parse(path.read_text())
+        jits = {f.name: f for f in _jit_functions(tree)}
+        for name, call in _launched_kernels(tree):
+            if name not in jits:
+                continue
+            fn = jits[name]
+            assert "PDL" in [a.arg for a in fn.args.args], f"{path.name}:{name} has no PDL parameter"
+            body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            first = ast.unparse(body[0])
+            assert first == "pdl.enter(PDL)", f"{path.name}:{name} starts with {first!r}, not pdl.enter(PDL)"
+            opts = [k for k in call.keywords if k.arg is None and "pdl.triton_opts" in ast.unparse(k.value)]
+            assert opts, f"{path.name}: a launch of {name} does not pass **pdl.triton_opts(...)"
+            checked += 1
+    assert checked >= 20, checked   # every step kernel (norms, GEMMs, attention, GDN, sampling, ...)
+
+
+def _globals(src: str) -> dict[str, str]:
+    """Each __global__ kernel's body in a CUDA source."""
+    out = {}
+    for m in re.finditer(r"__global__ void[^\n]*\n(\w+)\(", src):
+        i = src.index("{", m.end())
+        depth, j = 0, i
+        while True:
+            depth += {"{": 1, "}": -1}.get(src[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        out[m.group(1)] = src[i:j]
+    return out
+
+
+@pytest.mark.parametrize("which", ["cuda", "mma", "wgmma"])
+def test_cuda_kernels_trigger_then_wait(which):
+    """Every CUDA kernel triggers its dependents and waits before it stages x or writes; the GEMMs only issue
+    their first weight loads before the wait."""
+    src = {"cuda": int4_cuda.source("q4_k", 1, False, False),
+           "mma": int4_mma.source("q4_k", 8, False, True, 4, 1, 2, True, fold=True),
+           "wgmma": int4_wgmma.source("q4_k", 64, False, False, 2, 2, 1, 4, sk=True)}[which]
+    kernels = _globals(src)
+    assert kernels
+    for name, body in kernels.items():
+        # the wgmma kernel waits inside k_segment, which runs before any store
+        wait = "k_segment(" if name == "w4a16_wgmma" else "pdl_wait();"
+        assert "pdl_trigger();" in body and wait in body, name
+        assert body.index("pdl_trigger();") < body.index(wait), name
+        assert all(body.index(wait) < i for i in (body.find("store_acc("), body.find("sk_combine(")) if i >= 0), name
+    if which == "mma":
+        body = kernels["w4a16_mma"]
+        assert body.index("load_quad") < body.index("pdl_wait();") < body.index("cp_async16_s")
+    if which == "wgmma":
+        seg = src[src.index("k_segment(float"):]
+        assert seg.index("load_quad") < seg.index("pdl_wait();") < seg.index("stage_copy(")
+
+
+def test_off_on_cpu_and_by_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not pdl.enabled(cpu) and pdl.triton_opts(cpu) == {}
+    monkeypatch.setenv("ONEPASS_PDL", "0")
+    assert not pdl.enabled()
+    pdl.set_enabled(True)
+    try:
+        assert pdl.enabled() == (torch.cuda.is_available() and pdl.supported(torch.cuda.current_device()))
+    finally:
+        pdl.set_enabled(None)
+
+
+def test_launch_ex_refuses_unknown_arguments():
+    with pytest.raises(TypeError, match="unsupported kernel argument float"):
+        pdl.launch_ex(0, 1, 32, 0, 0, [1.5])
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the same tokens with PDL on and off, every int4 variant, inside CUDA graphs
+
+from tests.test_fused_qwen35 import CONFIGS, ggufs, gpu_run  # noqa: E402,F401 (ggufs: a fixture)
+from tests.test_qwen35_packed import CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def packed_file(tmp_path_factory):
+    from engine.gguf_writer import random_weights, write_gguf
+    cfg, fmt = CASES["4x-value-heads-q4_k"]
+    path = tmp_path_factory.mktemp("pdl") / "wide-q4_k.gguf"
+    write_gguf(path, cfg, random_weights(cfg, seed=71), weight_type=fmt, seed=3)
+    return path
+
+
+def _packed_run(path, B, policy):
+    from engine.gguf_loader import load_gguf
+    from engine.fused_qwen35 import FusedQwen35Decoder
+    from engine.runner import GraphStepper
+    from engine.sampler import SamplingParams
+    from engine.state_pool import HybridCache
+    from engine.static_batch import run_static
+    from kernels import int4_dispatch as disp
+    from kernels.backend import get_step_kernels
+    from tests.test_fused_qwen35 import prompt
+    disp.set_policy(policy, B)
+    try:
+        cfg, w, _ = load_gguf(path, dtype=torch.bfloat16, device="cuda", progress=False, keep_quantized=True)
+        model = FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=128)
+        kv = HybridCache.create(cfg, B + 1, 64, torch.bfloat16, "cuda", torch.float32)
+        st = GraphStepper(model, kv, B, SamplingParams(), use_graphs=True)
+        return run_static(st, [prompt(72, 9)] * B, 16, ctx=64).outputs
+    finally:
+        disp.set_policy("invariant")
+
+
+def _on_off(fn):
+    runs = {}
+    for flag in (False, True):
+        pdl.set_enabled(flag)
+        try:
+            runs[flag] = fn()
+        finally:
+            pdl.set_enabled(None)
+    return runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CONFIGS)
+def test_gpu_dense_hybrid_same_tokens_with_pdl(ggufs, name):
+    from tests.test_fused_qwen35 import prompt
+    assert pdl.supported(torch.cuda.current_device()), "the H200 path runs with PDL: it must be supported"
+    runs = _on_off(lambda: gpu_run(ggufs[name], 8, prompt(73, 11), 24))
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2"])
+@pytest.mark.parametrize("B", [1, 16])
+def test_gpu_packed_hybrid_same_tokens_with_pdl(packed_file, policy, B):
+    runs = _on_off(lambda: _packed_run(packed_file, B, policy))
+    assert runs[True] == runs[False]
