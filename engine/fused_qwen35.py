@@ -13,7 +13,7 @@ Per layer (h = the normed residual; every projection is `kernels.linear`, dense 
               gdn_step(q, k, v, alpha, beta)         l2norm, gates, delta rule in place in the pool (state
                                                      read once, written once), o = S^T q
               gated_rms_norm(o, z) -> ssm_out       (a packed ssm_out of a file with Hv != Hk keeps the file's
-                                                     column order: its input is gathered into it first)
+                                                     column order: the norm writes its output in that order)
   attention:  [q|gate per head | k | v] = h @ W_in  (one GEMM: attn_q, attn_k, attn_v)
               gated_rope_kv_write                    q/k RMSNorm, NEOX RoPE on rotary_dim dims, KV write
               decode_attention (kernels/decode_attention.py, shared with the plain decoders)
@@ -145,8 +145,10 @@ class FusedQwen35Decoder(DecoderBase):
             # a packed ssm_out from a file with Hv != Hk keeps the file's (tiled) V-head column order: its
             # input, the gated-norm output in grouped order, is gathered into that order first (gguf_loader)
             order = weights.get(f"blk.{i}.ssm_out{INPUT_ORDER}")
-            if order is not None:
-                layer["out_order"] = order.to(device=w("ssm_norm.weight").device, dtype=torch.long).contiguous()
+            if order is not None:  # input column c of ssm_out is grouped column order[c]: grouped j goes to inv[j]
+                order = order.to(device=w("ssm_norm.weight").device, dtype=torch.long)
+                layer["out_cols"] = torch.empty_like(order).index_copy_(0, order, torch.arange(
+                    order.numel(), device=order.device)).to(torch.int32).contiguous()
         return layer
 
     def weight_bytes(self) -> int:
@@ -171,7 +173,7 @@ class FusedQwen35Decoder(DecoderBase):
                        conv=e(rows, c.gdn_conv_dim, dtype=torch.float32),
                        gdn_o=e(rows, c.gdn_v_heads, c.gdn_v_dim, dtype=torch.float32),
                        gdn_y=e(rows, c.gdn_value_dim))
-            if any("out_order" in layer for layer in self.layers):
+            if any("out_cols" in layer for layer in self.layers):
                 buf["gdn_y_file"] = e(rows, c.gdn_value_dim)  # ssm_out's input in the file's column order
         if len(c.gdn_layers) < c.n_layers:
             buf.update(attn_in=e(rows, 2 * c.q_dim + 2 * c.kv_dim), q=e(rows, c.n_heads, c.head_dim),
@@ -238,10 +240,10 @@ class FusedQwen35Decoder(DecoderBase):
         v = conv[:, 2 * kd:].view(R, Hv, c.gdn_v_dim)
         o = hk.gdn_step(q, kk, v, alpha, beta, layer["A"], layer["dt"], state.ssm[j], slots, positions, seq_len,
                         out=buf["gdn_o"])
-        y = hk.gated_rms_norm(o, z.unflatten(1, (Hv, c.gdn_v_dim)), layer["ssm_norm"], c.norm_eps, out=buf["gdn_y"])
-        order = layer.get("out_order")
-        if order is not None:  # packed ssm_out in the file's column order (no allocation: graph-safe)
-            y = torch.index_select(y, 1, order, out=buf["gdn_y_file"])
+        # a packed ssm_out in the file's column order reads its input in that order: the norm writes it so
+        out_cols = layer.get("out_cols")
+        y = hk.gated_rms_norm(o, z.unflatten(1, (Hv, c.gdn_v_dim)), layer["ssm_norm"], c.norm_eps, out_cols=out_cols,
+                              out=buf["gdn_y"] if out_cols is None else buf["gdn_y_file"])
         return layer["out"](k, y, buf["x"], defer=True)
 
     def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None,

@@ -278,20 +278,24 @@ def default_block_v(hv: int, dv: int) -> int:
 # the GDN layer's output: gated RMSNorm (norm first, then the SiLU gate), as Qwen35Model.gated_delta_net
 
 def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None) -> torch.Tensor:
     """o [R, Hv, Dv] fp32 (the delta rule's output), z [R, Hv, Dv] (the attn_gate projection, any row
     stride): rms_norm(o) * weight * silu(z) per head in fp32, rounded once to z's dtype. Returns
-    [R, Hv * Dv] (into `out` when given)."""
+    [R, Hv * Dv] (into `out` when given). out_cols [Hv * Dv]: column j of the result goes to column out_cols[j]
+    (a permutation: the input order of a packed ssm_out kept in the file's column order)."""
     from kernels.rmsnorm import rms_norm_ref
 
     y = (rms_norm_ref(o.float(), weight, eps) * F.silu(z.float())).to(z.dtype).flatten(1)
+    if out_cols is not None:
+        y = torch.empty_like(y).index_copy_(1, out_cols.long(), y)
     return y if out is None else out.copy_(y)
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, cols_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0,
+                       BLOCK: tl.constexpr, HAS_COLS: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
+    # HAS_COLS: column j of the row goes to column cols[j] of y
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -301,21 +305,26 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, DV, eps, s_o0, s_o1, s_z0, s_
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)
     y = ((o * rstd) * w) * (z / (1.0 + tl.exp(-z)))
-    tl.store(y_ptr + r * s_y0 + h * DV + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+    col = h * DV + offs
+    if HAS_COLS:
+        col = tl.load(cols_ptr + col, mask=m, other=0)
+    tl.store(y_ptr + r * s_y0 + col, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None) -> torch.Tensor:
     R, hv, dv = o.shape
     assert z.shape == o.shape and o.stride(2) == 1 and z.stride(2) == 1, (tuple(o.shape), tuple(z.shape))
     assert weight.shape == (dv,) and weight.is_contiguous()
     if out is None:
         out = torch.empty(R, hv * dv, dtype=z.dtype, device=z.device)
     assert out.shape == (R, hv * dv) and out.stride(1) == 1
+    assert out_cols is None or (out_cols.shape == (hv * dv,) and out_cols.is_contiguous())
     if R == 0:
         return out
     BLOCK = _next_pow2(dv)
-    _gated_norm_kernel[(R, hv)](o, z, weight, out, dv, float(eps), o.stride(0), o.stride(1), z.stride(0),
-                                z.stride(1), out.stride(0), BLOCK=BLOCK, num_warps=1 if BLOCK <= 128 else 2,
+    _gated_norm_kernel[(R, hv)](o, z, weight, out, out_cols if out_cols is not None else out, dv, float(eps),
+                                o.stride(0), o.stride(1), z.stride(0), z.stride(1), out.stride(0), BLOCK=BLOCK,
+                                HAS_COLS=out_cols is not None, num_warps=1 if BLOCK <= 128 else 2,
                                 **pdl.triton_opts(o.device))
     return out

@@ -107,6 +107,23 @@ def test_gated_rms_norm(dtype):
     _close(out, ref, "gated rms norm")
 
 
+@needs_kernel
+def test_gated_rms_norm_into_permuted_columns():
+    """The output written in a permuted column order (a packed ssm_out's file order): the bits of writing it in
+    order, then gathering the columns; the reference permutes the same way."""
+    g = _gen(4)
+    R, hv, dv = 3, 6, 16
+    o = _randn(g, R, hv, dv)
+    z = _randn(g, R, hv, dv, dtype=torch.bfloat16)
+    w = _randn(g, dv, scale=0.1) + 1
+    order = torch.randperm(hv * dv, generator=g).to(DEV)        # input column c of ssm_out = grouped column order[c]
+    cols = torch.empty_like(order).index_copy_(0, order, torch.arange(hv * dv, device=DEV)).to(torch.int32)
+    plain = gated_rms_norm_triton(o, z, w, 1e-6)
+    got = gated_rms_norm_triton(o, z, w, 1e-6, out_cols=cols)
+    assert torch.equal(got, plain[:, order]), _msg("permuted columns differ from writing in order and gathering")
+    _close(gated_rms_norm_ref(o, z, w, 1e-6, out_cols=cols), plain[:, order], "the reference's permuted columns")
+
+
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():

@@ -158,8 +158,8 @@ def test_fused_decoder_packed_matches_dequantized(files, case):
     gdn0 = m_packed.layers[cfg.gdn_layers[0]]
     assert [type(w).__name__ for w in gdn0["in_proj"].weights] == ["PackedWeight", "Tensor"]  # [qkv|z], [beta|alpha]
     assert isinstance(gdn0["out"].weights[0], PackedWeight)
-    assert ("out_order" in gdn0) == (cfg.gdn_v_heads != cfg.gdn_k_heads)
-    assert not any("out_order" in layer for layer in m_dense.layers)  # the dense path is unchanged
+    assert ("out_cols" in gdn0) == (cfg.gdn_v_heads != cfg.gdn_k_heads)
+    assert not any("out_cols" in layer for layer in m_dense.layers)  # the dense path is unchanged
     assert isinstance(m_packed.lm_head, PackedWeight)
     assert m_packed.weight_bytes() < m_dense.weight_bytes()
 
