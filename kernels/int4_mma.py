@@ -593,8 +593,8 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     }
 #endif
 
-    // PDL: the weights above are constant, so they load while the kernel before this one finishes; x and the
-    // outputs wait for it
+    // PDL: the weights above are constant, so they may load before the kernel before this one has flushed; x and
+    // the outputs wait for it
     pdl_wait();
 
     // 2. x[m0 .. m0 + BT, split's K range) -> shared memory, 8 values per item: every item's 16 bytes copied

@@ -1,24 +1,29 @@
-"""Programmatic dependent launch (PDL, sm_90 and up): a step's kernels overlap their launch and prologue with the
-kernel before them in the stream.
+"""Programmatic dependent launch (PDL, sm_90 and up): a step's kernels overlap their launch with the kernel
+before them in the stream.
 
 Why: a decode step at small B is hundreds of kernels, most of them a few microseconds long (norms, the GDN step,
-gates, split-K consumers) between GEMVs that stream tens of megabytes of weights each. Launched plainly, every
-kernel starts only after the one before it has drained, so each boundary costs a launch, a ramp-up and a tail,
-and the HBM idles while the small kernels run. With PDL a kernel may be resident before its predecessor ends; the
-GEMVs use that to have their first weight loads in flight (weights are constant) while the kernels before them
-finish.
+gates, attention) between GEMVs. Launched plainly, every kernel is launched only after the one before it has
+drained, so each boundary costs a full launch latency. With PDL the launch is processed ahead and the kernel's
+blocks start the moment the previous kernel's blocks retire; the kernel then waits (griddepcontrol.wait) only
+where it first touches memory that kernel may have written.
 
 The contract every kernel launched with PDL keeps (the launch attribute alone would let it race):
-  - at entry it triggers its dependents (griddepcontrol.launch_dependents): the next kernel may launch once every
-    block of this one has started;
   - it waits (griddepcontrol.wait: the previous kernel has completed and its writes are visible) before it reads
-    anything but constant weights and before it writes anything at all.
+    anything but constant weights and before it writes anything at all; the int4 GEMMs issue their first weight
+    loads before the wait;
+  - with EARLY (ONEPASS_PDL_TRIGGER=1) it also triggers its dependents at entry (griddepcontrol.launch_dependents),
+    so the next kernel may launch once every block of this one has started. Off by default: H200, same process,
+    CUDA graphs, us per step with PDL off / on without the trigger / on with it: Llama-3.2-1B Q4_0 packed B = 1
+    674 / 572 / 613, B = 32 990 / 898 / 1,071, B = 128 1,785 / 1,696 / 2,009; the 27B hybrid Q4_K B = 1 7,827 /
+    7,316 / 7,303, B = 8 10,248 / 9,748 / 9,843, B = 128 34,317 / 33,916 / 34,450. Kernels resident early and
+    waiting cost more than the weight loads they put in flight bought back.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
 
 Switch: on wherever it can run (CUDA, sm_90+, a Triton that has gdc_wait, not the interpreter), off with
-ONEPASS_PDL=0 or `set_enabled(False)`. It is read when a kernel is launched (for a CUDA graph: at capture).
+ONEPASS_PDL=0 or `set_enabled(False)` (engine.pdl). It is read when a kernel is launched (for a CUDA graph: at
+capture); EARLY when this module is imported.
 """
 from __future__ import annotations
 
@@ -61,24 +66,30 @@ def enabled(device: torch.device | None = None) -> bool:
     return device.type == "cuda" and supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# EARLY: kernels also trigger their dependents at entry (measured slower, see above); without it a dependent launches
+# when its predecessor completes, its launch processed ahead
+EARLY = os.environ.get("ONEPASS_PDL_TRIGGER", "0") == "1"
+
+
 def triton_opts(device: torch.device) -> dict:
     """Extra launch arguments for a Triton kernel that calls `enter(PDL)`: {} when PDL is off."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {}
+    return {"PDL": 2 if EARLY else 1, "launch_pdl": True} if enabled(device) else {}
 
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """A PDL kernel's first statement: let the next kernel launch, then wait for the previous one."""
+    """A PDL kernel's first statement: (PDL == 2) let the next kernel launch, then wait for the previous one."""
     if PDL:
-        gdc_launch_dependents()
+        if PDL == 2:
+            gdc_launch_dependents()
         gdc_wait()
 
 
 # The same two instructions for the CUDA C++ kernels (kernels/int4_*.py), no-ops on older targets and on the host
-# emulator; harmless when the kernel was launched without PDL.
-CUDA_HELPERS = r"""
+# emulator (and the trigger without EARLY); harmless when the kernel was launched without PDL.
+CUDA_HELPERS = f"#define PDL_EARLY {int(EARLY)}\n" + r"""
 __device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && PDL_EARLY
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
