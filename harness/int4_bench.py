@@ -18,8 +18,8 @@ and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro
   speedup_vs_bf16   bf16 time / picked variant's time; best_us / best_variant: the fastest that verified
   verify_ok         every variant that ran verified
   pdl               1 when the int4 kernels were launched with programmatic dependent launch (engine.pdl, sm_90+:
-                    kernels/pdl.py), so consecutive calls in the graph overlap one's tail with the next one's first
-                    weight loads, as a decode step's kernels do; torch's bf16 GEMM never is
+                    kernels/pdl.py), so each call's launch overlaps the one before, as in a decode step; torch's
+                    bf16 GEMM never is
 Tags: int4_pick (the dispatch's choice), int4_best (the fastest measured), cuda_compiler (cupy / torch / none).
 The runs of one job share a sweep_id, so the report takes the newest job.
 """
@@ -151,7 +151,7 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
             m["best_speedup_vs_bf16"] = m["bf16_us"] / timed[best]
             m["best_tbps"] = pw.nbytes / (timed[best] / 1e6) / 1e12
         m["verify_ok"] = int(ok_all)
-        m["pdl"] = int(pdl.enabled(device))
+        m["pdl"] = pdl.mode(device)
         m["_tags"] = {"int4_pick": pick, "int4_best": best, "cuda_compiler": int4_cuda.compiler()}
         rows.append(m)
     return rows
@@ -171,7 +171,7 @@ def run_int4_gemm(cfg, out_dir) -> float:
     dev, dtype, _ = resolve_engine(cfg.engine)
     if dev.type != "cuda":
         raise ConfigError("int4_gemm times GPU kernels; it needs a CUDA device")
-    pdl.set_enabled(bool(cfg.engine.pdl))
+    pdl.configure(bool(cfg.engine.pdl), batch=1 << 30)   # no early trigger: the GEMMs never trigger anyway
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"int4_gemm runs bf16 / fp16 activations, not {dtype}")
     sweep = f"int4_gemm-{uuid.uuid4().hex[:12]}"

@@ -257,8 +257,9 @@ def int4_gemm(df: pd.DataFrame):
 
 
 def _pdl(df: pd.DataFrame) -> pd.Series:
-    """Whether the run's kernels launched with PDL (metrics.pdl; runs recorded before it existed: off)."""
-    return _opt(df, "metrics.pdl").fillna(0).map(lambda v: "on" if v else "off")
+    """How the run's kernels launched (metrics.pdl, kernels/pdl.py: off; on; on, early = the Triton kernels triggering
+    their dependents at entry; runs recorded before it existed: off)."""
+    return _opt(df, "metrics.pdl").fillna(0).map({0: "off", 1: "on", 2: "on, early"}.get)
 
 
 @table("int4_e2e")

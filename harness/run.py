@@ -114,7 +114,7 @@ def build(cfg) -> Built:
     dev, dtype, backend = resolve_engine(cfg.engine)
     if cfg.kv_cache.state_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"kv_cache.state_dtype={cfg.kv_cache.state_dtype!r}; choose float32 or bfloat16")
-    pdl.set_enabled(bool(cfg.engine.pdl))   # read at each launch / graph capture: this job's steppers follow it
+    pdl.configure(bool(cfg.engine.pdl), cfg.batch.size)   # read at each launch / capture: this job's steppers follow it
     packed = cfg.engine.weights == "packed"
     if packed:
         from kernels.int4_dispatch import set_policy
@@ -194,9 +194,10 @@ def device_name(dev: torch.device) -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
-def pdl_active(dev: torch.device, backend: str) -> bool:
-    """Whether this job's step kernels launch with PDL (engine.pdl, and a GPU that has it; kernels/pdl.py)."""
-    return backend == "triton" and pdl.enabled(dev)
+def pdl_active(dev: torch.device, backend: str) -> int:
+    """How this job's step kernels launch: 0 plainly, 1 with PDL, 2 with PDL and the Triton kernels triggering
+    their dependents early (engine.pdl, the engine's batch, a GPU that has it; kernels/pdl.py)."""
+    return pdl.mode(dev) if backend == "triton" else 0
 
 
 def peak_mem_mb(dev: torch.device) -> float:
@@ -279,7 +280,7 @@ def run_job(cfg, out_dir: Path) -> float:
         "throughput_tok_s": tput, "per_stream_tok_s": tput / B,
         "step_ms_p50": percentile_ms(result.step_s, 0.5), "step_ms_p90": percentile_ms(result.step_s, 0.9),
         "steps": len(result.step_s), "verify_ok": int(verdict.ok), "peak_mem_mb": peak_mem_mb(dev),
-        "pdl": int(pdl_active(dev, built.backend)),
+        "pdl": pdl_active(dev, built.backend),
         "single_stream_tok_s": single_tput, "speedup_vs_single": tput / single_tput if single_tput else 0.0,
         "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
         "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),

@@ -146,7 +146,7 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         "host_ms_mean": sum(host_ms) / max(len(host_ms), 1),
         "d2h_bytes_per_step": res.d2h_bytes / steps, "kv_pool_mb": kv.nbytes / 2**20, "rejected": len(res.rejected),
         "preemptions": sum(r.preemptions for r in res.finished), "pinned_prefix_tokens": pinned,
-        "pdl": int(pdl_active(dev, built.backend)),
+        "pdl": pdl_active(dev, built.backend),
     }
     metrics["per_stream_tok_s"] = metrics["throughput_tok_s"] / B
     if res.gpu_ms:  # device time per step from CUDA events; the rest of the wall time the GPU sat idle

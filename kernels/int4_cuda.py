@@ -188,8 +188,7 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
     __shared__ __align__(16) float xs[BT][CG * 32];
     __shared__ float xsum[BT][CG];
     __shared__ float red[KW > 1 ? KW - 1 : 1][BT][32];
-    pdl_trigger();                              // kernels/pdl.py: x and y belong to the kernels around this one
-    pdl_wait();
+    pdl_wait();                                 // kernels/pdl.py: x and y belong to the kernels around this one
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
@@ -351,7 +350,6 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
 extern "C" __global__ void __launch_bounds__(256)
 w4a16_splitk_reduce(const float* __restrict__ ws, void* __restrict__ y, int sym, int M, int N, int S)
 {
-    pdl_trigger();
     pdl_wait();
     const i64 idx = (i64)blockIdx.x * 256 + threadIdx.x;
     const i64 total = (i64)M * N;

@@ -525,7 +525,6 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
     float (*red)[RT][32][MT * 4 * NB] = reinterpret_cast<float (*)[RT][32][MT * 4 * NB]>(smem + XS_BYTES + XP_BYTES);
 #endif
 
-    pdl_trigger();                              // kernels/pdl.py
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;
     const int rt = warp % RT, ph = warp / RT;

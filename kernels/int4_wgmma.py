@@ -399,7 +399,6 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
 #else
     extern __shared__ __align__(1024) unsigned char smem[];
 #endif
-    pdl_trigger();                              // kernels/pdl.py
     const int warp = threadIdx.x >> 5;
     int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
     const int bt = pid % n_bt; pid /= n_bt;

@@ -7,23 +7,24 @@ drained, so each boundary costs a full launch latency. With PDL the launch is pr
 blocks start the moment the previous kernel's blocks retire; the kernel then waits (griddepcontrol.wait) only
 where it first touches memory that kernel may have written.
 
-The contract every kernel launched with PDL keeps (the launch attribute alone would let it race):
-  - it waits (griddepcontrol.wait: the previous kernel has completed and its writes are visible) before it reads
-    anything but constant weights and before it writes anything at all; the int4 GEMMs issue their first weight
-    loads before the wait;
-  - with EARLY (ONEPASS_PDL_TRIGGER=1) it also triggers its dependents at entry (griddepcontrol.launch_dependents),
-    so the next kernel may launch once every block of this one has started. Off by default: H200, same process,
-    CUDA graphs, us per step with PDL off / on without the trigger / on with it: Llama-3.2-1B Q4_0 packed B = 1
-    674 / 572 / 613, B = 32 990 / 898 / 1,071, B = 128 1,785 / 1,696 / 2,009; the 27B hybrid Q4_K B = 1 7,827 /
-    7,316 / 7,303, B = 8 10,248 / 9,748 / 9,843, B = 128 34,317 / 33,916 / 34,450. Kernels resident early and
-    waiting cost more than the weight loads they put in flight bought back.
+The contract every kernel launched with PDL keeps (the launch attribute alone would let it race): it waits
+(griddepcontrol.wait: the previous kernel has completed and its writes are visible) before it reads anything but
+constant weights and before it writes anything at all; the int4 GEMMs issue their first weight loads before it.
+Early trigger: for engines of up to EARLY_MAX_BATCH sequences the Triton kernels also trigger their dependents at
+entry (griddepcontrol.launch_dependents), so the next kernel -- often a GEMM -- launches once every block of this
+one has started, instead of when it completes; the CUDA GEMMs never trigger early. H200, harness runs (decode tok/s
+with PDL off / on / on with the Triton kernels triggering early / on with every kernel triggering early):
+Llama-3.2-1B Q4_0 packed B = 1 1,440 / 1,521 / 1,665 / 1,569, B = 32 31,376 / 32,656 / 32,647 / 28,676,
+B = 128 69,737 / 71,165 / 69,111 / 62,277; the 27B hybrid Q4_K B = 1 126.8 / 130.1 / 136.2 / 135.8, B = 8 778 /
+796 / 821 / 816, B = 128 3,713 (at the commit before PDL) / 3,745 / - / 3,713. Kernels resident early and waiting
+(GEMMs above all) cost more at large B than the launch they hide.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
 
 Switch: on wherever it can run (CUDA, sm_90+, a Triton that has gdc_wait, not the interpreter), off with
-ONEPASS_PDL=0 or `set_enabled(False)` (engine.pdl). It is read when a kernel is launched (for a CUDA graph: at
-capture); EARLY when this module is imported.
+ONEPASS_PDL=0 or `set_enabled(False)` (engine.pdl); `configure(enabled, batch)` sets both from an engine's config.
+Both are read when a kernel is launched (for a CUDA graph: at capture).
 """
 from __future__ import annotations
 
@@ -66,14 +67,30 @@ def enabled(device: torch.device | None = None) -> bool:
     return device.type == "cuda" and supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# EARLY: kernels also trigger their dependents at entry (measured slower, see above); without it a dependent launches
-# when its predecessor completes, its launch processed ahead
-EARLY = os.environ.get("ONEPASS_PDL_TRIGGER", "0") == "1"
+EARLY_MAX_BATCH = 32   # the largest engine batch whose Triton kernels trigger early (measured at 1, 8, 32; 128 lost)
+_early = False
+
+
+def set_early(flag: bool) -> None:
+    """Whether Triton kernels launched from now on trigger their dependents at entry."""
+    global _early
+    _early = bool(flag)
+
+
+def configure(on: bool, batch: int) -> None:
+    """An engine's setting: PDL on or off (engine.pdl), the early trigger from its batch (EARLY_MAX_BATCH)."""
+    set_enabled(on)
+    set_early(batch <= EARLY_MAX_BATCH)
+
+
+def mode(device: torch.device) -> int:
+    """0: PDL off here; 1: on; 2: on, Triton kernels triggering early (the runs' metrics.pdl)."""
+    return (2 if _early else 1) if enabled(device) else 0
 
 
 def triton_opts(device: torch.device) -> dict:
     """Extra launch arguments for a Triton kernel that calls `enter(PDL)`: {} when PDL is off."""
-    return {"PDL": 2 if EARLY else 1, "launch_pdl": True} if enabled(device) else {}
+    return {"PDL": 2 if _early else 1, "launch_pdl": True} if enabled(device) else {}
 
 
 @triton.jit
@@ -85,14 +102,9 @@ def enter(PDL: tl.constexpr):
         gdc_wait()
 
 
-# The same two instructions for the CUDA C++ kernels (kernels/int4_*.py), no-ops on older targets and on the host
-# emulator (and the trigger without EARLY); harmless when the kernel was launched without PDL.
-CUDA_HELPERS = f"#define PDL_EARLY {int(EARLY)}\n" + r"""
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && PDL_EARLY
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+# The wait for the CUDA C++ kernels (kernels/int4_*.py): a no-op on older targets, on the host emulator and when the
+# kernel was launched without PDL. They never trigger early (see above).
+CUDA_HELPERS = r"""
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -68,26 +68,43 @@ def _globals(src: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("which", ["cuda", "mma", "wgmma"])
-def test_cuda_kernels_trigger_then_wait(which):
-    """Every CUDA kernel triggers its dependents and waits before it stages x or writes; the GEMMs only issue
-    their first weight loads before the wait."""
+def test_cuda_kernels_wait_before_x_and_outputs(which):
+    """Every CUDA kernel waits before it stages x or writes (the GEMMs issue only their first weight loads before the
+    wait) and none triggers its dependents early."""
     src = {"cuda": int4_cuda.source("q4_k", 1, False, False),
            "mma": int4_mma.source("q4_k", 8, False, True, 4, 1, 2, True, fold=True),
            "wgmma": int4_wgmma.source("q4_k", 64, False, False, 2, 2, 1, 4, sk=True)}[which]
     kernels = _globals(src)
-    assert kernels
+    assert kernels and "launch_dependents" not in src
     for name, body in kernels.items():
         # the wgmma kernel waits inside k_segment, which runs before any store
         wait = "k_segment(" if name == "w4a16_wgmma" else "pdl_wait();"
-        assert "pdl_trigger();" in body and wait in body, name
-        assert body.index("pdl_trigger();") < body.index(wait), name
-        assert all(body.index(wait) < i for i in (body.find("store_acc("), body.find("sk_combine(")) if i >= 0), name
+        assert wait in body, name
+        assert all(body.index(wait) < i for i in (body.find("store_acc("), body.find("sk_combine("),
+                                                  body.find("cp_async16_s"), body.find("ws[")) if i >= 0), name
     if which == "mma":
         body = kernels["w4a16_mma"]
         assert body.index("load_quad") < body.index("pdl_wait();") < body.index("cp_async16_s")
     if which == "wgmma":
         seg = src[src.index("k_segment(float"):]
         assert seg.index("load_quad") < seg.index("pdl_wait();") < seg.index("stage_copy(")
+
+
+def test_engine_setting_and_early_trigger(monkeypatch):
+    """configure() follows engine.pdl and the engine's batch: the early trigger up to EARLY_MAX_BATCH."""
+    monkeypatch.setattr(pdl, "supported", lambda index: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    dev = torch.device("cuda", 0)
+    try:
+        pdl.configure(True, pdl.EARLY_MAX_BATCH)
+        assert pdl.mode(dev) == 2 and pdl.triton_opts(dev) == {"PDL": 2, "launch_pdl": True}
+        pdl.configure(True, pdl.EARLY_MAX_BATCH + 1)
+        assert pdl.mode(dev) == 1 and pdl.triton_opts(dev) == {"PDL": 1, "launch_pdl": True}
+        pdl.configure(False, 1)
+        assert pdl.mode(dev) == 0 and pdl.triton_opts(dev) == {}
+    finally:
+        pdl.set_enabled(None)
+        pdl.set_early(False)
 
 
 def test_off_on_cpu_and_by_switch(monkeypatch):
@@ -145,13 +162,16 @@ def _packed_run(path, B, policy):
 
 
 def _on_off(fn):
+    """fn's result with PDL off, on, and on with the Triton kernels triggering early."""
     runs = {}
-    for flag in (False, True):
-        pdl.set_enabled(flag)
+    for mode, (on, early) in {"off": (False, False), "on": (True, False), "early": (True, True)}.items():
+        pdl.set_enabled(on)
+        pdl.set_early(early)
         try:
-            runs[flag] = fn()
+            runs[mode] = fn()
         finally:
             pdl.set_enabled(None)
+            pdl.set_early(False)
     return runs
 
 
@@ -161,7 +181,7 @@ def test_gpu_dense_hybrid_same_tokens_with_pdl(ggufs, name):
     from tests.test_fused_qwen35 import prompt
     assert pdl.supported(torch.cuda.current_device()), "the H200 path runs with PDL: it must be supported"
     runs = _on_off(lambda: gpu_run(ggufs[name], 8, prompt(73, 11), 24))
-    assert runs[True] == runs[False]
+    assert runs["on"] == runs["off"] and runs["early"] == runs["off"]
 
 
 @pytest.mark.gpu
@@ -169,4 +189,4 @@ def test_gpu_dense_hybrid_same_tokens_with_pdl(ggufs, name):
 @pytest.mark.parametrize("B", [1, 16])
 def test_gpu_packed_hybrid_same_tokens_with_pdl(packed_file, policy, B):
     runs = _on_off(lambda: _packed_run(packed_file, B, policy))
-    assert runs[True] == runs[False]
+    assert runs["on"] == runs["off"] and runs["early"] == runs["off"]
