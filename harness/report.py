@@ -246,13 +246,14 @@ def int4_gemm(df: pd.DataFrame):
         "effective TB/s": _opt(df, "metrics.effective_tbps"),
         "vs bf16": _opt(df, "metrics.speedup_vs_bf16"),
         "fastest": _tag(df, "tags.int4_best"),
+        "PDL": _pdl(df),   # the int4 kernels' launches (harness/int4_bench.py); cuBLAS's never use it
         "verified": check(num(df, "metrics.verify_ok")),
     })
     d["_n"] = num(df, "params.micro.n")
     d["_k"] = num(df, "params.micro.k")
     d = d.sort_values(["format", "_n", "_k", "B"], ascending=[True, False, True, True]).drop(columns=["_n", "_k"])
     md = d.to_markdown(index=False, floatfmt=("", "", ".0f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", "",
-                                              ".2f", ".2f", "", ""))
+                                              ".2f", ".2f", "", "", ""))
     return md.replace("nan", "—"), None
 
 
