@@ -142,13 +142,13 @@ class FusedQwen35Decoder(DecoderBase):
                          conv=w("ssm_conv1d.weight").contiguous(), A=w("ssm_a").contiguous(),
                          dt=w("ssm_dt.bias").contiguous(), ssm_norm=w("ssm_norm.weight").contiguous(),
                          out=Projection([w("ssm_out.weight")]))
-            # a packed ssm_out from a file with Hv != Hk keeps the file's (tiled) V-head column order: its
-            # input, the gated-norm output in grouped order, is gathered into that order first (gguf_loader)
+            # a packed ssm_out from a file with Hv != Hk keeps the file's (tiled) V-head column order (gguf_loader):
+            # its input column c is the gated norm's grouped column order[c], so the norm writes grouped column j
+            # to column argsort(order)[j]
             order = weights.get(f"blk.{i}.ssm_out{INPUT_ORDER}")
-            if order is not None:  # input column c of ssm_out is grouped column order[c]: grouped j goes to inv[j]
+            if order is not None:
                 order = order.to(device=w("ssm_norm.weight").device, dtype=torch.long)
-                layer["out_cols"] = torch.empty_like(order).index_copy_(0, order, torch.arange(
-                    order.numel(), device=order.device)).to(torch.int32).contiguous()
+                layer["out_cols"] = order.argsort().to(torch.int32).contiguous()
         return layer
 
     def weight_bytes(self) -> int:

@@ -171,7 +171,7 @@ def run_int4_gemm(cfg, out_dir) -> float:
     dev, dtype, _ = resolve_engine(cfg.engine)
     if dev.type != "cuda":
         raise ConfigError("int4_gemm times GPU kernels; it needs a CUDA device")
-    pdl.configure(bool(cfg.engine.pdl), batch=1 << 30)   # no early trigger: the GEMMs never trigger anyway
+    pdl.configure(bool(cfg.engine.pdl), batch=1 << 30)   # no early trigger, for the Triton GEMM as for the CUDA ones
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"int4_gemm runs bf16 / fp16 activations, not {dtype}")
     sweep = f"int4_gemm-{uuid.uuid4().hex[:12]}"
