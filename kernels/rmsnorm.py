@@ -18,11 +18,13 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 # --------------------------------------------------------------------------------------------------
-# Triton. One program per row (a row = the last dim), the whole row in registers, fp32 math. A row's
-# arithmetic never depends on how many rows there are, so results are bitwise batch invariant. No host
-# sync; nothing is allocated when `out` is given (CUDA-graph safe).
+# Triton. Rows of up to ROW_MAX_D columns: one program per row, the whole row in registers. Wider rows: one program
+# per CHUNK columns of a row (below). fp32 math; a row's arithmetic depends on D alone, never on how many rows there
+# are, so results are bitwise batch invariant. No host sync; nothing is allocated when `out` is given (CUDA-graph
+# safe; the chunked form's scratch is one buffer per device, reused by every launch).
 
 from kernels.splitk import SplitSums, split_sum
+from kernels.workspace import SplitKWorkspace
 from kernels import pdl
 from kernels.triton_compat import tl, triton
 
@@ -60,6 +62,54 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
     tl.store(out_ptr + i0 * so0 + i1 * so1 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rms_norm_chunk_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ss_ptr, cnt_ptr, D, n_inner, eps,
+                           sx0, sx1, sr0, sr1, so0, so1, sxs,
+                           HAS_RES: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr,
+                           ROW_BLOCK: tl.constexpr,
+                           SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
+    # program (row, c): columns c*CHUNK.. of the row -- its split-K partials summed, the residual added and stored --
+    # and their sum of squares into ss[row, c]. The row's last program to arrive (a per-row ticket, acq_rel: every
+    # other chunk's residual and ss are visible to it) adds the NC sums in one fixed tree, normalizes the whole row
+    # and leaves the ticket at zero for the next launch. Why: the 27B's 5120-column rows with 12-23 split-K partials
+    # are ~0.25-0.5 MB a row; one program per row streamed them through one SM.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    i0 = row // n_inner
+    i1 = row % n_inner
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < D
+    if SPLIT > 0:
+        x = split_sum(x_ptr + i0 * sx0 + i1 * sx1 + offs, sxs, mask, SPLIT, res_ptr, RNE)
+    else:
+        x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r_ptrs = res_ptr + i0 * sr0 + i1 * sr1 + offs
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        h = (r.to(tl.float32) + x.to(tl.float32)).to(res_ptr.dtype.element_ty)  # == torch's residual + x
+        tl.store(r_ptrs, h, mask=mask)
+        xf = h.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    tl.store(ss_ptr + row * NC + c, tl.sum(xf * xf, axis=0))
+    ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
+    if ticket == NC - 1:
+        tl.store(cnt_ptr + row, 0)
+        parts = tl.arange(0, NC_P2)
+        ss = tl.load(ss_ptr + row * NC + parts, mask=parts < NC, other=0.0, cache_modifier=".cg")
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
+        if HAS_RES:
+            src = res_ptr + i0 * sr0 + i1 * sr1      # the row's new residual, every chunk's
+        else:
+            src = x_ptr + i0 * sx0 + i1 * sx1
+        o = tl.arange(0, ROW_BLOCK)             # the whole row in one load (a loop of chunks ran one L2 trip each)
+        m = o < D
+        v = tl.load(src + o, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i0 * so0 + i1 * so1 + o, ((v * rstd) * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
 def _rows_view(t: torch.Tensor, name: str) -> tuple[int, int, int, int]:
     """(n0, n_inner, stride0, stride1) describing t's rows as a 2-level grid; t's last dim must be unit
     stride. Handles [D], [R, D] and [A, B, D] with any leading strides (e.g. heads of a fused qkv row);
@@ -82,24 +132,35 @@ def _num_warps(block: int) -> int:
     return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8 if block <= 8192 else 16
 
 
-# A row's program reads all S partials of its row. With few rows and more than SPLIT_ROW_BYTES of partials a row, the
-# GEMM's own reduce (spread over many programs) runs first instead. H200, in-kernel sum against reduce first (two
-# commits; the second also gave SwiGLU over partials 256-column programs): the 27B hybrid (5120 columns, 12 and 23
-# splits) 117.7 against 127.3 tok/s at B = 1 and 752 against 776 at B = 8, but 1,866 against 1,838 at B = 32;
-# Llama-1B Q4_0 1,363 against 1,444 at B = 1, 25,718 against 23,173 at B = 32.
+# Rows wider than ROW_MAX_D go in chunks of CHUNK columns (_rms_norm_chunk_kernel), whatever the row count (the
+# bits follow D alone). H200, the 27B hybrid (5120 columns), against one program per row in the same job: 137.1 against
+# 136.0 tok/s at B = 1 and 2,289 against 2,230 at B = 32; the norm 3.3 / 4.5 us a call at B = 1 / 32 (the
+# one-program norm took 7 us at B = 32, and at B = 1 a reduce launch before it). A first version whose last program
+# normalized the row chunk by chunk (an L2 round trip each) took 9 us and lost 9% at B = 1.
+# A one-program row reads all S partials of its row; with few rows and more than SPLIT_ROW_BYTES
+# of partials a row, the GEMM's own reduce (spread over many programs) runs first instead. H200, in-kernel sum against
+# reduce first (two commits; the second also gave SwiGLU over partials 256-column programs): the 27B hybrid (5120
+# columns, 12 and 23 splits) 117.7 against 127.3 tok/s at B = 1 and 752 against 776 at B = 8, but 1,866 against 1,838
+# at B = 32; Llama-1B Q4_0 1,363 against 1,444 at B = 1, 25,718 against 23,173 at B = 32.
+ROW_MAX_D = 4096
+CHUNK = 512
 SPLIT_ROW_BYTES = 64 * 1024
 SPLIT_MIN_ROWS = 16
+_SS = SplitKWorkspace()                                  # ss[row, chunk]
+_TICKETS = SplitKWorkspace(torch.int32, zeroed=True)    # per row; the kernel leaves them zero
+MIN_ROWS = 8192                                         # scratch rows reserved at once (prefill steps included)
 
 
 def _launch_rms_norm(x, residual, w, eps, out):
     sums = x if isinstance(x, SplitSums) else None
+    D = (sums.shape if sums is not None else x.shape)[-1]
+    chunked = D > ROW_MAX_D
     if sums is not None:
-        wide = sums.shape[0] < SPLIT_MIN_ROWS and sums.splits * sums.shape[1] * 4 > SPLIT_ROW_BYTES
+        wide = not chunked and sums.shape[0] < SPLIT_MIN_ROWS and sums.splits * sums.shape[1] * 4 > SPLIT_ROW_BYTES
         if residual is None or sums.dtype != residual.dtype or wide:
             x, sums = sums.finish(), None    # the GEMM's reduce first, then the plain path
         else:
             x = sums.ws[0]
-    D = x.shape[-1]
     if w.shape != (D,) or not w.is_contiguous():
         raise ValueError(f"weight must be contiguous [{D}], got {tuple(w.shape)}")
     if out is None:
@@ -118,12 +179,21 @@ def _launch_rms_norm(x, residual, w, eps, out):
     rows = n0 * n1
     if rows == 0:
         return out
-    BLOCK = triton.next_power_of_2(D)
     split = sums.splits if sums is not None else 0
-    _rms_norm_kernel[(rows,)](x, residual, w, out, D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1,
-                              x.numel() if split else 0, HAS_RES=has_res, BLOCK=BLOCK, SPLIT=split,
-                              RNE=bool(sums.rne) if sums is not None else False, num_warps=_num_warps(BLOCK),
-                              **pdl.triton_opts(x.device))
+    args = (D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1, x.numel() if split else 0)
+    opts = dict(HAS_RES=has_res, SPLIT=split, RNE=bool(sums.rne) if sums is not None else False)
+    if chunked:
+        nc = triton.cdiv(D, CHUNK)
+        ss = _SS.get(x.device, max(rows, MIN_ROWS) * nc)
+        tickets = _TICKETS.get(x.device, max(rows, MIN_ROWS))
+        _rms_norm_chunk_kernel[(rows, nc)](x, residual, w, out, ss, tickets, *args, CHUNK=CHUNK, NC=nc,
+                                           NC_P2=triton.next_power_of_2(nc), ROW_BLOCK=triton.next_power_of_2(D),
+                                           num_warps=_num_warps(triton.next_power_of_2(D)), **opts,
+                                           **pdl.triton_opts(x.device))
+    else:
+        BLOCK = triton.next_power_of_2(D)
+        _rms_norm_kernel[(rows,)](x, residual, w, out, *args, BLOCK=BLOCK, num_warps=_num_warps(BLOCK), **opts,
+                                  **pdl.triton_opts(x.device))
     return out
 
 

@@ -178,6 +178,38 @@ def test_add_rms_norm(dtype, res_dtype):
         _exact(n_r, normed[r: r + 1], f"row {r} normed alone")
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype,res_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("D,chunk", [(200, 64), (256, 64), (5120, 512)])
+def test_rms_norm_chunked(dtype, res_dtype, D, chunk, monkeypatch):
+    """Rows wider than ROW_MAX_D: one program per chunk of a row, the last to arrive normalizing the row. Against the
+    references, with and without a residual, D a multiple of the chunk or not; run twice (the per-row tickets must
+    be left at zero); each row alone bitwise the batched row."""
+    from kernels import rmsnorm
+
+    monkeypatch.setattr(rmsnorm, "ROW_MAX_D", min(rmsnorm.ROW_MAX_D, D - 1))
+    monkeypatch.setattr(rmsnorm, "CHUNK", chunk)
+    g = _gen(40 + D)
+    R = 5
+    x = _randn(g, R, D, dtype=dtype, scale=2.0)
+    res0 = _randn(g, R, D, dtype=res_dtype, scale=4.0)
+    w = _randn(g, D)
+    _close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), "rms_norm chunked")
+    first = rms_norm_triton(x, w, 1e-6)
+    _exact(rms_norm_triton(x, w, 1e-6), first, "rms_norm chunked, second launch")
+    res = res0.clone()
+    normed, _ = add_rms_norm_triton(x, res, w, 1e-5)
+    _, res_ref = add_rms_norm_ref(x, res0, w, 1e-5)
+    _same_or_close(res, res_ref, "chunked residual += x")
+    _close(normed, rms_norm_ref(res, w, 1e-5).to(dtype), "chunked normed")
+    for r in (0, R - 1):
+        res_r = res0[r: r + 1].clone()
+        n_r, _ = add_rms_norm_triton(x[r: r + 1], res_r, w, 1e-5)
+        _exact(res_r, res[r: r + 1], f"row {r} residual alone")
+        _exact(n_r, normed[r: r + 1], f"row {r} normed alone")
+        _exact(rms_norm_triton(x[r], w, 1e-6), first[r], f"row {r} rms_norm alone")
+
+
 # ------------------------------------------------------------------------------------------------
 # SwiGLU
 
@@ -325,6 +357,7 @@ GPU_MODELS = {  # dim, n_heads, kv_heads, head_dim, ffn, vocab
     "qwen3-1.7b": (2048, 16, 8, 128, 6144, 151936),
     "qwen3-4b": (2560, 32, 8, 128, 9728, 151936),
     "hd256": (2560, 16, 4, 256, 8192, 151936),
+    "qwen3.8-27b": (5120, 24, 4, 256, 17408, 248320),   # rows wider than ROW_MAX_D: the chunked norm
 }
 GPU_ROWS = [1, 128, 512]
 

@@ -29,13 +29,16 @@ def _exact(a, b, what):
 @needs_kernel
 @pytest.mark.parametrize("S", [2, 5, 12])
 @pytest.mark.parametrize("rne", [False, True])
-@pytest.mark.parametrize("row_limit", [None, 0])
+@pytest.mark.parametrize("row_limit", [None, 0, "chunked"])
 def test_consumers_add_partials_as_the_reduce(S, rne, row_limit, monkeypatch):
     """In the consumer, or (row_limit 0: more partials per row than the norm takes) by the reduce run first into the
-    GEMM's out: the same bits either way."""
+    GEMM's out, or ("chunked") by the norm's chunked form (rows wider than ROW_MAX_D): the same bits either way."""
     from kernels import rmsnorm
 
-    if row_limit is not None:
+    if row_limit == "chunked":
+        monkeypatch.setattr(rmsnorm, "ROW_MAX_D", 128)
+        monkeypatch.setattr(rmsnorm, "CHUNK", 128)
+    elif row_limit is not None:
         monkeypatch.setattr(rmsnorm, "SPLIT_ROW_BYTES", row_limit)
         monkeypatch.setattr(rmsnorm, "SPLIT_MIN_ROWS", 1 << 30)
     g = _gen(S)
