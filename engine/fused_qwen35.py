@@ -47,7 +47,6 @@ from kernels.backend import StepKernels
 from kernels.gated_attention import gate_view
 from kernels.hybrid import HybridKernels, get_hybrid_kernels
 from kernels.rope import rope_cache, rope_inv_freq
-from kernels.splitk import SplitSums
 
 
 def _nbytes(w) -> int:
@@ -100,21 +99,12 @@ class Projection:
         for the next kernel to add."""
         if len(self.weights) == 1:
             return k.linear(x, self.weights[0], out=out, defer=defer)
-        return self.with_tail(k, x, out)[0]
-
-    def with_tail(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor, tail: int = 0):
-        """(out, last): as __call__, and the last `tail` columns as their own result -- where they are a GEMM of
-        their own (e.g. the dense beta | alpha beside a packed q|k|v|z), its split-K partials unreduced (a
-        SplitSums, for a consumer that adds them) -- else the column slice of out."""
-        col, last = 0, None
-        for i, w in enumerate(self.weights):  # unfusable parts: one GEMM each, into column slices of the same buffer
+        col = 0
+        for w in self.weights:  # unfusable parts: one GEMM each, into column slices of the same buffer
             n = int(w.shape[0])
-            own = tail > 0 and i == len(self.weights) - 1 and n == tail
-            last = k.linear(x, w, out=out[:, col:col + n], defer=own)
+            k.linear(x, w, out=out[:, col:col + n])
             col += n
-        if last is None or not isinstance(last, SplitSums):
-            last = out[:, out.shape[1] - tail:] if tail else None
-        return out, last
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -240,14 +230,9 @@ class FusedQwen35Decoder(DecoderBase):
         c, k, hk = self.cfg, self.k, self.hk
         R = h.shape[0]
         C, V, Hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads
-        # [qkv (C) | z (V) | beta (Hv) | alpha (Hv)]; beta | alpha, the tiny dense rows beside packed ones, a GEMM of
-        # their own whose split-K partials the GDN step adds (no reduce launch)
-        proj, ba = layer["in_proj"].with_tail(k, h, buf["gdn_in"], tail=2 * Hv)
+        proj = layer["in_proj"](k, h, buf["gdn_in"])                  # [qkv (C) | z (V) | beta (Hv) | alpha (Hv)]
         qkv, z = proj[:, :C], proj[:, C:C + V]
-        if isinstance(ba, SplitSums):
-            beta, alpha = ba.cols(0, Hv), ba.cols(Hv, 2 * Hv)
-        else:
-            beta, alpha = ba[:, :Hv], ba[:, Hv:]
+        beta, alpha = proj[:, C + V:C + V + Hv], proj[:, C + V + Hv:C + V + 2 * Hv]
         conv = hk.conv_ring_update(qkv, state.conv[j], layer["conv"], slots, positions, seq_len, out=buf["conv"])
         kd = c.gdn_key_dim
         q = conv[:, :kd].view(R, c.gdn_k_heads, c.gdn_k_dim)

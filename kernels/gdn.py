@@ -46,7 +46,6 @@ import torch.nn.functional as F
 
 from engine.models.qwen35 import L2NORM_EPS, Qwen35Model, l2norm
 from kernels import pdl
-from kernels.splitk import SplitSums, split_sum
 from kernels.triton_compat import tl, triton
 
 # channels per conv-ring program, one per lane: H200, one 27B GDN layer (10240 channels, 4 taps, fp32 ring), us per
@@ -100,8 +99,7 @@ def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Te
                  positions: torch.Tensor | None = None, seq_len: int = 1) -> torch.Tensor:
     """Qwen35Model.gated_delta_net's recurrence over runs of seq_len rows (see module doc); rows of runs
     with slot < 0 are skipped (output 0); runs starting at position 0 start from a zero state.
-    Returns o [R, Hv, Dv] fp32; `state` is updated in place. a, b may be SplitSums (reduced first)."""
-    a, b = (t.reduce() if isinstance(t, SplitSums) else t for t in (a, b))
+    Returns o [R, Hv, Dv] fp32; `state` is updated in place."""
     R, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     run_slots, live, fresh = _runs(R, seq_len, slots, positions)
@@ -193,10 +191,9 @@ def conv_ring_update_triton(x: torch.Tensor, conv_state: torch.Tensor, conv_weig
 def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr, pos_ptr,
                      T, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                      stride_ar, stride_br, stride_or, stride_oh,
-                     HV, DK, DV, scale, eps, stride_as, stride_bs, ab_like_ptr,
+                     HV, DK, DV, scale, eps,
                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
-                     HAS_POS: tl.constexpr, AB_SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -225,16 +222,10 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
             q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps)) * scale
             k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
             v = tl.load(v_ptr + r * stride_vr + h * stride_vh + vv, mask=vm, other=0.0).to(tl.float32)
-            if AB_SPLIT > 0:    # a and b as their GEMM's split-K partials (kernels/splitk.py): the reduce's bits
-                a_in = split_sum(a_ptr + r * stride_ar + h, stride_as, h < HV, AB_SPLIT, ab_like_ptr, RNE)
-                b_in = split_sum(b_ptr + r * stride_br + h, stride_bs, h < HV, AB_SPLIT, ab_like_ptr, RNE)
-            else:
-                a_in = tl.load(a_ptr + r * stride_ar + h)
-                b_in = tl.load(b_ptr + r * stride_br + h)
-            x = a_in.to(tl.float32) + dt
+            x = tl.load(a_ptr + r * stride_ar + h).to(tl.float32) + dt
             sp = tl.where(x > SP_THRESH, x, tl.log(1.0 + tl.exp(tl.minimum(x, SP_THRESH))))
             g = A * sp
-            beta = 1.0 / (1.0 + tl.exp(-b_in.to(tl.float32)))
+            beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + r * stride_br + h).to(tl.float32)))
             S = S * tl.exp(g)
             recall = tl.sum(S * k[:, None], axis=0)                       # S^T k  [BV]
             delta = beta * (v - recall)
@@ -248,15 +239,9 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
 def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor | None = None, seq_len: int = 1,
                     out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """a and b may be SplitSums (their GEMM's partials, split-K deferred): the kernel adds them as the reduce would."""
     R, hk, dk = q.shape
     _, hv, dv = v.shape
     assert k.shape == q.shape and hv % hk == 0
-    ab_split, stride_as, stride_bs, ab_like, rne = 0, 0, 0, None, False
-    if isinstance(a, SplitSums) or isinstance(b, SplitSums):
-        assert isinstance(a, SplitSums) and isinstance(b, SplitSums) and a.splits == b.splits and a.dtype == b.dtype
-        ab_split, stride_as, stride_bs, ab_like, rne = a.splits, a.ws.stride(0), b.ws.stride(0), a.out, a.rne
-        a, b = a.ws[0], b.ws[0]
     assert state.shape[1:] == (hv, dk, dv) and state.is_contiguous(), state.shape
     assert a.shape == (R, hv) and b.shape == (R, hv) and A.shape == (hv,) and dt_bias.shape == (hv,)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1
@@ -273,11 +258,9 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
     _gdn_step_kernel[grid](q, k, v, a, b, A, dt_bias, state, out, slots, positions if positions is not None else slots,
                            seq_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            a.stride(0), b.stride(0), out.stride(0), out.stride(1),
-                           hv, dk, dv, float(dk ** -0.5), L2NORM_EPS, stride_as, stride_bs,
-                           ab_like if ab_like is not None else a,
+                           hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
-                           HAS_POS=positions is not None, AB_SPLIT=ab_split, RNE=rne, num_warps=num_warps,
-                           **pdl.triton_opts(q.device))
+                           HAS_POS=positions is not None, num_warps=num_warps, **pdl.triton_opts(q.device))
     return out
 
 

@@ -175,17 +175,12 @@ def splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, s
 
 
 def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, split: int, rne: bool = False) -> torch.Tensor:
-    """y [rows, N] (any strides) = the `split` fp32 partials in ws (split-major, each [rows, N] contiguous; or a
-    [split, rows, N] view with unit stride along N) added in split order and rounded once (rne: by hand, the
-    interpreter's bf16); the launch every split-K GEMM ends with."""
+    """y [rows, N] (any strides) = the `split` fp32 partials in ws (split-major, each [rows, N] contiguous) added in
+    split order and rounded once (rne: by hand, the interpreter's bf16); the launch every split-K GEMM ends with."""
     rows, N = y.shape
-    stride_ws, stride_wm = rows * N, N
-    if ws.dim() == 3:
-        assert ws.shape == (split, rows, N) and ws.stride(2) == 1, (tuple(ws.shape), ws.stride())
-        stride_ws, stride_wm = ws.stride(0), ws.stride(1)
     rbm, rbn = min(16, _next_pow2(rows)), 256
     splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
-        ws, y, rows, N, stride_ws, stride_wm, y.stride(0), y.stride(1),
+        ws, y, rows, N, rows * N, N, y.stride(0), y.stride(1),
         SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=rne, num_warps=4, **pdl.triton_opts(ws.device))
     return y
 
@@ -224,10 +219,6 @@ MEASURED = {
     (19456, 2560): (64, 64, 1),
     (2560, 9728): (128, 128, 4),
     (151936, 2560): (128, 64, 1),
-    # the 27B hybrid's dense beta | alpha rows (48 + 48 heads), whose partials the GDN step adds (deferred, no
-    # reduce): H200, deferred, us at M = 1 / 32 / 128: 2.1 / 2.1 / 2.8 against the rule's (64, 64, 8) 3.7 / 4.0 / 5.4
-    # (4.5 / 8.1 / 9.9 with its reduce); reduced, 40 splits cost 16 us at M = 32
-    (96, 5120): (32, 64, 40),
 }
 
 

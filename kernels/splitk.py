@@ -4,7 +4,7 @@ A GEMM that runs its K range as S splits writes S fp32 partials [S, M, N] and th
 them in split order, ((p0 + p1) + p2) + ..., and rounds once to the output dtype. Called with ``defer=True``
 (kernels/gemm.linear, kernels/int4_gemm.w4a16_linear, the CUDA kernels through int4_cuda.run_packed, the int4
 dispatch) it returns the partials as a SplitSums instead, and the kernel that consumes the output -- the
-residual add + RMSNorm (kernels/rmsnorm.py), SwiGLU (kernels/swiglu.py), the GDN step's gates (kernels/gdn.py) -- loads each element's S partials, adds
+residual add + RMSNorm (kernels/rmsnorm.py), SwiGLU (kernels/swiglu.py) -- loads each element's S partials, adds
 them in the same order and rounds the same way (``split_sum``): it sees exactly the value the reduce would have
 written, and the step saves the reduce's launch and the round trip of its output through memory.
 
@@ -23,7 +23,7 @@ from kernels.triton_compat import tl, triton
 
 @dataclass(frozen=True)
 class SplitSums:
-    ws: torch.Tensor          # [S, M, N] fp32 (unit stride along N; a column view of a wider GEMM's partials)
+    ws: torch.Tensor          # [S, M, N] fp32, contiguous
     out: torch.Tensor         # [M, N]: where the GEMM's own reduce would have written (its dtype, the rounding's)
     rne: bool = False         # round to nearest even by hand (Triton's interpreter, bf16), as that reduce does
 
@@ -38,10 +38,6 @@ class SplitSums:
     @property
     def dtype(self) -> torch.dtype:
         return self.out.dtype
-
-    def cols(self, lo: int, hi: int) -> "SplitSums":
-        """Columns lo..hi of the output, still unreduced (e.g. beta and alpha of one [beta | alpha] GEMM)."""
-        return SplitSums(self.ws[:, :, lo:hi], self.out[:, lo:hi], self.rne)
 
     def reduce(self) -> torch.Tensor:
         """The reduce's result in torch (the definition, for tests): the splits added in order in fp32, rounded

@@ -161,33 +161,6 @@ def test_gdn_batch_invariance():
         assert _bitwise(st[s], st_batch[s]), _msg(f"row {r} alone: state differs from the batch")
 
 
-@needs_kernel
-@pytest.mark.parametrize("S", [3, 40])
-def test_gdn_gates_from_split_partials(S):
-    """a and b handed over as their GEMM's split-K partials (one [S, R, 2 Hv] workspace, b | a column views, bf16 out):
-    the step adds them as the reduce would, so output and state are bitwise those from the reduced a and b; the
-    torch reference takes them too."""
-    from kernels.splitk import SplitSums
-
-    hk, hv, dk, dv = 2, 6, 16, 16
-    c = _gdn_case(11 + S, len(SLOTS), hk, hv, dk, dv)
-    g = _gen(12 + S)
-    ws = _randn(g, S, len(SLOTS), 2 * hv) * torch.logspace(-1, 0.5, S, device=DEV)[:, None, None]
-    sums = SplitSums(ws, torch.full((len(SLOTS), 2 * hv), float("nan"), dtype=torch.bfloat16, device=DEV),
-                     rne=INTERPRET)
-    ba = sums.reduce()
-    slots = _slots(SLOTS)
-    st_split, st_plain, st_ref = c["state"].clone(), c["state"].clone(), c["state"].clone()
-    split = gdn_step_triton(c["q"], c["k"], c["v"], sums.cols(hv, 2 * hv), sums.cols(0, hv), c["A"], c["dt_bias"],
-                            st_split, slots)
-    plain = gdn_step_triton(c["q"], c["k"], c["v"], ba[:, hv:], ba[:, :hv], c["A"], c["dt_bias"], st_plain, slots)
-    assert _bitwise(split, plain), _msg(f"S={S}: output from partials differs from the reduced gates")
-    assert _bitwise(st_split, st_plain), _msg(f"S={S}: state from partials differs from the reduced gates")
-    ref = gdn_step_ref(c["q"], c["k"], c["v"], sums.cols(hv, 2 * hv), sums.cols(0, hv), c["A"], c["dt_bias"],
-                       st_ref, slots)
-    _close(split, ref, f"S={S}: against the reference")
-
-
 # ------------------------------------------------------------------------------------------------
 # several tokens: kernels step by step == the model's own multi-token recurrence
 

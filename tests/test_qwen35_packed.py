@@ -212,45 +212,6 @@ def test_triton_packed_within_bf16_error(files, case):
         assert wrong > bar, (wrong, bar)
 
 
-@needs_kernel
-def test_beta_alpha_partials_go_to_the_gdn_step(files, monkeypatch):
-    """The dense beta | alpha GEMM beside the packed q|k|v|z hands its split-K partials to the GDN step (forced into
-    4 splits here: the file's shapes are too small for the rule to split): the logits are bitwise those of reducing
-    them first (the reduce's own launch) and feeding the step plain gates."""
-    from kernels import gemm
-    from kernels.hybrid import get_hybrid_kernels
-    from kernels.splitk import SplitSums
-
-    case = "3x-value-heads-q4_0"
-    cfg, _ = CASES[case]
-    dev = "cuda" if HAS_CUDA else "cpu"
-    shape = (2 * cfg.gdn_v_heads, cfg.dim)
-    monkeypatch.setitem(gemm.MEASURED, shape, (16, 16, 4))
-    gemm._shape_rule.cache_clear()
-    gemm._resolve_rule.cache_clear()
-    assert shape[1] % 16 == 0 and shape[1] // 16 >= 4
-    _, w, _ = load_gguf(files[case], dtype=torch.bfloat16, device=dev, progress=False, keep_quantized=True)
-    toks = prompt(54, 5)
-    base = get_hybrid_kernels("triton")
-    seen = []
-
-    def reduced_first(q, k, v, a, b, *rest, **kw):
-        seen.append(isinstance(a, SplitSums) and isinstance(b, SplitSums))
-        a, b = (t.finish() if isinstance(t, SplitSums) else t for t in (a, b))
-        return base.gdn_step(q, k, v, a, b, *rest, **kw)
-
-    try:
-        deferred = logits_of(FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=128), toks, len(toks))
-        hk = dataclasses.replace(base, gdn_step=reduced_first)
-        model = FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=128, hybrid_kernels=hk)
-        reduced = logits_of(model, toks, len(toks))
-    finally:
-        gemm._shape_rule.cache_clear()
-        gemm._resolve_rule.cache_clear()
-    assert seen and all(seen), seen
-    assert torch.equal(deferred, reduced)
-
-
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
