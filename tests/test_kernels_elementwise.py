@@ -207,7 +207,7 @@ def test_rms_norm_chunked(dtype, res_dtype, D, chunk, monkeypatch):
         n_r, _ = add_rms_norm_triton(x[r: r + 1], res_r, w, 1e-5)
         _exact(res_r, res[r: r + 1], f"row {r} residual alone")
         _exact(n_r, normed[r: r + 1], f"row {r} normed alone")
-        _exact(rms_norm_triton(x[r], w, 1e-6), first[r], f"row {r} rms_norm alone")
+        _exact(rms_norm_triton(x[r: r + 1], w, 1e-6), first[r: r + 1], f"row {r} rms_norm alone")
 
 
 # ------------------------------------------------------------------------------------------------
