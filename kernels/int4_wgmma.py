@@ -65,6 +65,13 @@ and warp: 272 -> 242), the 128-byte swizzle (2-4%). What did not: 2-4 quads of w
 stages, two blocks per SM (MINB 2, or one warpgroup per block), one m64 tile per warpgroup. The next step is
 structural: producer warps feeding both operands through shared memory (no block-wide barrier per quad) and fewer
 dequantization instructions per weight (two packed fmas per pair now).
+ncu again at 9256b41 (34816x5120 Q4_K, clocks locked, no L2 rotation): cuda_wgmma_x2 at B = 32 issues 0.49 instructions
+per scheduler per cycle from 16 warps per SM (112 registers), 8.0 cycles between a warp's instructions, of which long
+scoreboard 3.3, the wgmma wait 0.9 and the per-quad barrier 0.8; the default at B = 128 issues 0.25 from 8 warps
+(255 registers), long scoreboard 2.3, fixed-latency waits 1.4. Also tried then (B = 16 / 32 / 64, three Q4_K shapes):
+registers for three or four blocks per SM with splits sized for them, and one warpgroup per block at four: slower than
+cuda_wgmma_x2 everywhere (34816x5120 B = 32: 70 / 91 / 192 / 105 us against 69; at B = 64 up to 6x, spilling), and two
+quads of weight loads in flight no better at B = 8 / 32 (58.9 / 69.4 against 60.1 / 69.6).
 """
 from __future__ import annotations
 
