@@ -30,19 +30,10 @@ from kernels.triton_compat import tl, triton
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
-                     sx0, sx1, sr0, sr1, so0, so1, sxs,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
-    pdl.enter(PDL)  # kernels/pdl.py
-    # rows are (i0, i1) of a [n0, n_inner, D] view; each operand has its own two leading strides. SPLIT > 0: x is
-    # a GEMM's unreduced split-K partials (kernels/splitk.py), SPLIT of them sxs apart, summed here as its reduce
-    # would have
-    row = tl.program_id(0).to(tl.int64)
-    i0 = row // n_inner
-    i1 = row % n_inner
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
+def _row_input(x_ptr, res_ptr, i0, i1, offs, mask, sx0, sx1, sr0, sr1, sxs,
+               HAS_RES: tl.constexpr, SPLIT: tl.constexpr, RNE: tl.constexpr):
+    """Columns offs of row (i0, i1) in fp32: x (SPLIT > 0: a GEMM's unreduced split-K partials, SPLIT of them sxs
+    apart, summed as its reduce would have: kernels/splitk.py), plus the residual, which is updated in place."""
     if SPLIT > 0:
         x = split_sum(x_ptr + i0 * sx0 + i1 * sx1 + offs, sxs, mask, SPLIT, res_ptr, RNE)
     else:
@@ -52,9 +43,23 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
         r = tl.load(r_ptrs, mask=mask, other=0.0)
         h = (r.to(tl.float32) + x.to(tl.float32)).to(res_ptr.dtype.element_ty)  # == torch's residual + x
         tl.store(r_ptrs, h, mask=mask)
-        xf = h.to(tl.float32)
-    else:
-        xf = x.to(tl.float32)
+        return h.to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
+                     sx0, sx1, sr0, sr1, so0, so1, sxs,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
+    # rows are (i0, i1) of a [n0, n_inner, D] view; each operand has its own two leading strides
+    row = tl.program_id(0).to(tl.int64)
+    i0 = row // n_inner
+    i1 = row % n_inner
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    xf = _row_input(x_ptr, res_ptr, i0, i1, offs, mask, sx0, sx1, sr0, sr1, sxs, HAS_RES, SPLIT, RNE)
     ms = tl.sum(xf * xf, axis=0) / D
     rstd = 1.0 / tl.sqrt(ms + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -80,18 +85,7 @@ def _rms_norm_chunk_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ss_ptr, cnt_ptr, D, n
     i1 = row % n_inner
     offs = c * CHUNK + tl.arange(0, CHUNK)
     mask = offs < D
-    if SPLIT > 0:
-        x = split_sum(x_ptr + i0 * sx0 + i1 * sx1 + offs, sxs, mask, SPLIT, res_ptr, RNE)
-    else:
-        x = tl.load(x_ptr + i0 * sx0 + i1 * sx1 + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        r_ptrs = res_ptr + i0 * sr0 + i1 * sr1 + offs
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        h = (r.to(tl.float32) + x.to(tl.float32)).to(res_ptr.dtype.element_ty)  # == torch's residual + x
-        tl.store(r_ptrs, h, mask=mask)
-        xf = h.to(tl.float32)
-    else:
-        xf = x.to(tl.float32)
+    xf = _row_input(x_ptr, res_ptr, i0, i1, offs, mask, sx0, sx1, sr0, sr1, sxs, HAS_RES, SPLIT, RNE)
     tl.store(ss_ptr + row * NC + c, tl.sum(xf * xf, axis=0))
     ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
     if ticket == NC - 1:
