@@ -108,9 +108,7 @@ MEASURED: dict[tuple[int, int, str], dict] = {}
 # differ from the default's, so an engine takes one or the other for every M.
 X2 = {"TARGET_BLOCKS": 2 * NUM_SMS, "SK_HALVE": 1}
 
-WG_KERNEL = r"""
-#define WGS (RT / 4)                        /* warpgroups per block */
-#define STAGE_BYTES (8 * 256 * NB)          /* one quad of x: 128 k x 8 NB rows x 2 B */
+WG_COMMON = r"""
 // SWZ 1: the stage as two K-major atoms of 64 k with the 128-byte swizzle (row b's 16-byte chunk c at
 // (c ^ (b & 7)) * 16); SWZ 0: no swizzle, each k16 step's core matrices [2 k halves][NB][8 rows][16 B]
 #if SWZ
@@ -118,7 +116,6 @@ WG_KERNEL = r"""
 #else
 #define PIECE(b, p, q) ((((4 * (p) + (q)) * NB) + ((b) >> 3)) * 128 + ((b) & 7) * 16)
 #endif
-#define SMEM_TOTAL (STAGES * STAGE_BYTES)
 
 #ifndef ONEPASS_HOST_EMU
 #if X_F16
@@ -141,73 +138,23 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 /*WGMMA_RS*/
 #endif
 
-// where piece (row b, word p of the quad's group q) of a stage goes: core matrix (k16 step 2p + (q >> 1), k half
-// q & 1), rows b of 8 * NB; the step's two k halves are NB * 128 B apart, its 8-row blocks 128 B apart
-__device__ __forceinline__ int x_piece(int b, int p, int q) { return ((4 * p + q) * NB + (b >> 3)) * 128 + (b & 7) * 16; }
-
 // unit i of a stage (its four pieces q = 0..3) is row b, word p: a warp's units are 8 rows x 4 words, so each
 // quarter-warp's 16-byte accesses cover 128 contiguous bytes of shared memory (no bank conflicts; with the words
 // of a row in one quarter-warp they were 8 KB apart, four-way conflicts) and each row's 64 contiguous bytes of x
 #define UNIT_ROW(i) ((((i) >> 5) << 3) | ((i) & 7))
 #define UNIT_WORD(i) (((i) >> 3) & 3)
-#define UPT ((BT * 4 + RT * 32 - 1) / (RT * 32))     /* units per thread */
 
-// this thread's units, fixed for the whole K loop: where each reads x (the split's first quad), its row b and word
-// p; live: a row below M (else its pieces are zeros)
-struct XUnits {
-    const u16* src[UPT];
-    int b[UPT], p[UPT];
-    bool has[UPT], live[UPT];
-};
-
-__device__ __forceinline__ XUnits x_units(const u16* __restrict__ x, int sxm, int M, int m0, int g_lo) {
-    XUnits u;
+// one unit's four pieces (row b, word p of groups q = 0..3 of a quad) in the A fragments' k order: core matrix (step
+// 2p + h, half kh) row b takes from each group q (lane t = q's two k slots) the pair nib_pair(word p, 2h + kh) makes
+// of the weights
+__device__ __forceinline__ void unit_order(uint4 (&v)[4]) {
+    uint4 o[4];
 #pragma unroll
-    for (int k = 0; k < UPT; ++k) {
-        const int i = threadIdx.x + k * RT * 32, b = UNIT_ROW(i), p = UNIT_WORD(i);
-        u.has[k] = i < BT * 4;
-        u.live[k] = u.has[k] && m0 + b < M;
-        u.src[k] = x + (u.live[k] ? (i64)(m0 + b) * sxm + (i64)g_lo * 32 + 8 * p : 0);
-        u.b[k] = b;
-        u.p[k] = p;
-    }
-    return u;
-}
-
-// quad qn of the split (gq of its groups inside it) into the stage at dst: piece (b, p, q) holds the k of k16 step
-// 2p + (q >> 1), k half q & 1, row b (PIECE)
-__device__ __forceinline__ void stage_copy(u32 dst, const XUnits& u, int qn, int gq) {
-#pragma unroll
-    for (int k = 0; k < UPT; ++k) {
-        if (u.has[k]) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const bool live = u.live[k] && q < gq;
-                cp_async16_s(dst + PIECE(u.b[k], u.p[k], q), u.src[k] + (live ? qn * 128 + q * 32 : 0), live ? 16 : 0);
-            }
-        }
-    }
-}
-
-// the same thread's pieces, in place, in the A fragments' k order: core matrix (step 2p + h, half kh) row b takes
-// from each group q = 0..3 (lane t = q's two k slots) the pair nib_pair(word p, 2h + kh) makes of the weights
-__device__ __forceinline__ void stage_order(unsigned char* st, const XUnits& u) {
-#pragma unroll
-    for (int k = 0; k < UPT; ++k) {
-        if (u.has[k]) {
-            uint4* r[4];
-            uint4 o[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                r[q] = reinterpret_cast<uint4*>(st + PIECE(u.b[k], u.p[k], q));
-                o[q] = pair_order(*r[q]);
-            }
-            *r[0] = make_uint4(o[0].x, o[1].x, o[2].x, o[3].x);
-            *r[1] = make_uint4(o[0].y, o[1].y, o[2].y, o[3].y);
-            *r[2] = make_uint4(o[0].z, o[1].z, o[2].z, o[3].z);
-            *r[3] = make_uint4(o[0].w, o[1].w, o[2].w, o[3].w);
-        }
-    }
+    for (int q = 0; q < 4; ++q) o[q] = pair_order(v[q]);
+    v[0] = make_uint4(o[0].x, o[1].x, o[2].x, o[3].x);
+    v[1] = make_uint4(o[0].y, o[1].y, o[2].y, o[3].y);
+    v[2] = make_uint4(o[0].z, o[1].z, o[2].z, o[3].z);
+    v[3] = make_uint4(o[0].w, o[1].w, o[2].w, o[3].w);
 }
 
 // no-swizzle K-major descriptor of a stage's k16 step 0 (address, leading-dimension offset = between the k halves,
@@ -247,6 +194,143 @@ __device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QS
         }
         wgmma_commit();
         wgmma_wait<1>();
+    }
+}
+
+// lane (g, t) holds rows g, g + 8 of each of its tiles x sequences 8c + 2t, + 1: element j of tile mt
+#define ACC_ROW(mt, j) (n0 + 64 * (mt) + (lane >> 2) + (((j) & 3) >= 2 ? 8 : 0))
+#define ACC_SEQ(j) (m0 + 8 * ((j) >> 2) + 2 * (lane & 3) + ((j) & 1))
+
+__device__ __forceinline__ void store_acc(const float (&acc)[MT][4 * NB], void* __restrict__ y, i64 off, int sym,
+                                          int M, int N, int n0, int m0)
+{
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) {
+            const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
+            if (n < N && m < M) {
+#if OUT32
+                reinterpret_cast<float*>(y)[off + (i64)m * sym + n] = acc[mt][j];
+#else
+                reinterpret_cast<u16*>(y)[(i64)m * sym + n] = f32_to_x(acc[mt][j]);
+#endif
+            }
+        }
+    }
+}
+
+#if SK
+// a tile whose K range two blocks share (stream-K): the first to finish (ticket 0) leaves its fp32 partial in ws
+// and raises the tile's ready flag; the other waits for the flag (the first is running: it holds its ticket), adds
+// the partial to its own (one fp32 addition, commutative: the same bits whichever came first), stores the tile and
+// resets both flags for the next launch. smem: a free int of shared memory; SK_SYNC / SK_LEADER: the threads
+// holding accumulators meet / one of them (the whole block unless the source says otherwise)
+#ifndef SK_SYNC
+#define SK_SYNC() __syncthreads()
+#define SK_LEADER (threadIdx.x == 0)
+#endif
+__device__ __forceinline__ void sk_combine(float (&acc)[MT][4 * NB], unsigned char* smem, void* __restrict__ y,
+                                           float* __restrict__ ws, int* __restrict__ flags, int tile, int sym, int M,
+                                           int N, int n0, int m0)
+{
+    volatile int* s_ticket = reinterpret_cast<volatile int*>(smem);
+    const int lane = threadIdx.x & 31;
+    if (SK_LEADER) *s_ticket = atomicAdd(&flags[2 * tile], 1);
+    SK_SYNC();
+    const int ticket = *s_ticket;
+    SK_SYNC();                                  // read by all before the ticket word is reused
+    if (ticket == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < 4 * NB; ++j) {
+                const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
+                if (n < N && m < M) ws[(i64)m * N + n] = acc[mt][j];
+            }
+        }
+        __threadfence();
+        SK_SYNC();
+        if (SK_LEADER) atomicExch(&flags[2 * tile + 1], 1);
+        return;
+    }
+    if (SK_LEADER) {
+        while (atomicAdd(&flags[2 * tile + 1], 0) == 0) {}
+        flags[2 * tile] = 0;
+        flags[2 * tile + 1] = 0;
+    }
+    SK_SYNC();
+    __threadfence();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4 * NB; ++j) {
+            const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
+            if (n < N && m < M) acc[mt][j] += __ldcg(&ws[(i64)m * N + n]);
+        }
+    }
+    store_acc(acc, y, 0, sym, M, N, n0, m0);
+}
+#endif
+"""
+
+WG_KERNEL = r"""
+#define WGS (RT / 4)                        /* warpgroups per block */
+#define STAGE_BYTES (8 * 256 * NB)          /* one quad of x: 128 k x 8 NB rows x 2 B */
+#define SMEM_TOTAL (STAGES * STAGE_BYTES)
+#define UPT ((BT * 4 + RT * 32 - 1) / (RT * 32))     /* units per thread */
+
+
+// this thread's units, fixed for the whole K loop: where each reads x (the split's first quad), its row b and word
+// p; live: a row below M (else its pieces are zeros)
+struct XUnits {
+    const u16* src[UPT];
+    int b[UPT], p[UPT];
+    bool has[UPT], live[UPT];
+};
+
+__device__ __forceinline__ XUnits x_units(const u16* __restrict__ x, int sxm, int M, int m0, int g_lo) {
+    XUnits u;
+#pragma unroll
+    for (int k = 0; k < UPT; ++k) {
+        const int i = threadIdx.x + k * RT * 32, b = UNIT_ROW(i), p = UNIT_WORD(i);
+        u.has[k] = i < BT * 4;
+        u.live[k] = u.has[k] && m0 + b < M;
+        u.src[k] = x + (u.live[k] ? (i64)(m0 + b) * sxm + (i64)g_lo * 32 + 8 * p : 0);
+        u.b[k] = b;
+        u.p[k] = p;
+    }
+    return u;
+}
+
+// quad qn of the split (gq of its groups inside it) into the stage at dst: piece (b, p, q) holds the k of k16 step
+// 2p + (q >> 1), k half q & 1, row b (PIECE)
+__device__ __forceinline__ void stage_copy(u32 dst, const XUnits& u, int qn, int gq) {
+#pragma unroll
+    for (int k = 0; k < UPT; ++k) {
+        if (u.has[k]) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const bool live = u.live[k] && q < gq;
+                cp_async16_s(dst + PIECE(u.b[k], u.p[k], q), u.src[k] + (live ? qn * 128 + q * 32 : 0), live ? 16 : 0);
+            }
+        }
+    }
+}
+
+// the same thread's pieces, in place, in the A fragments' k order (unit_order)
+__device__ __forceinline__ void stage_order(unsigned char* st, const XUnits& u) {
+#pragma unroll
+    for (int k = 0; k < UPT; ++k) {
+        if (u.has[k]) {
+            uint4 v[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] = *reinterpret_cast<const uint4*>(st + PIECE(u.b[k], u.p[k], q));
+            unit_order(v);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(st + PIECE(u.b[k], u.p[k], q)) = v[q];
+        }
     }
 }
 
@@ -320,77 +404,7 @@ __device__ __forceinline__ void k_segment(float (&acc)[MT][4 * NB], unsigned cha
     __syncthreads();                            // every warpgroup's wgmmas are done with the ring
 }
 
-// lane (g, t) holds rows g, g + 8 of each of its tiles x sequences 8c + 2t, + 1: element j of tile mt
-#define ACC_ROW(mt, j) (n0 + 64 * (mt) + (lane >> 2) + (((j) & 3) >= 2 ? 8 : 0))
-#define ACC_SEQ(j) (m0 + 8 * ((j) >> 2) + 2 * (lane & 3) + ((j) & 1))
 
-__device__ __forceinline__ void store_acc(const float (&acc)[MT][4 * NB], void* __restrict__ y, i64 off, int sym,
-                                          int M, int N, int n0, int m0)
-{
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int j = 0; j < 4 * NB; ++j) {
-            const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
-            if (n < N && m < M) {
-#if OUT32
-                reinterpret_cast<float*>(y)[off + (i64)m * sym + n] = acc[mt][j];
-#else
-                reinterpret_cast<u16*>(y)[(i64)m * sym + n] = f32_to_x(acc[mt][j]);
-#endif
-            }
-        }
-    }
-}
-
-#if SK
-// a tile whose K range two blocks share (stream-K): the first to finish (ticket 0) leaves its fp32 partial in ws
-// and raises the tile's ready flag; the other waits for the flag (the first is running: it holds its ticket), adds
-// the partial to its own (one fp32 addition, commutative: the same bits whichever came first), stores the tile and
-// resets both flags for the next launch
-__device__ __forceinline__ void sk_combine(float (&acc)[MT][4 * NB], unsigned char* smem, void* __restrict__ y,
-                                           float* __restrict__ ws, int* __restrict__ flags, int tile, int sym, int M,
-                                           int N, int n0, int m0)
-{
-    volatile int* s_ticket = reinterpret_cast<volatile int*>(smem);    // the ring is free between segments
-    const int lane = threadIdx.x & 31;
-    if (threadIdx.x == 0) *s_ticket = atomicAdd(&flags[2 * tile], 1);
-    __syncthreads();
-    const int ticket = *s_ticket;
-    __syncthreads();                            // read by all before the next segment refills the ring
-    if (ticket == 0) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int j = 0; j < 4 * NB; ++j) {
-                const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
-                if (n < N && m < M) ws[(i64)m * N + n] = acc[mt][j];
-            }
-        }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicExch(&flags[2 * tile + 1], 1);
-        return;
-    }
-    if (threadIdx.x == 0) {
-        while (atomicAdd(&flags[2 * tile + 1], 0) == 0) {}
-        flags[2 * tile] = 0;
-        flags[2 * tile + 1] = 0;
-    }
-    __syncthreads();
-    __threadfence();
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int j = 0; j < 4 * NB; ++j) {
-            const int n = ACC_ROW(mt, j), m = ACC_SEQ(j);
-            if (n < N && m < M) acc[mt][j] += __ldcg(&ws[(i64)m * N + n]);
-        }
-    }
-    store_acc(acc, y, 0, sym, M, N, n0, m0);
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(RT * 32, MINB)
 w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __restrict__ sc,
@@ -425,7 +439,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         const int n0 = (nt * WGS + (warp >> 2)) * 64 * MT + 16 * (warp & 3);
         k_segment(acc, smem, x, qw, sc, mn, sub, sxm, M, N, n0, m0, 4 * q0, min(G, 4 * q1) - 4 * q0);
         if (q0 == 0 && q1 == Q) store_acc(acc, y, 0, sym, M, N, n0, m0);
-        else sk_combine(acc, smem, y, ws, flags, bt * n_nt + nt, sym, M, N, n0, m0);
+        else sk_combine(acc, smem, y, ws, flags, bt * n_nt + nt, sym, M, N, n0, m0);   // the ring is free here
         it += q1 - q0;
     }
 #else
@@ -461,13 +475,18 @@ def _wgmma_rs_text(nb: int) -> str:
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: int, stages: int, minb: int = 1,
            swz: int = 1, sk: bool = False) -> str:
     """The full source of one instantiation: SOURCE_DEFINES #define lines, then int4_mma's common device code
-    (the folded form's loads and fragments) and WG_KERNEL."""
+    (the folded form's loads and fragments), WG_COMMON and WG_KERNEL."""
     head = (f"#define FMT {int4_mma.FMT_CODE[fmt]}\n#define BT {bt}\n#define X_F16 {int(x_f16)}\n"
             f"#define OUT32 {int(out32)}\n#define RT {4 * wgs}\n#define P 1\n#define U {u}\n#define GMAX 32\n"
             f"#define N16 1\n#define FOLD 1\n#define MINB {minb}\n#define MT {mt}\n#define STAGES {stages}\n"
             f"#define SWZ {swz}\n#define SK {int(sk)}\n")
     assert head.count("\n") == SOURCE_DEFINES
-    return head + int4_mma.MMA_COMMON + WG_KERNEL.replace("/*WGMMA_RS*/", _wgmma_rs_text(_cdiv(bt, 8)))
+    return head + int4_mma.MMA_COMMON + common_text(bt) + WG_KERNEL
+
+
+def common_text(bt: int) -> str:
+    """WG_COMMON with its wgmma for a batch tile of bt (kernels/int4_wgmma_ws.py builds on it too)."""
+    return WG_COMMON.replace("/*WGMMA_RS*/", _wgmma_rs_text(_cdiv(bt, 8)))
 
 
 def available() -> bool:
@@ -591,4 +610,4 @@ def w4a16_wgmma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = No
 
 
 __all__ = ["w4a16_wgmma", "available", "supports", "wg_config", "shape_config", "reserve_workspace", "source",
-           "MEASURED", "FORMATS", "WG_KERNEL"]
+           "MEASURED", "FORMATS", "WG_COMMON", "WG_KERNEL", "common_text"]

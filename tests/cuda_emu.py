@@ -165,6 +165,11 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
         for (auto& wg : wgs) { wbars.emplace_back(new std::barrier<>(128)); wg.bar = wbars.back().get(); }
         g_wgs = wgs.data();
 #endif
+#ifdef ONEPASS_EMU_WS
+        std::barrier<> cbar(256);                      // the consumer warpgroups' named barrier
+        g_cbar = &cbar;
+        g_mbars.clear();
+#endif
         std::vector<std::thread> ts;
         for (int t = 0; t < block; ++t)
             ts.emplace_back([=] { threadIdx.x = t; KERNEL(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt
@@ -308,13 +313,16 @@ def splitk_reduce_emulated(ws: torch.Tensor, out32: bool = False) -> torch.Tenso
 
 
 def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], shims: str, kernel: str,
-                     out32: bool, seed: int) -> torch.Tensor:
+                     out32: bool, seed: int, shape: tuple[int, int] | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """One launch of int4_mma's or int4_wgmma's source (its defines, then the emulator's shims, then the body) with
     the arguments run_packed gives it; split-K partials added in split order (int4_cuda's reduce kernel's order).
-    Stream-K (cfg["workers"]): the workspace and zeroed flags too, which the kernel must leave zero."""
+    Stream-K (cfg["workers"]): the workspace and zeroed flags too, which the kernel must leave zero. shape, dtype:
+    x's [M, K] and dtype where x is a staged image rather than the matrix."""
     from engine.quant_pack import GROUP
 
-    M, K = x.shape
+    M, K = shape or x.shape
+    dtype = dtype or x.dtype
     N, S, workers = pw.N, cfg["SPLIT_K"], cfg.get("workers", 0)
     c = pw.mins if pw.mins is not None else pw.scales
     sub = pw.sub if pw.sub is not None else pw.scales
@@ -322,7 +330,7 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
     h, body = head_and_body
     lib = _lib(h + "\n" + SHIM + SHIM_MMA + shims + f"#define KERNEL {kernel}\n#ifndef SK\n#define SK 0\n#endif\n"
                + body + LAUNCH_MMA)
-    y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else x.dtype)
+    y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else dtype)
     ws = torch.full((max(1, cfg.get("workspace_floats", 0)),), float("nan"))
     flags = torch.zeros(max(1, cfg.get("flag_ints", 0)), dtype=torch.int32)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
@@ -338,7 +346,7 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
     acc = y[0].clone()
     for s in range(1, S):
         acc += y[s]
-    return acc if out32 else acc.to(x.dtype)
+    return acc if out32 else acc.to(dtype)
 
 
 def _split_defines(src: str, n: int) -> list[str]:
@@ -375,4 +383,78 @@ def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict 
                             seed)
 
 
-__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "w4a16_wgmma_emulated", "splitk_reduce_emulated", "np"]
+# kernels/int4_wgmma_ws.py's helpers: mbarriers as (expected arrivals, pending bytes, completed phases) under a lock,
+# a bulk copy as an immediate copy that then completes its bytes, the consumers' named barrier as a std::barrier;
+# setmaxnreg is a no-op. The waits spin on the phase parity as try_wait.parity does, so the producer really runs
+# ahead of the consumers by the ring's depth and the ring's hand-over order is exercised.
+SHIM_WS = r"""
+#define ONEPASS_EMU_WS 1
+#include <map>
+#include <mutex>
+struct EmuBar { int count, pending, tx, phase; };
+static std::mutex g_mbar_mx;
+static std::map<unsigned, EmuBar> g_mbars;
+static std::barrier<>* g_cbar;
+static inline void consumer_sync() { g_cbar->arrive_and_wait(); }
+static inline void emu_bar_step(EmuBar& b) { if (b.pending == 0 && b.tx == 0) { b.phase ^= 1; b.pending = b.count; } }
+static inline void mbar_init(unsigned bar, unsigned count) {
+    std::lock_guard<std::mutex> l(g_mbar_mx); g_mbars[bar] = {(int)count, (int)count, 0, 0};
+}
+static inline void mbar_init_fence() {}
+static inline void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    std::lock_guard<std::mutex> l(g_mbar_mx); EmuBar& b = g_mbars.at(bar); b.tx += bytes; b.pending -= 1; emu_bar_step(b);
+}
+static inline void mbar_arrive(unsigned bar) {
+    std::lock_guard<std::mutex> l(g_mbar_mx); EmuBar& b = g_mbars.at(bar); b.pending -= 1; emu_bar_step(b);
+}
+static inline void mbar_wait(unsigned bar, unsigned parity) {      // the phase of this parity has completed
+    for (;;) {
+        { std::lock_guard<std::mutex> l(g_mbar_mx); if (g_mbars.at(bar).phase != (int)parity) return; }
+        std::this_thread::yield();
+    }
+}
+static inline void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    if (bytes % 16 || dst % 16 || (reinterpret_cast<unsigned long long>(src) & 15)) std::abort();   // PTX's rules
+    std::memcpy(g_smem + dst, src, bytes);
+    std::lock_guard<std::mutex> l(g_mbar_mx); EmuBar& b = g_mbars.at(bar); b.tx -= bytes; emu_bar_step(b);
+}
+template <int R> static inline void regs_dec() {}
+template <int R> static inline void regs_inc() {}
+"""
+
+LAUNCH_STAGE = r"""
+extern "C" void launch_stage(int grid, const u16* x, unsigned char* xs, int sxm, int M, int G, int Q, int units) {
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        for (int t = 0; t < 256; ++t) { threadIdx.x = t; wg_stage_x(x, xs, sxm, M, G, Q, units); }
+    }
+}
+"""
+
+
+def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
+                            seed: int = 0) -> torch.Tensor:
+    """kernels.int4_wgmma_ws.w4a16_wgmma_ws's two launches (x staged into the ring's image, then the GEMM reading
+    it; same config, same arguments) on the CPU, the GEMM's blocks in a random order (seed)."""
+    from engine.quant_pack import GROUP
+    from kernels import int4_wgmma_ws as ws
+
+    x = x.contiguous()
+    M, K = x.shape
+    cfg = ws.ws_config(M, pw.N, K, pw.fmt, config)
+    src = ws.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["STAGES"], 1,
+                    cfg["workers"] > 0, cfg["MT"])
+    head, body = _split_defines(src, ws.SOURCE_DEFINES)
+    lib = _lib(head + "\n" + SHIM + SHIM_MMA + SHIM_WG + SHIM_WS + body + LAUNCH_STAGE)
+    G = K // GROUP
+    Q = -(-G // 4)
+    units = cfg["n_bt"] * Q * 32 * -(-cfg["BT"] // 8)
+    xs = torch.full((cfg["x_staged"] // 2,), -1, dtype=torch.int16)      # every byte is written
+    lib.launch_stage(ctypes.c_int(-(-units // 256)), _ptr(x.view(torch.int16)), _ptr(xs),
+                     *[ctypes.c_int(v) for v in (K, M, G, Q, units)])
+    return _run_tensor_core(xs.view(1, -1), pw, cfg, [head, body], SHIM_WG + SHIM_WS, "w4a16_wgmma_ws", out32, seed,
+                            shape=(M, K), dtype=x.dtype)
+
+
+__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "w4a16_wgmma_emulated", "w4a16_wgmma_ws_emulated",
+           "splitk_reduce_emulated", "np"]

@@ -1,0 +1,417 @@
+"""W4A16 projection on sm_90's wgmma with a producer warpgroup: y[M, N] = x[M, K] @ w[N, K]^T for the folded Q4_0 /
+Q4_1 / Q4_K weights of engine/quant_pack.py, the same arithmetic as kernels/int4_wgmma.py (same split, same k16
+chain per element: with the same split its output is bitwise cuda_wgmma's) with the operands fed differently.
+
+Why: int4_wgmma's warps load their own weights from global memory into registers and stage x through a ring with a
+block barrier per quad; ncu finds them waiting on those loads (long scoreboard 2.3-3.3 cycles of every 8) with the
+tensor pipe a third busy. Here warpgroup 0 only moves data: its one thread issues bulk copies (cp.async.bulk,
+completed on an mbarrier) of each quad's weights, scales and x into a ring of STAGES stages in shared memory,
+several quads ahead; the two consumer warpgroups wait on the stage's barrier, read their fragments with 16-byte
+shared loads, dequantize and issue the wgmmas, and give the stage back through a second barrier once their
+wgmmas have read it. No block-wide barrier in the K loop. setmaxnreg moves registers from the producer (40) to
+the consumers (232): 128 rows x 128 sequences of fp32 accumulators per warpgroup fit without spilling.
+
+A bulk copy moves bytes as they lie, so x goes through the ring already in the order and swizzle the wgmma reads
+(int4_wgmma's stage: pair_order, the 4 x 4 transpose of a unit's pieces, the 128-byte swizzle): a staging kernel
+(wg_stage_x, one launch before the GEMM, M x K x 2 bytes read and written) writes that image per (batch tile,
+quad) into a workspace. The weights' records of one group for the tile's 256 rows are 4 KB contiguous in the
+packed layout ([G, N] records): one copy per group, padded by 32 bytes in shared memory so the 8 lanes of a
+quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales likewise, 512 bytes a row.
+
+Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB.
+Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
+addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.quant_pack import GROUP, PackedWeight
+from kernels import int4_cuda, int4_mma, int4_wgmma
+from kernels.workspace import SplitKWorkspace
+
+FORMATS = int4_wgmma.FORMATS
+SMEM_LIMIT = int4_wgmma.SMEM_LIMIT
+MAX_STAGES = 8
+# setmaxnreg: a block's warps trade registers among themselves, so the producer's 128 x (168 - 40) given back
+# must cover the consumers' 256 x (232 - 168) (168: the kernel's count at one 384-thread block per SM). A probe
+# with two blocks per SM (80 registers, consumers raised to 104) hung on the H200; without setmaxnreg it spilled
+# from 64 sequences and gained nothing below: one block per SM only.
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# the tiles: two m64 per warpgroup; halved to one where that turns a wave of a few tiles into stream-K over all the
+# SMs (17408x5120: 68 tiles of 256 rows on 132 SMs, 53 against 68 us at B = 128)
+DEFAULTS = {"SK_HALVE": 1}
+SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
+_XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
+
+WS_PRELUDE = r"""
+// stream-K's combine (int4_wgmma's sk_combine) among the consumers only: the producer never meets them
+#define SK_SYNC() consumer_sync()
+#define SK_LEADER (threadIdx.x == 128)
+#ifndef ONEPASS_HOST_EMU
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+#endif
+"""
+
+WS_KERNEL = r"""
+#define CWG 2                                   /* consumer warpgroups (warpgroup 0 is the producer) */
+#define ROWS (64 * MT * CWG)                    /* weight rows per block tile */
+#define XQ_BYTES (8 * 256 * NB)                 /* one quad of x for the batch tile (int4_wgmma's stage) */
+#define WGRP_BYTES (ROWS * 16 + 32)             /* one group's records for the tile's rows, padded (banks) */
+#define SROW_BYTES (ROWS * 2 + 16)              /* one row of 16-bit scale words for the tile's rows, padded */
+#define NSR (FMT == 0 ? 4 : FMT == 1 ? 8 : 6)   /* per quad: q4_0 d[4]; q4_1 d[4] m[4]; q4_k d, dmin, sub[4] */
+#define W_OFF XQ_BYTES
+#define S_OFF (W_OFF + 4 * WGRP_BYTES)
+#define WS_STAGE ((S_OFF + NSR * SROW_BYTES + 1023) / 1024 * 1024)   /* x stays 1024-aligned (the swizzle) */
+#define BAR_OFF (STAGES * WS_STAGE)
+#undef SMEM_TOTAL
+#define SMEM_TOTAL (BAR_OFF + 16 * STAGES + 16)  /* + full[STAGES], empty[STAGES], the stream-K ticket */
+
+#ifndef ONEPASS_HOST_EMU
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+template <int R> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R)); }
+template <int R> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R)); }
+#endif
+
+// x in the ring's image: unit i (row b, word p) of quad qn of batch tile bt, its four pieces in the wgmma's order
+// at (bt * Q + qn) * XQ_BYTES + PIECE(b, p, q); rows past M and groups past G are zeros
+extern "C" __global__ void __launch_bounds__(256)
+wg_stage_x(const u16* __restrict__ x, unsigned char* __restrict__ xs, int sxm, int M, int G, int Q, int units)
+{
+    pdl_wait();                                 // x is the kernel before's output
+    const int u = blockIdx.x * 256 + threadIdx.x;
+    if (u >= units) return;
+    const int i = u % (32 * NB), r = u / (32 * NB), qn = r % Q, bt = r / Q;
+    const int b = UNIT_ROW(i), p = UNIT_WORD(i), m = bt * BT + b;
+    uint4 v[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int g = 4 * qn + q;
+        v[q] = m < M && g < G ? *reinterpret_cast<const uint4*>(x + (i64)m * sxm + g * 32 + 8 * p) : make_uint4(0, 0, 0, 0);
+    }
+    unit_order(v);
+    unsigned char* dst = xs + (i64)r * XQ_BYTES;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(dst + PIECE(b, p, q)) = v[q];
+}
+
+// the block's work: segments (row tile nt, quads q0 .. q1 of K); split-K: one, stream-K: int4_wgmma's ranges
+struct Segs { long long it, hi; int Q, n_nt, gps, G; bool left; };
+__device__ __forceinline__ Segs block_segs(int pid, int G, int gps, int n_nt) {
+    Segs s;
+    s.Q = (G + 3) >> 2; s.n_nt = n_nt; s.gps = gps; s.G = G; s.left = true;
+#if SK
+    const long long T = (long long)n_nt * s.Q;  // gps is the number of workers here
+    s.it = T * pid / gps;
+    s.hi = T * (pid + 1) / gps;
+#else
+    s.it = pid; s.hi = 0;
+#endif
+    return s;
+}
+__device__ __forceinline__ bool next_seg(Segs& s, int& nt, int& q0, int& q1) {
+#if SK
+    if (s.it >= s.hi) return false;
+    nt = (int)(s.it / s.Q); q0 = (int)(s.it % s.Q);
+    q1 = (int)min((long long)s.Q, q0 + (s.hi - s.it));
+    s.it += q1 - q0;
+    return true;
+#else
+    if (!s.left) return false;
+    s.left = false;
+    nt = (int)(s.it % s.n_nt);
+    const int g_lo = (int)(s.it / s.n_nt) * s.gps;
+    q0 = g_lo >> 2;
+    q1 = (min(s.G, g_lo + s.gps) + 3) >> 2;
+    return true;
+#endif
+}
+
+// the producer's copies of quad qn's weights and scales for the tile at row n0t (rows valid rows) into stage st
+__device__ __forceinline__ void copy_weights(u32 st, u32 bar, const u32* __restrict__ qw, const u16* __restrict__ sc,
+                                             const u16* __restrict__ mn, const u16* __restrict__ sub, int N, int G,
+                                             int n0t, int rows, int qn)
+{
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const i64 e = (i64)min(4 * qn + q, G - 1) * N + n0t;   // past K (the last quad): a valid group, x is zero
+        bulk_copy(st + W_OFF + q * WGRP_BYTES, qw + 4 * e, rows * 16, bar);
+#if FMT == 2
+        bulk_copy(st + S_OFF + (2 + q) * SROW_BYTES, sub + e, rows * 2, bar);
+#else
+        bulk_copy(st + S_OFF + q * SROW_BYTES, sc + e, rows * 2, bar);
+#if FMT == 1
+        bulk_copy(st + S_OFF + (4 + q) * SROW_BYTES, mn + e, rows * 2, bar);
+#endif
+#endif
+    }
+#if FMT == 2
+    const i64 so = (i64)(min(4 * qn, G - 1) >> 3) * N + n0t;   // a quad lies in one super-group of 8
+    bulk_copy(st + S_OFF, sc + so, rows * 2, bar);
+    bulk_copy(st + S_OFF + SROW_BYTES, mn + so, rows * 2, bar);
+#endif
+}
+
+// a consumer lane's quad from its stage: rows ra (and ra + 8) of each of its MT tiles, group t of the quad
+__device__ __forceinline__ void stage_quad(QSlot& sl, const unsigned char* st, int ra0, int t) {
+    const u16* s = reinterpret_cast<const u16*>(st + S_OFF);
+#define SROW(k) (s + (k) * (SROW_BYTES / 2))
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int ra = ra0 + 64 * mt, rb = ra + 8;
+        sl.wa[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + ra * 16);
+        sl.wb[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + rb * 16);
+#if FMT == 2
+        sl.ra[mt][0] = SROW(0)[ra]; sl.rb[mt][0] = SROW(0)[rb];
+        sl.ra[mt][1] = SROW(1)[ra]; sl.rb[mt][1] = SROW(1)[rb];
+        sl.ra[mt][2] = SROW(2 + t)[ra]; sl.rb[mt][2] = SROW(2 + t)[rb];
+#else
+        sl.ra[mt][0] = SROW(t)[ra]; sl.rb[mt][0] = SROW(t)[rb];
+#if FMT == 1
+        sl.ra[mt][1] = SROW(4 + t)[ra]; sl.rb[mt][1] = SROW(4 + t)[rb];
+#endif
+#endif
+    }
+#undef SROW
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u16* __restrict__ sc,
+               const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
+               int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt
+#if SK
+               , float* __restrict__ ws, int* __restrict__ flags
+#endif
+               )
+{
+#ifdef ONEPASS_HOST_EMU
+    unsigned char* smem = g_smem;
+#else
+    extern __shared__ __align__(1024) unsigned char smem[];
+#endif
+    const u32 sbase = smem_addr(smem);
+    const u32 full0 = sbase + BAR_OFF, empty0 = full0 + 8 * STAGES;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);        // the producer's arrive (with the stage's bytes)
+            mbar_init(empty0 + 8 * s, CWG);     // one arrive per consumer warpgroup
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    int pid = blockIdx.x;                       // batch tile fastest: blocks sharing weights run together
+    const int bt = pid % n_bt; pid /= n_bt;
+    const int m0 = bt * BT;
+    Segs segs = block_segs(pid, G, gps, n_nt);
+    int nt, q0, q1;
+
+    if (threadIdx.x < 128) {                    // the producer warpgroup: one thread issues every copy
+        regs_dec<PRODUCER_REGS>();
+        if (threadIdx.x != 0) return;
+        const unsigned char* xb = reinterpret_cast<const unsigned char*>(xs16) + (i64)bt * segs.Q * XQ_BYTES;
+        int pend[STAGES];                       // the first stages' quads: their x after the PDL wait
+        int i = 0;
+        while (next_seg(segs, nt, q0, q1)) {
+            const int n0t = nt * ROWS, rows = min(ROWS, N - n0t);
+            const u32 wbytes = 4 * rows * 16 + NSR * rows * 2;
+            for (int qn = q0; qn < q1; ++qn, ++i) {
+                const int s = i % STAGES;
+                const u32 st = sbase + s * WS_STAGE, full = full0 + 8 * s;
+                if (i == STAGES) {              // the ring is full of weights: now x, once the kernel before is done
+                    pdl_wait();
+                    for (int k = 0; k < STAGES; ++k)
+                        bulk_copy(sbase + k * WS_STAGE, xb + (i64)pend[k] * XQ_BYTES, XQ_BYTES, full0 + 8 * k);
+                }
+                if (i >= STAGES) mbar_wait(empty0 + 8 * s, ((i / STAGES) + 1) & 1);
+                mbar_expect_tx(full, wbytes + XQ_BYTES);
+                copy_weights(st, full, qw, sc, mn, sub, N, G, n0t, rows, qn);
+                if (i < STAGES) pend[i] = qn;
+                else bulk_copy(st, xb + (i64)qn * XQ_BYTES, XQ_BYTES, full);
+            }
+        }
+        if (i <= STAGES) {                      // the whole K loop fit in the ring
+            pdl_wait();
+            for (int k = 0; k < i; ++k)
+                bulk_copy(sbase + k * WS_STAGE, xb + (i64)pend[k] * XQ_BYTES, XQ_BYTES, full0 + 8 * k);
+        }
+        return;
+    }
+
+    regs_inc<CONSUMER_REGS>();
+    pdl_wait();                                 // y, the workspace and the stream-K flags: after the kernel before
+    const int cw = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, t = lane & 3;
+    const int r0 = (cw >> 2) * 64 * MT + 16 * (cw & 3);    // this warp's first row in the tile
+    const bool leader = (threadIdx.x & 127) == 0;
+    float acc[MT][4 * NB];
+    int i = 0;
+    while (next_seg(segs, nt, q0, q1)) {
+        const int n0 = nt * ROWS + r0;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < 4 * NB; ++j) acc[mt][j] = 0.0f;
+        }
+        for (int qn = q0; qn < q1; ++qn, ++i) {
+            const int s = i % STAGES;
+            mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+            QSlot sl;
+            stage_quad(sl, smem + s * WS_STAGE, r0 + (lane >> 2), t);
+            apply_quad_wg(acc, sl, DESC0(sbase + s * WS_STAGE));
+            // the wgmmas of quad i - 1 are done (apply_quad_wg waits for all but its last group): its stage is free
+            if (i > 0 && leader) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < 4 * NB; ++j) fence_operand(acc[mt][j]);
+        }
+#if SK
+        if (q0 == 0 && q1 == segs.Q) store_acc(acc, y, 0, sym, M, N, n0, m0);
+        else sk_combine(acc, smem + BAR_OFF + 16 * STAGES, y, ws, flags, bt * n_nt + nt, sym, M, N, n0, m0);
+#else
+        store_acc(acc, y, (i64)(pid / n_nt) * sys, sym, M, N, n0, m0);
+#endif
+    }
+}
+"""
+
+
+def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
+           mt: int = 2) -> str:
+    """One instantiation: int4_wgmma's SOURCE_DEFINES lines (two consumer warpgroups of MT m64 tiles), then
+    int4_mma's common code, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL."""
+    head = int4_wgmma.source(fmt, bt, x_f16, out32, 2, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
+    defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
+    regs = f"#define PRODUCER_REGS {PRODUCER_REGS}\n#define CONSUMER_REGS {CONSUMER_REGS}\n"
+    return defines + int4_mma.MMA_COMMON + regs + WS_PRELUDE + int4_wgmma.common_text(bt) + WS_KERNEL
+
+
+available = int4_wgmma.available
+
+
+def supports(fmt: str) -> bool:
+    return fmt in FORMATS
+
+
+def aligned(pw: PackedWeight) -> bool:
+    """Whether the bulk copies can read this weight: rows a multiple of 8 (2-byte scale rows of 16-byte multiples)
+    and every array 16-byte aligned."""
+    arrays = [a for a in (pw.qweight, pw.scales, pw.mins, pw.sub) if a is not None]
+    return pw.N % 8 == 0 and all(a.data_ptr() % 16 == 0 for a in arrays)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def stage_bytes(bt: int, fmt: str, mt: int = 2) -> int:
+    """One ring stage (WS_STAGE): x for the batch tile, 4 groups of the tile's 128 MT rows' records, the scale rows."""
+    nb, rows = _cdiv(bt, 8), 128 * mt
+    nsr = {"q4_0": 4, "q4_1": 8, "q4_k": 6}[fmt]
+    raw = 8 * 256 * nb + 4 * (rows * 16 + 32) + nsr * (rows * 2 + 16)
+    return _cdiv(raw, 1024) * 1024
+
+
+def wg_equivalent(config: dict | None = None) -> dict:
+    """The int4_wgmma config whose split, stream-K and tiles this kernel's config runs (so its bits): two
+    warpgroups, DEFAULTS, then config (without STAGES, this kernel's own)."""
+    c = {k: v for k, v in {**DEFAULTS, **(config or {})}.items() if k != "STAGES"}
+    return {**c, "WGS": 2, "MT": c.get("MT", 2)}
+
+
+def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
+    """int4_wgmma's launch for wg_equivalent(config) (its split or stream-K, tiles and batch tile: the same bits),
+    with this kernel's block (three warpgroups) and ring: STAGES (config) or as many as fit."""
+    cfg = int4_wgmma.wg_config(M, N, K, fmt, wg_equivalent(config))
+    sb = stage_bytes(cfg["BT"], fmt, cfg["MT"])
+    fit = min(MAX_STAGES, (SMEM_LIMIT - 16) // (sb + 16))
+    stages = int((config or {}).get("STAGES") or fit)
+    if not 2 <= stages <= fit:
+        raise ValueError(f"int4_wgmma_ws: STAGES={stages} for BT={cfg['BT']} {fmt}: 2..{fit} stages of {sb} B fit")
+    cfg.update(STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=384, stage_bytes=sb,
+               x_staged=cfg["n_bt"] * _cdiv(K // GROUP, 4) * 8 * 256 * _cdiv(cfg["BT"], 8))
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, device: torch.device):
+    if not available():
+        raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
+    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt)
+    return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
+            int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
+
+
+class _StagedLaunch:
+    """run_packed's kernel: x into the ring's image first (wg_stage_x), then the GEMM reading that image."""
+
+    def __init__(self, cfg: dict, kernels, K: int):
+        self.cfg, (self.stage, self.gemm), self.K = cfg, kernels, K
+
+    def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
+        x, sxm, M = args[0], args[6], args[9]
+        G = self.K // GROUP
+        Q = _cdiv(G, 4)
+        xs = _XSTAGED.get(device, self.cfg["x_staged"])
+        units = self.cfg["n_bt"] * Q * 32 * _cdiv(self.cfg["BT"], 8)
+        self.stage(_cdiv(units, 256), 256, [x, xs, sxm, M, G, Q, units], device)
+        self.gemm(grid, block, [xs, *args[1:]], device, shared_mem)
+
+
+def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
+    """The split-K workspace, the stream-K flags and the staged-x buffer for up to max_rows rows (before graphs
+    are captured)."""
+    shapes = [s for s in shapes if supports(s[2])]
+    int4_cuda.reserve_splits(device, shapes, max_rows, lambda M, N, K, fmt: ws_config(M, N, K, fmt, config))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    need = max([ws_config(max_rows, n, k, f, config)["x_staged"] for n, k, f in shapes], default=0)
+    if need:
+        _XSTAGED.get(device, need)
+
+
+def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
+                   config: dict | None = None, defer: bool = False):
+    """y = x @ unpack_folded(w, x.dtype)^T for a packed Q4_0 / Q4_1 / Q4_K weight; bitwise int4_wgmma.w4a16_wgmma
+    with wg_equivalent(config) (which runs instead where the bulk copies cannot read the weight, see aligned).
+    x [M, K] bf16 / fp16; out [M, N] of x's dtype or float32, allocated when None; defer: split-K partials
+    returned as a kernels.splitk.SplitSums."""
+    if isinstance(pw, PackedWeight) and not supports(pw.fmt):
+        raise ValueError(f"w4a16_wgmma_ws: format {pw.fmt} not supported (only {FORMATS}); use the Triton kernel")
+    if isinstance(pw, PackedWeight) and not aligned(pw):
+        return int4_wgmma.w4a16_wgmma(x, pw, out, config=wg_equivalent(config), defer=defer)
+    K = x.shape[-1]
+    return int4_cuda.run_packed(
+        "w4a16_wgmma_ws", x, pw, out,
+        plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
+        kernel=lambda cfg, x_f16, out32, dev: _StagedLaunch(
+            cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["MT"], dev), K),
+        x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
+        words_per_pair=4, defer=defer)
+
+
+__all__ = ["w4a16_wgmma_ws", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",
+           "source", "stage_bytes", "DEFAULTS", "WS_KERNEL"]

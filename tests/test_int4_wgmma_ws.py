@@ -1,0 +1,130 @@
+"""kernels/int4_wgmma_ws.py: the wgmma W4A16 kernel fed by a producer warpgroup. On the CPU its two launches (x
+staged into the ring's image, then the GEMM) run under tests/cuda_emu.py, mbarriers and bulk copies emulated, and
+must give int4_wgmma's emulated bits for the same split; on an H200 the compiled kernel against the folded
+reference, bitwise against int4_wgmma, rows independent of M, graph capture."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kernels import int4_wgmma, int4_wgmma_ws as ws
+from tests import cuda_emu
+from tests.test_int4_cuda import (emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
+                                  gpu_strided_and_graph_capture)
+from tests.test_int4_gemm import _weight, _x  # noqa: F401  (also sets the interpreter flag)
+from tests.test_int4_mma import folded_weights
+
+ON_GPU = torch.cuda.is_available()
+needs_wg = pytest.mark.skipif(ON_GPU and not ws.available(), reason="no sm_90 device or no torch NVRTC binding")
+needs_emu = pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+
+
+def _plan(M, N, K, fmt, config=None):
+    return ws.ws_config(M, N, K, fmt, config)
+
+
+# (N, K, fmt, Ms, config): a ring of two stages reused many times (K = 1088: 9 quads, the last partial); the whole
+# K loop inside the ring (its x copied after the loop); splits; rows past N in the last tile (264 = 256 + 8);
+# stream-K (4 tiles of 256 on 3 blocks: tile heads and tails, a partial quad in a tail); tiles halved for it
+# (SK_HALVE: 4 tiles of 256 are 7 of 128 on 5 blocks); batch tiles of 8..32, rows past M
+EMU = [(264, 1088, "q4_0", (3, 11), {"STAGES": 2}),
+       (264, 768, "q4_k", (9,), {}),
+       (264, 1024, "q4_1", (5, 17), {"STAGES": 3, "SPLIT_K": 2}),
+       (776, 1280, "q4_k", (2, 20), {"STAGES": 3, "TARGET_BLOCKS": 3, "SK_HALVE": 0}),
+       (776, 1088, "q4_1", (4,), {"STAGES": 4, "TARGET_BLOCKS": 5})]
+
+
+@needs_emu
+@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+def test_ws_source_emulated_matches_wgmma_and_ref(seed, case):
+    """The exact source text: against x @ unpack_folded(w)^T (bf16 and fp16 x), rows bitwise independent of M, bf16
+    out the fp32 result rounded once; and bitwise int4_wgmma's emulated kernel with the same split and tiles."""
+    N, K, fmt, Ms, config = case
+    pw, x, y = emulated_matches_ref(functools.partial(cuda_emu.w4a16_wgmma_ws_emulated, seed=seed), _plan, seed,
+                                    *case, weights=folded_weights)
+    want = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=ws.wg_equivalent(config), seed=seed + 1)
+    assert torch.equal(y, want), f"{config}: not int4_wgmma's bits"
+
+
+@needs_emu
+def test_ws_two_batch_tiles_emulated(seed):
+    """M = 130: two batch tiles, each staged and streamed from its own part of the staged image; stream-K flags per
+    (batch tile, row tile)."""
+    pw, xs = _weight("q4_0", 264, 640, seed % 1000, device="cpu")
+    x = _x(seed, 130, 640, xs, device="cpu")
+    config = {"STAGES": 3, "TARGET_BLOCKS": 2, "SK_HALVE": 1}      # 3 tiles of 128 rows on two blocks per batch tile
+    c = _plan(130, 264, 640, "q4_0", config)
+    assert (c["n_bt"], c["workers"], c["MT"]) == (2, 2, 1)
+    y = cuda_emu.w4a16_wgmma_ws_emulated(x, pw, out32=True, config=config, seed=seed)
+    ref = x.float() @ folded_weights(pw, x.dtype).T
+    assert (y - ref).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())
+    part = cuda_emu.w4a16_wgmma_ws_emulated(x[128:], pw, out32=True, config=config, seed=seed + 1)
+    assert torch.equal(part, y[128:]), "the second batch tile's rows depend on M"
+
+
+def test_ws_launch_rules():
+    """The split and tiles are int4_wgmma's for wg_equivalent (the same at every M); the ring takes as many stages
+    as fit (at least 4 at 128 sequences), one 384-thread block per SM; bad configs and formats are refused; a
+    weight the bulk copies cannot read is not aligned."""
+    for N, K, fmt in [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (17408, 5120, "q4_0"), (2048, 8192, "q4_0")]:
+        wg = int4_wgmma.wg_config(128, N, K, fmt, ws.wg_equivalent())
+        for M in (1, 33, 128, 300):
+            c = _plan(M, N, K, fmt)
+            w = int4_wgmma.wg_config(M, N, K, fmt, ws.wg_equivalent())
+            assert {k: c[k] for k in ("SPLIT_K", "groups_per_split", "workers", "n_nt", "MT", "BT", "grid")} == \
+                   {k: w[k] for k in ("SPLIT_K", "groups_per_split", "workers", "n_nt", "MT", "BT", "grid")}
+            assert c["block"] == 384 and c["smem"] <= ws.SMEM_LIMIT and c["STAGES"] >= 4
+            assert c["SPLIT_K"] == wg["SPLIT_K"] and c["groups_per_split"] == wg["groups_per_split"]
+    assert _plan(128, 17408, 5120, "q4_0")["MT"] == 1 and _plan(128, 17408, 5120, "q4_0")["workers"] == 132
+    assert _plan(128, 17408, 5120, "q4_0", {"SK_HALVE": 0})["grid"] == 68
+    assert _plan(8, 4096, 4096, "q4_0")["STAGES"] == ws.MAX_STAGES
+    assert _plan(128, 4096, 4096, "q4_k")["x_staged"] == 128 * 4096 * 2
+    for bad in ({"STAGES": 1}, {"STAGES": 9}):
+        with pytest.raises(ValueError, match="int4_wgmma_ws"):
+            _plan(128, 4096, 4096, "q4_k", bad)
+    with pytest.raises(ValueError, match="not supported"):
+        ws.w4a16_wgmma_ws(torch.zeros(1, 64), _weight("q8_0", 16, 64, 0, device="cpu")[0])
+    assert ws.aligned(_weight("q4_0", 264, 256, 0, device="cpu")[0])
+    assert not ws.aligned(_weight("q4_0", 36, 256, 0, device="cpu")[0])
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("case", [(36, 256, "q4_0"), (264, 1088, "q4_1"), (776, 768, "q4_k"), (1000, 1088, "q4_0"),
+                                  (34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (17408, 5120, "q4_0")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_ws_matches_folded_ref_and_wgmma_bits(seed, case):
+    """Against the folded reference at B = 1..256 (36 rows: not aligned, int4_wgmma runs instead), and bitwise
+    int4_wgmma's kernel for the same split and tiles at B = 1, 77, 128, 200."""
+    gpu_matches_ref(ws.w4a16_wgmma_ws, _plan, "cuda_wgmma_ws", seed, *case, weights=folded_weights)
+    N, K, fmt = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    for M in (1, 77, 128, 200):
+        x = _x(seed + M, M, K, xs, device="cuda")
+        want = int4_wgmma.w4a16_wgmma(x, pw, torch.empty(M, N, device="cuda"), config=ws.wg_equivalent())
+        assert torch.equal(ws.w4a16_wgmma_ws(x, pw, torch.empty(M, N, device="cuda")), want), f"M={M}"
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("config", [None, {"STAGES": 2}, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}, {"SPLIT_K": 3}],
+                         ids=["default", "two_stages", "stream_k", "split3"])
+def test_ws_batch_invariant_and_repeatable(seed, config):
+    """Rows independent of M (fp32 out) for each launch shape, and the same bits on every repeat (stream-K leaves
+    its flags zero)."""
+    fn = functools.partial(ws.w4a16_wgmma_ws, config=config)
+    gpu_rows_independent_of_m(fn, seed, 2048, 5120, "q4_k")
+    pw, xs = _weight("q4_k", 2048, 5120, seed % 1000, device="cuda")
+    x = _x(seed, 130, 5120, xs, device="cuda")
+    first = fn(x, pw)
+    for _ in range(4):
+        assert torch.equal(fn(x, pw), first), "result changed between launches"
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("shape", [(2048, 8192), (34816, 5120)], ids=["split", "stream_k"])
+def test_ws_strided_and_graph_capture(seed, shape):
+    gpu_strided_and_graph_capture(ws.w4a16_wgmma_ws, seed, *shape, "q4_k", weights=folded_weights)
