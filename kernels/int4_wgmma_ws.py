@@ -21,6 +21,13 @@ quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the s
 Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB.
 Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
 addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
+
+Measured (H200, experiment int4_gemm at 3fc6e59, us per call with the staging launch, against int4_wgmma and bf16
+cuBLAS in the same job), B = 64 / 128: 5120x17408 Q4_K 41.7 / 54.6 (59.9 / 74.7; 52.6 / 57.0), 34816x5120 66.5 /
+100.0 (105.2 / 144.4; 97.6 / 94.4), 16384x5120 39.8 / 52.7 (57.8 / 71.5; 43.2 / 45.5), the LM head 248320x5120 358
+/ 621 (680 / 1,017; 632 / 712). Below 32 sequences it ties or loses to int4_wgmma's two-blocks-per-SM form on the
+5120-row shapes (one block per SM here) and wins on the largest. Not measured yet: where the remaining time goes
+(ncu), and x staged by the kernel that writes x instead of a launch of its own.
 """
 from __future__ import annotations
 
