@@ -46,7 +46,9 @@ MAX_STAGES = 8
 # must cover the consumers' 256 x (232 - 168) (168: the kernel's count at one 384-thread block per SM). A probe
 # with two blocks per SM (80 registers, consumers raised to 104) hung on the H200; without setmaxnreg it spilled
 # from 64 sequences and gained nothing below: one block per SM only.
-PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# With four consumer warpgroups (CWG 4, 640 threads, 96 registers each at launch): 128 x (96 - 24) given back cover
+# 512 x (112 - 96).
+REGS = {2: (40, 232), 4: (24, 112)}         # consumer warpgroups -> (producer, consumer) registers
 # the tiles: two m64 per warpgroup; halved to one where that turns a wave of a few tiles into stream-K over all the
 # SMs (17408x5120: 68 tiles of 256 rows on 132 SMs, 53 against 68 us at B = 128)
 DEFAULTS = {"SK_HALVE": 1}
@@ -58,12 +60,11 @@ WS_PRELUDE = r"""
 #define SK_SYNC() consumer_sync()
 #define SK_LEADER (threadIdx.x == 128)
 #ifndef ONEPASS_HOST_EMU
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" :: "n"(128 * CWG) : "memory"); }
 #endif
 """
 
 WS_KERNEL = r"""
-#define CWG 2                                   /* consumer warpgroups (warpgroup 0 is the producer) */
 #define ROWS (64 * MT * CWG)                    /* weight rows per block tile */
 #define XQ_BYTES (8 * 256 * NB)                 /* one quad of x for the batch tile (int4_wgmma's stage) */
 #define WGRP_BYTES (ROWS * 16 + 32)             /* one group's records for the tile's rows, padded (banks) */
@@ -203,7 +204,7 @@ __device__ __forceinline__ void stage_quad(QSlot& sl, const unsigned char* st, i
 #undef SROW
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1)
 w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u16* __restrict__ sc,
                const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
                int sxm, int sym, int sys, int M, int N, int G, int gps, int n_bt, int n_nt
@@ -306,12 +307,13 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
-           mt: int = 2) -> str:
-    """One instantiation: int4_wgmma's SOURCE_DEFINES lines (two consumer warpgroups of MT m64 tiles), then
-    int4_mma's common code, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL."""
-    head = int4_wgmma.source(fmt, bt, x_f16, out32, 2, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
+           mt: int = 2, cwg: int = 2) -> str:
+    """One instantiation: int4_wgmma's SOURCE_DEFINES lines (cwg consumer warpgroups of MT m64 tiles), then
+    int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL."""
+    head = int4_wgmma.source(fmt, bt, x_f16, out32, cwg, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
     defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
-    regs = f"#define PRODUCER_REGS {PRODUCER_REGS}\n#define CONSUMER_REGS {CONSUMER_REGS}\n"
+    regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
+            f"#define PRODUCER_REGS {REGS[cwg][0]}\n#define CONSUMER_REGS {REGS[cwg][1]}\n")
     return defines + int4_mma.MMA_COMMON + regs + WS_PRELUDE + int4_wgmma.common_text(bt) + WS_KERNEL
 
 
@@ -343,30 +345,38 @@ def stage_bytes(bt: int, fmt: str, mt: int = 2) -> int:
 
 def wg_equivalent(config: dict | None = None) -> dict:
     """The int4_wgmma config whose split, stream-K and tiles this kernel's config runs (so its bits): two
-    warpgroups, DEFAULTS, then config (without STAGES, this kernel's own)."""
-    c = {k: v for k, v in {**DEFAULTS, **(config or {})}.items() if k != "STAGES"}
+    warpgroups, DEFAULTS, then config (without STAGES and CWG, this kernel's own)."""
+    c = {k: v for k, v in {**DEFAULTS, **(config or {})}.items() if k not in ("STAGES", "CWG")}
     return {**c, "WGS": 2, "MT": c.get("MT", 2)}
 
 
 def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     """int4_wgmma's launch for wg_equivalent(config) (its split or stream-K, tiles and batch tile: the same bits),
-    with this kernel's block (three warpgroups) and ring: STAGES (config) or as many as fit."""
+    with this kernel's block and ring: STAGES (config) or as many as fit. The tile's 128 MT rows go to two consumer
+    warpgroups of MT m64 tiles, or with CWG 4 (config; tiles of 256 rows only) to four of one ("CWG", "WG_MT")."""
+    cwg = int((config or {}).get("CWG", 2))
+    if cwg not in REGS:
+        raise ValueError(f"int4_wgmma_ws: CWG={cwg}: two or four consumer warpgroups")
     cfg = int4_wgmma.wg_config(M, N, K, fmt, wg_equivalent(config))
+    if cfg["MT"] == 1:
+        cwg = 2                                 # tiles of 128 rows: one m64 per warpgroup already
     sb = stage_bytes(cfg["BT"], fmt, cfg["MT"])
     fit = min(MAX_STAGES, (SMEM_LIMIT - 16) // (sb + 16))
     stages = int((config or {}).get("STAGES") or fit)
     if not 2 <= stages <= fit:
         raise ValueError(f"int4_wgmma_ws: STAGES={stages} for BT={cfg['BT']} {fmt}: 2..{fit} stages of {sb} B fit")
-    cfg.update(STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=384, stage_bytes=sb,
+    cfg.update(STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
+               CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg,
                x_staged=cfg["n_bt"] * _cdiv(K // GROUP, 4) * 8 * 256 * _cdiv(cfg["BT"], 8))
     return cfg
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, device: torch.device):
+def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, cwg: int,
+             device: torch.device):
     if not available():
         raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt)
+    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg)
     return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
             int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
 
@@ -415,7 +425,8 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
         "w4a16_wgmma_ws", x, pw, out,
         plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
         kernel=lambda cfg, x_f16, out32, dev: _StagedLaunch(
-            cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["MT"], dev), K),
+            cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
+                          dev), K),
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4, defer=defer)
 

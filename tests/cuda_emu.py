@@ -166,7 +166,7 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
         g_wgs = wgs.data();
 #endif
 #ifdef ONEPASS_EMU_WS
-        std::barrier<> cbar(256);                      // the consumer warpgroups' named barrier
+        std::barrier<> cbar(block - 128);              // the consumer warpgroups' named barrier
         g_cbar = &cbar;
         g_mbars.clear();
 #endif
@@ -443,7 +443,7 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
     M, K = x.shape
     cfg = ws.ws_config(M, pw.N, K, pw.fmt, config)
     src = ws.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["STAGES"], 1,
-                    cfg["workers"] > 0, cfg["MT"])
+                    cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"])
     head, body = _split_defines(src, ws.SOURCE_DEFINES)
     lib = _lib(head + "\n" + SHIM + SHIM_MMA + SHIM_WG + SHIM_WS + body + LAUNCH_STAGE)
     G = K // GROUP

@@ -28,8 +28,11 @@ def _plan(M, N, K, fmt, config=None):
 # (N, K, fmt, Ms, config): a ring of two stages reused many times (K = 1088: 9 quads, the last partial); the whole
 # K loop inside the ring (its x copied after the loop); splits; rows past N in the last tile (264 = 256 + 8);
 # stream-K (4 tiles of 256 on 3 blocks: tile heads and tails, a partial quad in a tail); tiles halved for it
-# (SK_HALVE: 4 tiles of 256 are 7 of 128 on 5 blocks); batch tiles of 8..32, rows past M
+# (SK_HALVE: 4 tiles of 256 are 7 of 128 on 5 blocks); four consumer warpgroups of one m64 tile (CWG 4) with a
+# ring of two, with stream-K; batch tiles of 8..32, rows past M
 EMU = [(264, 1088, "q4_0", (3, 11), {"STAGES": 2}),
+       (264, 1088, "q4_0", (11,), {"STAGES": 2, "CWG": 4}),
+       (776, 1280, "q4_k", (20,), {"STAGES": 3, "TARGET_BLOCKS": 3, "SK_HALVE": 0, "CWG": 4}),
        (264, 768, "q4_k", (9,), {}),
        (264, 1024, "q4_1", (5, 17), {"STAGES": 3, "SPLIT_K": 2}),
        (776, 1280, "q4_k", (2, 20), {"STAGES": 3, "TARGET_BLOCKS": 3, "SK_HALVE": 0}),
@@ -81,7 +84,10 @@ def test_ws_launch_rules():
     assert _plan(128, 17408, 5120, "q4_0", {"SK_HALVE": 0})["grid"] == 68
     assert _plan(8, 4096, 4096, "q4_0")["STAGES"] == ws.MAX_STAGES
     assert _plan(128, 4096, 4096, "q4_k")["x_staged"] == 128 * 4096 * 2
-    for bad in ({"STAGES": 1}, {"STAGES": 9}):
+    c4 = _plan(128, 5120, 17408, "q4_k", {"CWG": 4})
+    assert (c4["CWG"], c4["WG_MT"], c4["block"], c4["SPLIT_K"]) == (4, 1, 640, _plan(128, 5120, 17408, "q4_k")["SPLIT_K"])
+    assert _plan(128, 17408, 5120, "q4_0", {"CWG": 4})["CWG"] == 2     # halved tiles: one m64 per warpgroup already
+    for bad in ({"STAGES": 1}, {"STAGES": 9}, {"CWG": 3}):
         with pytest.raises(ValueError, match="int4_wgmma_ws"):
             _plan(128, 4096, 4096, "q4_k", bad)
     with pytest.raises(ValueError, match="not supported"):
@@ -109,11 +115,12 @@ def test_ws_matches_folded_ref_and_wgmma_bits(seed, case):
 
 @pytest.mark.gpu
 @needs_wg
-@pytest.mark.parametrize("config", [None, {"STAGES": 2}, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}, {"SPLIT_K": 3}],
-                         ids=["default", "two_stages", "stream_k", "split3"])
+@pytest.mark.parametrize("config", [None, {"STAGES": 2}, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}, {"SPLIT_K": 3},
+                                    {"CWG": 4}, {"CWG": 4, "TARGET_BLOCKS": 5, "SK_HALVE": 0}],
+                         ids=["default", "two_stages", "stream_k", "split3", "cwg4", "cwg4_stream_k"])
 def test_ws_batch_invariant_and_repeatable(seed, config):
-    """Rows independent of M (fp32 out) for each launch shape, and the same bits on every repeat (stream-K leaves
-    its flags zero)."""
+    """Rows independent of M (fp32 out) for each launch shape, the same bits on every repeat (stream-K leaves its
+    flags zero), and int4_wgmma's bits for the same split."""
     fn = functools.partial(ws.w4a16_wgmma_ws, config=config)
     gpu_rows_independent_of_m(fn, seed, 2048, 5120, "q4_k")
     pw, xs = _weight("q4_k", 2048, 5120, seed % 1000, device="cuda")
@@ -121,6 +128,7 @@ def test_ws_batch_invariant_and_repeatable(seed, config):
     first = fn(x, pw)
     for _ in range(4):
         assert torch.equal(fn(x, pw), first), "result changed between launches"
+    assert torch.equal(first, int4_wgmma.w4a16_wgmma(x, pw, config=ws.wg_equivalent(config)))
 
 
 @pytest.mark.gpu
