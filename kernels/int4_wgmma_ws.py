@@ -52,6 +52,10 @@ REGS = {2: (40, 232), 4: (24, 112)}         # consumer warpgroups -> (producer, 
 # the tiles: two m64 per warpgroup; halved to one where that turns a wave of a few tiles into stream-K over all the
 # SMs (17408x5120: 68 tiles of 256 rows on 132 SMs, 53 against 68 us at B = 128)
 DEFAULTS = {"SK_HALVE": 1}
+# four consumer warpgroups of one m64 tile on the 256-row tiles (same bits as two of two): H200 probe at 22b8d3b,
+# us at B = 16 / 64 / 128 against two: 5120x17408 Q4_K 28.9 / 37.2 / 49.4 (32.1 / 41.8 / 54.3), 16384x5120 27.0 /
+# 35.2 / 49.3 (29.8 / 39.6 / 52.8), 34816x5120 48.0 / 65.7 / 92.6 (47.3 / 66.2 / 101.2)
+DEFAULT_CWG = 4
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
@@ -354,7 +358,7 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
     """int4_wgmma's launch for wg_equivalent(config) (its split or stream-K, tiles and batch tile: the same bits),
     with this kernel's block and ring: STAGES (config) or as many as fit. The tile's 128 MT rows go to two consumer
     warpgroups of MT m64 tiles, or with CWG 4 (config; tiles of 256 rows only) to four of one ("CWG", "WG_MT")."""
-    cwg = int((config or {}).get("CWG", 2))
+    cwg = int((config or {}).get("CWG", DEFAULT_CWG))
     if cwg not in REGS:
         raise ValueError(f"int4_wgmma_ws: CWG={cwg}: two or four consumer warpgroups")
     cfg = int4_wgmma.wg_config(M, N, K, fmt, wg_equivalent(config))

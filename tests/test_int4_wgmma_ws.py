@@ -78,7 +78,7 @@ def test_ws_launch_rules():
             w = int4_wgmma.wg_config(M, N, K, fmt, ws.wg_equivalent())
             assert {k: c[k] for k in ("SPLIT_K", "groups_per_split", "workers", "n_nt", "MT", "BT", "grid")} == \
                    {k: w[k] for k in ("SPLIT_K", "groups_per_split", "workers", "n_nt", "MT", "BT", "grid")}
-            assert c["block"] == 384 and c["smem"] <= ws.SMEM_LIMIT and c["STAGES"] >= 4
+            assert c["block"] == 128 * (c["CWG"] + 1) and c["smem"] <= ws.SMEM_LIMIT and c["STAGES"] >= 4
             assert c["SPLIT_K"] == wg["SPLIT_K"] and c["groups_per_split"] == wg["groups_per_split"]
     assert _plan(128, 17408, 5120, "q4_0")["MT"] == 1 and _plan(128, 17408, 5120, "q4_0")["workers"] == 132
     assert _plan(128, 17408, 5120, "q4_0", {"SK_HALVE": 0})["grid"] == 68
