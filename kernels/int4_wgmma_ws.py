@@ -6,10 +6,11 @@ Why: int4_wgmma's warps load their own weights from global memory into registers
 block barrier per quad; ncu finds them waiting on those loads (long scoreboard 2.3-3.3 cycles of every 8) with the
 tensor pipe a third busy. Here warpgroup 0 only moves data: its one thread issues bulk copies (cp.async.bulk,
 completed on an mbarrier) of each quad's weights, scales and x into a ring of STAGES stages in shared memory,
-several quads ahead; the two consumer warpgroups wait on the stage's barrier, read their fragments with 16-byte
+several quads ahead; the consumer warpgroups wait on the stage's barrier, read their fragments with 16-byte
 shared loads, dequantize and issue the wgmmas, and give the stage back through a second barrier once their
-wgmmas have read it. No block-wide barrier in the K loop. setmaxnreg moves registers from the producer (40) to
-the consumers (232): 128 rows x 128 sequences of fp32 accumulators per warpgroup fit without spilling.
+wgmmas have read it. No block-wide barrier in the K loop. A 256-row tile goes to four consumer warpgroups of one
+m64 tile (CWG 4, the default; setmaxnreg: producer 24, consumers 112 registers) or two of two (CWG 2: 40 / 232,
+and the only form for tiles of 128 rows); four give the schedulers twice the warps to issue from.
 
 A bulk copy moves bytes as they lie, so x goes through the ring already in the order and swizzle the wgmma reads
 (int4_wgmma's stage: pair_order, the 4 x 4 transpose of a unit's pieces, the 128-byte swizzle): a staging kernel
@@ -22,12 +23,15 @@ Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 
 Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
 addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
 
-Measured (H200, experiment int4_gemm at 3fc6e59, us per call with the staging launch, against int4_wgmma and bf16
-cuBLAS in the same job), B = 64 / 128: 5120x17408 Q4_K 41.7 / 54.6 (59.9 / 74.7; 52.6 / 57.0), 34816x5120 66.5 /
+Measured with two consumer warpgroups (H200, experiment int4_gemm at 3fc6e59, us per call with the staging launch,
+against int4_wgmma and bf16 cuBLAS in the same job), B = 64 / 128: 5120x17408 Q4_K 41.7 / 54.6 (59.9 / 74.7; 52.6 / 57.0), 34816x5120 66.5 /
 100.0 (105.2 / 144.4; 97.6 / 94.4), 16384x5120 39.8 / 52.7 (57.8 / 71.5; 43.2 / 45.5), the LM head 248320x5120 358
 / 621 (680 / 1,017; 632 / 712). Below 32 sequences it ties or loses to int4_wgmma's two-blocks-per-SM form on the
-5120-row shapes (one block per SM here) and wins on the largest. Not measured yet: where the remaining time goes
-(ncu), and x staged by the kernel that writes x instead of a launch of its own.
+5120-row shapes (one block per SM here) and wins on the largest. ncu at a56a651 (two consumer warpgroups, clocks
+locked): 5120x17408 Q4_K at B = 128 issues 0.28 instructions per scheduler per cycle from 2.2 warps, 7.9 cycles
+between a warp's instructions, 3.4 of them waiting at warpgroup-aligned points (wgmma fence / commit / wait, counted
+as barrier stalls) and 1.25 in wgmma waits; Q4_0 at B = 16 moves 33% of DRAM's peak. Not tried yet: x staged by
+the kernel that writes x instead of a launch of its own; a whole quad's wgmmas in one commit group.
 """
 from __future__ import annotations
 
