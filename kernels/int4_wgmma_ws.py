@@ -24,14 +24,15 @@ Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of
 addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
 
 Measured with two consumer warpgroups (H200, experiment int4_gemm at 3fc6e59, us per call with the staging launch,
-against int4_wgmma and bf16 cuBLAS in the same job), B = 64 / 128: 5120x17408 Q4_K 41.7 / 54.6 (59.9 / 74.7; 52.6 / 57.0), 34816x5120 66.5 /
-100.0 (105.2 / 144.4; 97.6 / 94.4), 16384x5120 39.8 / 52.7 (57.8 / 71.5; 43.2 / 45.5), the LM head 248320x5120 358
-/ 621 (680 / 1,017; 632 / 712). Below 32 sequences it ties or loses to int4_wgmma's two-blocks-per-SM form on the
-5120-row shapes (one block per SM here) and wins on the largest. ncu at a56a651 (two consumer warpgroups, clocks
-locked): 5120x17408 Q4_K at B = 128 issues 0.28 instructions per scheduler per cycle from 2.2 warps, 7.9 cycles
-between a warp's instructions, 3.4 of them waiting at warpgroup-aligned points (wgmma fence / commit / wait, counted
-as barrier stalls) and 1.25 in wgmma waits; Q4_0 at B = 16 moves 33% of DRAM's peak. Not tried yet: x staged by
-the kernel that writes x instead of a launch of its own; a whole quad's wgmmas in one commit group.
+against int4_wgmma and bf16 cuBLAS in the same job), B = 64 / 128: 5120x17408 Q4_K 41.7 / 54.6 (59.9 / 74.7; 52.6 /
+57.0), 34816x5120 66.5 / 100.0 (105.2 / 144.4; 97.6 / 94.4), 16384x5120 39.8 / 52.7 (57.8 / 71.5; 43.2 / 45.5), the
+LM head 248320x5120 358 / 621 (680 / 1,017; 632 / 712). Below 32 sequences it ties or loses to int4_wgmma's
+two-blocks-per-SM form on the 5120-row shapes (one block per SM here) and wins on the largest. ncu at a56a651 (two
+consumer warpgroups, clocks locked): 5120x17408 Q4_K at B = 128 issues 0.28 instructions per scheduler per cycle
+from 2.2 warps, 7.9 cycles between a warp's instructions, 3.4 of them waiting at warpgroup-aligned points (wgmma
+fence / commit / wait, counted as barrier stalls) and 1.25 in wgmma waits; Q4_0 at B = 16 moves 33% of DRAM's peak.
+Not tried yet: x staged by the kernel that writes x instead of a launch of its own; a whole quad's wgmmas in one
+commit group.
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ MAX_STAGES = 8
 # must cover the consumers' 256 x (232 - 168) (168: the kernel's count at one 384-thread block per SM). A probe
 # with two blocks per SM (80 registers, consumers raised to 104) hung on the H200; without setmaxnreg it spilled
 # from 64 sequences and gained nothing below: one block per SM only.
-# With four consumer warpgroups (CWG 4, 640 threads, 96 registers each at launch): 128 x (96 - 24) given back cover
-# 512 x (112 - 96).
+# With four consumer warpgroups (CWG 4, 640 threads; the launch bound allows 96 registers each): 128 x (96 - 24)
+# given back cover 512 x (112 - 96).
 REGS = {2: (40, 232), 4: (24, 112)}         # consumer warpgroups -> (producer, consumer) registers
 # the tiles: two m64 per warpgroup; halved to one where that turns a wave of a few tiles into stream-K over all the
 # SMs (17408x5120: 68 tiles of 256 rows on 132 SMs, 53 against 68 us at B = 128)
@@ -106,8 +107,12 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-template <int R> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R)); }
-template <int R> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R)); }
+template <int R> __device__ __forceinline__ void regs_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R));
+}
+template <int R> __device__ __forceinline__ void regs_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R));
+}
 #endif
 
 // x in the ring's image: unit i (row b, word p) of quad qn of batch tile bt, its four pieces in the wgmma's order
@@ -124,7 +129,8 @@ wg_stage_x(const u16* __restrict__ x, unsigned char* __restrict__ xs, int sxm, i
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const int g = 4 * qn + q;
-        v[q] = m < M && g < G ? *reinterpret_cast<const uint4*>(x + (i64)m * sxm + g * 32 + 8 * p) : make_uint4(0, 0, 0, 0);
+        v[q] = m < M && g < G ? *reinterpret_cast<const uint4*>(x + (i64)m * sxm + g * 32 + 8 * p)
+                              : make_uint4(0, 0, 0, 0);
     }
     unit_order(v);
     unsigned char* dst = xs + (i64)r * XQ_BYTES;
