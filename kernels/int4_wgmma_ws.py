@@ -379,9 +379,11 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
     stages = int((config or {}).get("STAGES") or fit)
     if not 2 <= stages <= fit:
         raise ValueError(f"int4_wgmma_ws: STAGES={stages} for BT={cfg['BT']} {fmt}: 2..{fit} stages of {sb} B fit")
+    quads, nb = _cdiv(K // GROUP, 4), _cdiv(cfg["BT"], 8)
+    # the staging launch: one thread per unit (row, word: four 16-byte pieces) of each (batch tile, quad); the image
     cfg.update(STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
-               CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg,
-               x_staged=cfg["n_bt"] * _cdiv(K // GROUP, 4) * 8 * 256 * _cdiv(cfg["BT"], 8))
+               CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg, quads=quads, stage_units=cfg["n_bt"] * quads * 32 * nb,
+               x_staged=cfg["n_bt"] * quads * 8 * 256 * nb)
     return cfg
 
 
@@ -398,16 +400,14 @@ def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool,
 class _StagedLaunch:
     """run_packed's kernel: x into the ring's image first (wg_stage_x), then the GEMM reading that image."""
 
-    def __init__(self, cfg: dict, kernels, K: int):
-        self.cfg, (self.stage, self.gemm), self.K = cfg, kernels, K
+    def __init__(self, cfg: dict, kernels):
+        self.cfg, (self.stage, self.gemm) = cfg, kernels
 
     def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
-        x, sxm, M = args[0], args[6], args[9]
-        G = self.K // GROUP
-        Q = _cdiv(G, 4)
-        xs = _XSTAGED.get(device, self.cfg["x_staged"])
-        units = self.cfg["n_bt"] * Q * 32 * _cdiv(self.cfg["BT"], 8)
-        self.stage(_cdiv(units, 256), 256, [x, xs, sxm, M, G, Q, units], device)
+        x, sxm, M, G = args[0], args[6], args[9], args[11]     # run_packed's argument order
+        c = self.cfg
+        xs = _XSTAGED.get(device, c["x_staged"])
+        self.stage(_cdiv(c["stage_units"], 256), 256, [x, xs, sxm, M, G, c["quads"], c["stage_units"]], device)
         self.gemm(grid, block, [xs, *args[1:]], device, shared_mem)
 
 
@@ -434,13 +434,12 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
         raise ValueError(f"w4a16_wgmma_ws: format {pw.fmt} not supported (only {FORMATS}); use the Triton kernel")
     if isinstance(pw, PackedWeight) and not aligned(pw):
         return int4_wgmma.w4a16_wgmma(x, pw, out, config=wg_equivalent(config), defer=defer)
-    K = x.shape[-1]
     return int4_cuda.run_packed(
         "w4a16_wgmma_ws", x, pw, out,
         plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
         kernel=lambda cfg, x_f16, out32, dev: _StagedLaunch(
             cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
-                          dev), K),
+                          dev)),
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4, defer=defer)
 

@@ -446,12 +446,10 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
                     cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"])
     head, body = _split_defines(src, ws.SOURCE_DEFINES)
     lib = _lib(head + "\n" + SHIM + SHIM_MMA + SHIM_WG + SHIM_WS + body + LAUNCH_STAGE)
-    G = K // GROUP
-    Q = -(-G // 4)
-    units = cfg["n_bt"] * Q * 32 * -(-cfg["BT"] // 8)
+    units = cfg["stage_units"]
     xs = torch.full((cfg["x_staged"] // 2,), -1, dtype=torch.int16)      # every byte is written
     lib.launch_stage(ctypes.c_int(-(-units // 256)), _ptr(x.view(torch.int16)), _ptr(xs),
-                     *[ctypes.c_int(v) for v in (K, M, G, Q, units)])
+                     *[ctypes.c_int(v) for v in (K, M, K // GROUP, cfg["quads"], units)])
     return _run_tensor_core(xs.view(1, -1), pw, cfg, [head, body], SHIM_WG + SHIM_WS, "w4a16_wgmma_ws", out32, seed,
                             shape=(M, K), dtype=x.dtype)
 
