@@ -31,8 +31,17 @@ two-blocks-per-SM form on the 5120-row shapes (one block per SM here) and wins o
 consumer warpgroups, clocks locked): 5120x17408 Q4_K at B = 128 issues 0.28 instructions per scheduler per cycle
 from 2.2 warps, 7.9 cycles between a warp's instructions, 3.4 of them waiting at warpgroup-aligned points (wgmma
 fence / commit / wait, counted as barrier stalls) and 1.25 in wgmma waits; Q4_0 at B = 16 moves 33% of DRAM's peak.
-Not tried yet: x staged by the kernel that writes x instead of a launch of its own; a whole quad's wgmmas in one
-commit group.
+Where the time goes at few sequences (H200, 5bd83ff, four consumer warpgroups, Q4_K; ncu with --clock-control none,
+and probes that remove one side): the consumers bound the kernel, not the copies. With the consumers' work removed
+the launch streams the weights at 2.9-3.2 TB/s (5120x17408 / 34816x5120: 17.5 / 32.7 us at B = 1); with every copy
+after the first ring's removed it still takes 24.4 / 39.5 us, against 26.3 / 44.1 whole. A consumer warp issues 226
+instructions per quad at B = 1: 128 dequantize its 32 pairs (a shift, a lop3 and two packed fmas each), about 30
+make Q4_K's scales, 16 are the wgmmas and their warpgroup fences, the rest addresses and the ring's barriers;
+its schedulers issue 0.53 per cycle. Tried at 5bd83ff without gain, same bits each time: one commit group per two or
+four words instead of one (within 2%); the stage's weights and scales in two tensor-map copies instead of ten bulk
+copies (3-5% on 34816x5120, none on 5120x17408); the stage index stepped instead of computed (within 3%); 4 ring
+stages instead of 8 (the same). Not tried yet: x staged by the kernel that writes x instead of a launch of its own;
+fewer instructions per dequantized pair (Q4_K's scales precomputed at load would cost 0.4 bits a weight).
 """
 from __future__ import annotations
 
