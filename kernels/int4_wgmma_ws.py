@@ -37,9 +37,10 @@ the launch streams the weights at 2.9-3.2 TB/s (5120x17408 / 34816x5120: 17.5 / 
 after the first ring's removed it still takes 24.4 / 39.5 us, against 26.3 / 44.1 whole. A consumer warp issues 226
 instructions per quad at B = 1: 128 dequantize its 32 pairs (a shift, a lop3 and two packed fmas each), about 30
 make Q4_K's scales, 16 are the wgmmas and their warpgroup fences, the rest addresses and the ring's barriers;
-its schedulers issue 0.53 per cycle. Tried at 5bd83ff without gain, same bits each time: one commit group per two or
-four words instead of one (within 2%); the stage's weights and scales in two tensor-map copies instead of ten bulk
-copies (3-5% on 34816x5120, none on 5120x17408); the stage index stepped instead of computed (within 3%); 4 ring
+its schedulers issue 0.53 per cycle. Tried at 5bd83ff without gain: one commit group per two or four words instead
+of one (within 2%; with four the output left cuda_wgmma's bits on three of four shapes, at 8 sequences and
+on 34816x5120 up to 64; not pursued); a Q4_K stage's weights and scales in four tensor-map copies instead of ten
+bulk copies (3-5% on 34816x5120, none on 5120x17408); the stage index stepped instead of computed (within 3%); 4 ring
 stages instead of 8 (the same). Scales stored ready-made would not help either: Q4_1, whose 16-bit scale and offset per
 group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B = 1: 28.9 / 46.0 us against 27.4 /
 44.6; Q4_0, without offsets, 25.9 / 41.3). Not tried yet: x staged by the kernel that writes x instead of a launch
