@@ -337,6 +337,27 @@ def test_gpu_graphs_bit_exact_across_batch(ggufs, name):
 
 
 @pytest.mark.gpu
+def test_gpu_side_stream_gives_the_sequential_tokens(monkeypatch):
+    """Packed q|k|v|z with the dense beta|alpha rows on the side stream (Projection.concurrent): the same greedy
+    tokens as the two GEMMs in one stream, replayed in CUDA graphs and eagerly."""
+    from engine.fused_qwen35 import Projection
+    from harness.synth import LazyWeights
+
+    cfg = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,
+                      gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
+    w = dict(LazyWeights(cfg, torch.bfloat16, "cuda", seed=4, packed_fmt="q4_0").items())
+    p = [prompt(40 + i, 12) for i in range(4)]
+    outs = {}
+    for concurrent, graphs in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(Projection, "concurrent", concurrent)
+        model = fused(cfg, w, "triton")
+        assert model.layers[0]["in_proj"].side == [1]
+        st, _ = stepper(model, 4, graphs=graphs)
+        outs[concurrent, graphs] = run_static(st, p, 20, ctx=64).outputs
+    assert outs[True, True] == outs[False, True] == outs[True, False]
+
+
+@pytest.mark.gpu
 def test_gpu_refill_inside_graphs(ggufs):
     cfg, w, _ = load(ggufs["3x-value-heads"], torch.bfloat16, "cuda")
     model = fused(cfg, w, "triton")
@@ -470,6 +491,8 @@ def test_packed_projections_match_their_dense_values():
     a, b = fused(cfg, packed), fused(cfg, dense)
     proj = a.layers[0]["in_proj"]
     assert [type(w).__name__ for w in proj.weights] == ["PackedWeight", "Tensor"]  # [qkv|z] packed, [beta|alpha] dense
+    assert (proj.main, proj.side) == (0, [1])       # on a GPU the dense rows run on the side stream
+    assert b.layers[0]["in_proj"].side == []        # all dense: one fused GEMM, nothing beside it
     toks, pos = prompt(30, 6), list(range(6))
     la = rows_logits(a, hybrid(cfg, 1), toks, pos, [0] * 6, seq_len=6)
     lb = rows_logits(b, hybrid(cfg, 1), toks, pos, [0] * 6, seq_len=6)
