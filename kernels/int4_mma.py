@@ -141,8 +141,10 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (5120, 17408, "q4_k"): {"MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   33.3 / 43.1 us against 32.3 / 45.5 with 32 warps of one tile (32.3 / 45.4 against 33.6 / 49.0)
     (5120, 6144, "q4_k"): {"MINB": 4, "RT16": 32, "MINB16": 1},   # 15.2 / 20.0 against 15.5 / 21.3
-    (16384, 5120, "q4_k"): {"MT": 2, "RT": 8, "U": 1, "MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
-    #   23.9 / 27.8 / 31.5 / 41.6 us against 22.2 / 31.3 / 35.9 / 51.6
+    (16384, 5120, "q4_k"): {"MT": 2, "RT": 4, "U": 1, "MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    #   23.9 / 27.8 / 31.5 / 41.6 us against 22.2 / 31.3 / 35.9 / 51.6 (with RT 8); RT 4 (blocks of 128 rows, so 5
+    #   splits of 32 groups instead of 8 of 20) at B = 1, H200 probe at aed2748: 20.7 us with the reduce, 19.3
+    #   deferred, against 23.4 / 21.4 with RT 8 (U 1..4, MINB 2..4, MT 1, P 2 and other splits were slower)
     (17408, 5120, "q4_0"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   19.7 / 23.7 / 37.1 / 48.5 us against 21.7 / 31.5 / 34.4 / 50.8
     (5120, 17408, "q4_0"): {"MT": 2, "RT": 4, "U": 1, "MINB": 3, "SPLIT_K": 20},
