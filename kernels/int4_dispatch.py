@@ -84,7 +84,8 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # others at B = 8, 32, 64, 128; the five Q4_0 shapes at B = 1..128 again at 9256b41, with PDL; with
 # cuda_wgmma_ws, at 3fc6e59: the six Q4_K shapes and the five Q4_0 at B = 16..128; with its four consumer
 # warpgroups, at 5bd83ff: the five Q4_0 shapes at B = 1, 8, 16, 32, 64, 128, the six Q4_K shapes at the same
-# B, Llama's four others at B = 1, 8, 32, 64, 128):
+# B, Llama's four others at B = 1, 8, 32, 64, 128; 16384x5120 Q4_K again at 9e9977e, its folded launch in 4-warp
+# blocks: the same picks):
 # the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
 # the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
