@@ -3,7 +3,7 @@
 For every shape N x K of ``micro.shapes`` (weights [N, K], the issue's notation), format of ``micro.fmts``
 and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro.fmt / batch.size) with:
   <variant>_us      time per call of triton / cuda / cuda_mma / cuda_mma_fold / cuda_wgmma / cuda_wgmma_x2 /
-                    cuda_wgmma_ws / dequant_cublas
+                    cuda_wgmma_ws / cuda_wgmma_ws_t128 / dequant_cublas
                     (kernels/int4_dispatch.py) and bf16
                     (torch.matmul on the dequantized weight in bf16), each inside one CUDA graph of many calls
                     over rotating copies of the weight (>= 256 MB in all, so every call streams from HBM, not
@@ -41,7 +41,7 @@ CALLS_PER_GRAPH = 48
 REPLAYS = 5
 # exact weights: 1e-2; weights rounded to bf16 first (triton's FOLD, cuda_mma_fold, cuda_wgmma, dequant, bf16): 3e-2
 TOL = {"triton": 3e-2, "cuda": 1e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "cuda_wgmma": 3e-2, "cuda_wgmma_x2": 3e-2,
-       "cuda_wgmma_ws": 3e-2, "dequant_cublas": 3e-2, "bf16": 3e-2}
+       "cuda_wgmma_ws": 3e-2, "cuda_wgmma_ws_t128": 3e-2, "dequant_cublas": 3e-2, "bf16": 3e-2}
 _QT = {v: k for k, v in FORMATS.items()}
 _SCALE_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q8_0": [0]}
 
@@ -110,7 +110,7 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
     w16s = [w16] + [w16.clone() for _ in range(max(0, math.ceil(ROTATE_BYTES / (w16.numel() * 2)) - 1))]
     variants = (["triton", "dequant_cublas"] + (["cuda"] if int4_cuda.available() else [])
                 + (list(disp.MMA_VARIANTS) if int4_mma.available() and int4_mma.supports(fmt) else [])
-                + (list(disp.WGMMA_CONFIGS) + ["cuda_wgmma_ws"] if int4_wgmma.available() and int4_wgmma.supports(fmt)
+                + (list(disp.WGMMA_CONFIGS) + list(disp.WS_CONFIGS) if int4_wgmma.available() and int4_wgmma.supports(fmt)
                    else []))
     dev = xs.device                                    # with its index: the workspaces are keyed by it
     disp.reserve(dev, dtype, [pw], max(batches))
@@ -206,7 +206,7 @@ def _print(N, K, fmt, B, m, tags) -> None:
     print(f"[verify] int4_gemm {N}x{K} {fmt} B={B}: {str(bool(m['verify_ok'])).lower()}")
     print(f"[perf] int4_gemm {N}x{K} {fmt} B={B}: triton {us('triton')} us, cuda {us('cuda')} us, cuda_mma "
           f"{us('cuda_mma')} us, fold {us('cuda_mma_fold')} us, wgmma {us('cuda_wgmma')} us, wgmma x2 {us('cuda_wgmma_x2')} us, "
-          f"wgmma ws {us('cuda_wgmma_ws')} us, dequant+cuBLAS "
+          f"wgmma ws {us('cuda_wgmma_ws')} us, ws t128 {us('cuda_wgmma_ws_t128')} us, dequant+cuBLAS "
           f"{us('dequant_cublas')} us, bf16 cuBLAS {us('bf16')} us; pick {tags['int4_pick']} "
           f"{m.get('effective_tbps', float('nan')):.2f} TB/s, {m.get('speedup_vs_bf16', float('nan')):.2f}x bf16; "
           f"best {tags['int4_best']}")

@@ -241,6 +241,7 @@ def int4_gemm(df: pd.DataFrame):
         "wgmma (us)": _opt(df, "metrics.cuda_wgmma_us"),
         "wgmma x2 (us)": _opt(df, "metrics.cuda_wgmma_x2_us"),
         "wgmma ws (us)": _opt(df, "metrics.cuda_wgmma_ws_us"),
+        "ws t128 (us)": _opt(df, "metrics.cuda_wgmma_ws_t128_us"),
         "dequant + cuBLAS (us)": _opt(df, "metrics.dequant_cublas_us"),
         "bf16 cuBLAS (us)": _opt(df, "metrics.bf16_us"),
         "picked": _tag(df, "tags.int4_pick"),

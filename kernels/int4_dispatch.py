@@ -14,6 +14,8 @@ shape among six variants:
   "cuda_wgmma_ws"   kernels/int4_wgmma_ws.py: the same arithmetic fed by a producer warpgroup's bulk copies
                     through a ring of shared memory (x staged first); "cuda_wgmma"'s bits except where its
                     tiles are halved for stream-K (int4_wgmma_ws.DEFAULTS); batch-invariant
+  "cuda_wgmma_ws_t128"  the same kernel in tiles of 128 rows (int4_wgmma_ws.T128): half the split, fewer
+                    partials at many sequences; its own bits; batch-invariant
   "dequant_cublas"  dequantize the packed weight into a reusable per-device workspace (one bf16/fp16 [N, K]
                     buffer shared by every projection: memory = the largest single matrix, never a second
                     copy of the model), then torch.matmul. Not batch-invariant (cuBLAS picks its algorithm
@@ -32,7 +34,7 @@ Policies (``set_policy`` / ``engine.int4``):
   "fastest":  per (N, K, fmt, B bucket), any variant; like engine.gemm=cublas, B streams may then differ
               from the single stream in the last bits.
   "triton" | "cuda" | "cuda_mma" | "cuda_mma_fold" | "cuda_wgmma" | "cuda_wgmma_x2" | "cuda_wgmma_ws" |
-  "dequant_cublas": force one variant
+  "cuda_wgmma_ws_t128" | "dequant_cublas": force one variant
               (benchmarks, tests).
               ``ONEPASS_INT4_VARIANT``
               does the same from the environment.
@@ -65,9 +67,10 @@ from kernels import pdl
 from kernels.triton_compat import tl, triton
 
 VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2", "cuda_wgmma_ws",
-            "dequant_cublas")
-INVARIANT_VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2", "cuda_wgmma_ws")
+            "cuda_wgmma_ws_t128", "dequant_cublas")
+INVARIANT_VARIANTS = VARIANTS[:-1]
 WGMMA_CONFIGS = {"cuda_wgmma": None, "cuda_wgmma_x2": int4_wgmma.X2}
+WS_CONFIGS = {"cuda_wgmma_ws": None, "cuda_wgmma_ws_t128": int4_wgmma_ws.T128}
 MMA_VARIANTS = ("cuda_mma", "cuda_mma_fold")
 POLICIES = ("invariant", "fastest") + VARIANTS
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
@@ -177,7 +180,7 @@ def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
         return "triton"
     if variant in MMA_VARIANTS and not (int4_mma.available() and (fmt is None or int4_mma.supports(fmt))):
         return "triton"
-    if (variant in WGMMA_CONFIGS or variant == "cuda_wgmma_ws") \
+    if (variant in WGMMA_CONFIGS or variant in WS_CONFIGS) \
             and not (int4_wgmma.available() and (fmt is None or int4_wgmma.supports(fmt))):
         return "triton"
     return variant
@@ -291,7 +294,8 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
     if int4_wgmma.available():
         for config in WGMMA_CONFIGS.values():
             int4_wgmma.reserve_workspace(device, shapes, max_rows, config)
-        int4_wgmma_ws.reserve_workspace(device, shapes, max_rows)
+        for config in WS_CONFIGS.values():
+            int4_wgmma_ws.reserve_workspace(device, shapes, max_rows, config)
     if _policy in ("fastest", "dequant_cublas"):
         _DENSE.get(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()),
                    dtype, max(n * k for n, k, _ in shapes))
@@ -314,8 +318,8 @@ def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tens
         return int4_mma.w4a16_mma(x, pw, out, fold=v == "cuda_mma_fold", defer=defer)
     if v in WGMMA_CONFIGS:
         return int4_wgmma.w4a16_wgmma(x, pw, out, config=WGMMA_CONFIGS[v], defer=defer)
-    if v == "cuda_wgmma_ws":
-        return int4_wgmma_ws.w4a16_wgmma_ws(x, pw, out, defer=defer)
+    if v in WS_CONFIGS:
+        return int4_wgmma_ws.w4a16_wgmma_ws(x, pw, out, config=WS_CONFIGS[v], defer=defer)
     if v == "dequant_cublas":
         return dequant_matmul(x, pw, out)
     return w4a16_linear(x, pw, out, defer=defer)

@@ -73,6 +73,13 @@ DEFAULTS = {"SK_HALVE": 1}
 # us at B = 16 / 64 / 128 against two: 5120x17408 Q4_K 28.9 / 37.2 / 49.4 (32.1 / 41.8 / 54.3), 16384x5120 27.0 /
 # 35.2 / 49.3 (29.8 / 39.6 / 52.8), 34816x5120 48.0 / 65.7 / 92.6 (47.3 / 66.2 / 101.2)
 DEFAULT_CWG = 4
+# the dispatch's "cuda_wgmma_ws_t128": tiles of 128 rows, one m64 for each of two consumer warpgroups. Twice the row
+# tiles, so half the split: fewer fp32 partials written and added where many sequences make them large (a split of S
+# leaves S x M x N floats). Its own split, so its own bits. H200 probe at 5edf757, us at B = 64 / 128 against the
+# 256-row default: 16384x5120 Q4_K 34.0 / 42.1 (35.3 / 48.7), 16384x2048 Q4_0 17.6 / 21.7 (22.3 / 31.0), 2048x8192
+# 15.7 / 18.0 (15.8 / 21.3), 4096x4096 16.0 / 18.9 (15.9 / 22.3); slower on 5120x17408 (42.6 / 51.8 against 36.0 /
+# 49.6), on the stream-K shapes and below 64 sequences (two consumer warpgroups hide less latency than four).
+T128 = {"MT": 1, "CWG": 2}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
@@ -457,4 +464,4 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
 
 
 __all__ = ["w4a16_wgmma_ws", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",
-           "source", "stage_bytes", "DEFAULTS", "WS_KERNEL"]
+           "source", "stage_bytes", "DEFAULTS", "T128", "WS_KERNEL"]

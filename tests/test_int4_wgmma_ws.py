@@ -36,7 +36,8 @@ EMU = [(264, 1088, "q4_0", (3, 11), {"STAGES": 2}),
        (264, 768, "q4_k", (9,), {}),
        (264, 1024, "q4_1", (5, 17), {"STAGES": 3, "SPLIT_K": 2}),
        (776, 1280, "q4_k", (2, 20), {"STAGES": 3, "TARGET_BLOCKS": 3, "SK_HALVE": 0}),
-       (776, 1088, "q4_1", (4,), {"STAGES": 4, "TARGET_BLOCKS": 5})]
+       (776, 1088, "q4_1", (4,), {"STAGES": 4, "TARGET_BLOCKS": 5}),
+       (264, 1024, "q4_k", (6,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})]
 
 
 @needs_emu
@@ -89,6 +90,10 @@ def test_ws_launch_rules():
     c4 = _plan(128, 5120, 17408, "q4_k", {"CWG": 4})
     assert (c4["CWG"], c4["WG_MT"], c4["block"], c4["SPLIT_K"]) == (4, 1, 640, _plan(128, 5120, 17408, "q4_k")["SPLIT_K"])
     assert _plan(128, 17408, 5120, "q4_0", {"CWG": 4})["CWG"] == 2     # halved tiles: one m64 per warpgroup already
+    for N, K, fmt in [(16384, 5120, "q4_k"), (2048, 8192, "q4_0"), (4096, 4096, "q4_0")]:   # T128: 128-row tiles,
+        c, t = _plan(128, N, K, fmt), _plan(128, N, K, fmt, ws.T128)                         # twice as many, half the split
+        assert (t["MT"], t["CWG"], t["WG_MT"], t["block"]) == (1, 2, 1, 384)
+        assert t["n_nt"] == 2 * c["n_nt"] and t["SPLIT_K"] * 2 == c["SPLIT_K"] and t["grid"] == c["grid"]
     for bad in ({"STAGES": 1}, {"STAGES": 9}, {"CWG": 3}):
         with pytest.raises(ValueError, match="int4_wgmma_ws"):
             _plan(128, 4096, 4096, "q4_k", bad)
@@ -118,8 +123,8 @@ def test_ws_matches_folded_ref_and_wgmma_bits(seed, case):
 @pytest.mark.gpu
 @needs_wg
 @pytest.mark.parametrize("config", [None, {"STAGES": 2}, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}, {"SPLIT_K": 3},
-                                    {"CWG": 4}, {"CWG": 4, "TARGET_BLOCKS": 5, "SK_HALVE": 0}],
-                         ids=["default", "two_stages", "stream_k", "split3", "cwg4", "cwg4_stream_k"])
+                                    {"CWG": 4}, {"CWG": 4, "TARGET_BLOCKS": 5, "SK_HALVE": 0}, ws.T128],
+                         ids=["default", "two_stages", "stream_k", "split3", "cwg4", "cwg4_stream_k", "t128"])
 def test_ws_batch_invariant_and_repeatable(seed, config):
     """Rows independent of M (fp32 out) for each launch shape, the same bits on every repeat (stream-K leaves its
     flags zero), and int4_wgmma's bits for the same split."""
