@@ -20,8 +20,8 @@ Per layer (h = the normed residual; every projection is `kernels.linear`, dense 
               sigmoid_gate_mul(o, gate) -> attn_output
   FFN:        residual add fused into the pre-FFN RMSNorm; gate|up GEMM, SwiGLU, down.
 A projection whose GEMM splits K leaves its partials for the next kernel (the output and down projections' to the
-residual add + RMSNorm, gate|up's to SwiGLU: kernels/splitk.py), which adds them as the reduce would: same bits,
-one launch less.
+residual add + RMSNorm, gate|up's to SwiGLU, the GDN input projection's packed q|k|v|z to the conv ring and the
+gated norm: kernels/splitk.py), which adds them as the reduce would: same bits, one launch less.
 
 Sequences start at position 0: a row (run) at position 0 makes the GDN kernels start its slot from zero
 state and zero conv history, inside the kernels (no host sync, graph-safe); the attention layers simply
@@ -37,6 +37,8 @@ refuses scheduler.prefill=chunked for hybrid models (engine/state_pool.check_hyb
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from engine.config import LAYER_ATTENTION, ModelConfig
@@ -47,6 +49,7 @@ from kernels.backend import StepKernels
 from kernels.gated_attention import gate_view
 from kernels.hybrid import HybridKernels, get_hybrid_kernels
 from kernels.rope import rope_cache, rope_inv_freq
+from kernels.splitk import SplitSums
 
 
 def _nbytes(w) -> int:
@@ -126,25 +129,33 @@ class Projection:
             isinstance(self.weights[i], torch.Tensor) for i in side) else (None, [])
 
     def __call__(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor, defer: bool = False):
-        """x @ W^T into out; defer: one GEMM may hand back its split-K partials unreduced (kernels/splitk.py)
-        for the next kernel to add."""
+        """x @ W^T into out; defer: the only GEMM, or the main one beside dense side parts, may hand back its
+        split-K partials unreduced (kernels/splitk.py) for the next kernels to add. A main GEMM's partials cover
+        its columns only, self.cols[self.main]; the side parts are written into out as always."""
         if len(self.weights) == 1:
             return k.linear(x, self.weights[0], out=out, defer=defer)
-        if self.side and self.concurrent and x.is_cuda:
-            main = torch.cuda.current_stream(x.device)
-            side = _side_stream(x.device)
-            side.wait_stream(main)                # x is written
-            with torch.cuda.stream(side):
+        if self.main is not None:
+            concurrent = self.concurrent and x.is_cuda
+            if concurrent:
+                main = torch.cuda.current_stream(x.device)
+                side = _side_stream(x.device)
+                side.wait_stream(main)            # x is written
+            with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
                 for i in self.side:
                     c0, c1 = self.cols[i]
                     k.linear(x, self.weights[i], out=out[:, c0:c1])
             c0, c1 = self.cols[self.main]
-            k.linear(x, self.weights[self.main], out=out[:, c0:c1])
-            main.wait_stream(side)                # every slice is written before the buffer is read
-            return out
+            y = k.linear(x, self.weights[self.main], out=out[:, c0:c1], defer=defer)
+            if concurrent:
+                main.wait_stream(side)            # every slice is written before the buffer is read
+            return y if isinstance(y, SplitSums) else out
         for w, (c0, c1) in zip(self.weights, self.cols):  # unfusable parts: one GEMM each, into column slices
             k.linear(x, w, out=out[:, c0:c1])
         return out
+
+    def main_cols(self) -> tuple[int, int] | None:
+        """The columns a deferred call's partials cover (None: no main GEMM beside side parts)."""
+        return None if self.main is None else self.cols[self.main]
 
     @property
     def nbytes(self) -> int:
@@ -270,9 +281,14 @@ class FusedQwen35Decoder(DecoderBase):
         c, k, hk = self.cfg, self.k, self.hk
         R = h.shape[0]
         C, V, Hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads
-        proj = layer["in_proj"](k, h, buf["gdn_in"])                  # [qkv (C) | z (V) | beta (Hv) | alpha (Hv)]
-        qkv, z = proj[:, :C], proj[:, C:C + V]
-        beta, alpha = proj[:, C + V:C + V + Hv], proj[:, C + V + Hv:C + V + 2 * Hv]
+        # [qkv (C) | z (V) | beta (Hv) | alpha (Hv)]. The packed q|k|v|z GEMM beside the dense beta|alpha rows leaves
+        # its split-K partials unreduced: the conv ring and the gated norm add their columns' (kernels/splitk.py),
+        # a launch less per layer; no GEMM runs between it and them
+        proj_w = layer["in_proj"]
+        proj = proj_w(k, h, buf["gdn_in"], defer=proj_w.main_cols() == (0, C + V))
+        qkv, z = (proj.cols(0, C), proj.cols(C, C + V)) if isinstance(proj, SplitSums) else (proj[:, :C], proj[:, C:C + V])
+        ba = buf["gdn_in"]
+        beta, alpha = ba[:, C + V:C + V + Hv], ba[:, C + V + Hv:C + V + 2 * Hv]
         conv = hk.conv_ring_update(qkv, state.conv[j], layer["conv"], slots, positions, seq_len, out=buf["conv"])
         kd = c.gdn_key_dim
         q = conv[:, :kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
@@ -282,7 +298,8 @@ class FusedQwen35Decoder(DecoderBase):
                         out=buf["gdn_o"])
         # a packed ssm_out in the file's column order reads its input in that order: the norm writes it so
         out_cols = layer.get("out_cols")
-        y = hk.gated_rms_norm(o, z.unflatten(1, (Hv, c.gdn_v_dim)), layer["ssm_norm"], c.norm_eps, out_cols=out_cols,
+        z = z if isinstance(z, SplitSums) else z.unflatten(1, (Hv, c.gdn_v_dim))
+        y = hk.gated_rms_norm(o, z, layer["ssm_norm"], c.norm_eps, out_cols=out_cols,
                               out=buf["gdn_y"] if out_cols is None else buf["gdn_y_file"])
         return layer["out"](k, y, buf["x"], defer=True)
 

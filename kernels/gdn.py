@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from engine.models.qwen35 import L2NORM_EPS, Qwen35Model, l2norm
 from kernels import pdl
+from kernels.splitk import SplitSums, split_sum
 from kernels.triton_compat import tl, triton
 
 # channels per conv-ring program, one per lane: H200, one 27B GDN layer (10240 channels, 4 taps, fp32 ring), us per
@@ -122,9 +123,21 @@ def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Te
 # Triton kernels
 
 @triton.jit
-def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr,
-                      C, T, stride_xr, stride_or,
-                      K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
+def _load_input(p, mask, stride_s, like_ptr, SPLIT: tl.constexpr, RNE: tl.constexpr):
+    """An input value in fp32: loaded, or (SPLIT > 0) a GEMM's SPLIT unreduced split-K partials stride_s apart,
+    added and rounded to like_ptr's dtype as its reduce would have (kernels/splitk.py)."""
+    if SPLIT > 0:
+        v = split_sum(p, stride_s, mask, SPLIT, like_ptr, RNE)
+    else:
+        v = tl.load(p, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_ptr,
+                      C, T, stride_xr, stride_or, stride_xs,
+                      K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr, SPLIT: tl.constexpr = 0,
+                      RNE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     # One program: BLOCK_C channels of one run, one channel per lane (1-D: no cross-lane selects). Each tap
     # is loaded where it lives -- the run's x rows or the old ring -- and summed in tap order, as the
@@ -145,7 +158,7 @@ def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr,
             for j in tl.static_range(K):
                 # tap j of token t is input s = t - (K-1) + j of the run: x when s >= 0, else old ring[K-1+s]
                 s = tl.zeros([BLOCK_C], tl.int32) + (t - (K - 1) + j)
-                vx = tl.load(x_ptr + (r0 + s) * stride_xr + c, mask=cm & (s >= 0), other=0.0).to(tl.float32)
+                vx = _load_input(x_ptr + (r0 + s) * stride_xr + c, cm & (s >= 0), stride_xs, like_ptr, SPLIT, RNE)
                 vr = tl.load(ring + (K - 1 + s), mask=old_ok & (s < 0), other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
                 acc += tl.where(s >= 0, vx, vr) * w
@@ -156,14 +169,19 @@ def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr,
         # old column j + T > j, so ascending j never reads a column it has already overwritten
         for j in tl.static_range(K - 1):
             s = tl.zeros([BLOCK_C], tl.int32) + (T - (K - 1) + j)
-            vx = tl.load(x_ptr + (r0 + s) * stride_xr + c, mask=cm & (s >= 0), other=0.0).to(tl.float32)
+            vx = _load_input(x_ptr + (r0 + s) * stride_xr + c, cm & (s >= 0), stride_xs, like_ptr, SPLIT, RNE)
             vr = tl.load(ring + (K - 1 + s), mask=old_ok & (s < 0), other=0.0).to(tl.float32)
             tl.store(ring + j, tl.where(s >= 0, vx, vr).to(ring_ptr.dtype.element_ty), mask=cm)
 
 
-def conv_ring_update_triton(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                             slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1,
                             out: torch.Tensor | None = None, block_c: int = CONV_BLOCK_C) -> torch.Tensor:
+    """x may be a GEMM's unreduced split-K partials (kernels/splitk.py): summed where loaded, the same bits as
+    reducing them first (the ring keeps the rounded inputs)."""
+    sums = x if isinstance(x, SplitSums) else None
+    if sums is not None:
+        x = sums.ws[0]
     R, C = x.shape
     K = conv_weight.shape[1]
     assert K >= 2, "conv kernel needs K >= 2"
@@ -180,8 +198,10 @@ def conv_ring_update_triton(x: torch.Tensor, conv_state: torch.Tensor, conv_weig
     BLOCK_C = min(block_c, _next_pow2(C))
     grid = (R // seq_len, triton.cdiv(C, BLOCK_C))
     _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, positions if positions is not None else slots,
-                            C, seq_len, x.stride(0), out.stride(0),
+                            sums.out if sums is not None else x,
+                            C, seq_len, x.stride(0), out.stride(0), sums.ws.stride(0) if sums is not None else 0,
                             K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None,
+                            SPLIT=sums.splits if sums is not None else 0, RNE=bool(sums.rne) if sums is not None else False,
                             num_warps=max(1, min(8, BLOCK_C // 128)),
                             **pdl.triton_opts(x.device))
     return out
@@ -277,13 +297,17 @@ def default_block_v(hv: int, dv: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # the GDN layer's output: gated RMSNorm (norm first, then the SiLU gate), as Qwen35Model.gated_delta_net
 
-def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
                        out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None) -> torch.Tensor:
     """o [R, Hv, Dv] fp32 (the delta rule's output), z [R, Hv, Dv] (the attn_gate projection, any row
-    stride): rms_norm(o) * weight * silu(z) per head in fp32, rounded once to z's dtype. Returns
-    [R, Hv * Dv] (into `out` when given). out_cols [Hv * Dv]: column j of the result goes to column out_cols[j]
-    (a permutation: the input order of a packed ssm_out kept in the file's column order)."""
+    stride; or its GEMM's unreduced split-K partials, [R, Hv * Dv]): rms_norm(o) * weight * silu(z) per head in
+    fp32, rounded once to z's dtype. Returns [R, Hv * Dv] (into `out` when given). out_cols [Hv * Dv]: column j of
+    the result goes to column out_cols[j] (a permutation: the input order of a packed ssm_out kept in the file's
+    column order)."""
     from kernels.rmsnorm import rms_norm_ref
+
+    if isinstance(z, SplitSums):
+        z = z.reduce().unflatten(1, o.shape[1:])
 
     y = (rms_norm_ref(o.float(), weight, eps) * F.silu(z.float())).to(z.dtype).flatten(1)
     if out_cols is not None:
@@ -292,16 +316,17 @@ def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, cols_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0,
-                       BLOCK: tl.constexpr, HAS_COLS: tl.constexpr = False, PDL: tl.constexpr = False):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, cols_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0, s_zs,
+                       BLOCK: tl.constexpr, HAS_COLS: tl.constexpr = False, SPLIT: tl.constexpr = 0,
+                       RNE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
-    # HAS_COLS: column j of the row goes to column cols[j] of y
+    # HAS_COLS: column j of the row goes to column cols[j] of y; SPLIT > 0: z is its GEMM's unreduced partials
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     m = offs < DV
     o = tl.load(o_ptr + r * s_o0 + h * s_o1 + offs, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + r * s_z0 + h * s_z1 + offs, mask=m, other=0.0).to(tl.float32)
+    z = _load_input(z_ptr + r * s_z0 + h * s_z1 + offs, m, s_zs, y_ptr, SPLIT, RNE)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)
     y = ((o * rstd) * w) * (z / (1.0 + tl.exp(-z)))
@@ -311,20 +336,31 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, cols_ptr, DV, eps, s_o0, s_o1
     tl.store(y_ptr + r * s_y0 + col, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
                           out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None) -> torch.Tensor:
+    """gated_rms_norm_ref on the GPU; z's split-K partials ([R, Hv * Dv]) are summed where loaded, the same bits
+    as reducing them first."""
     R, hv, dv = o.shape
+    sums = z if isinstance(z, SplitSums) else None
+    if sums is not None:
+        assert tuple(sums.shape) == (R, hv * dv) and sums.ws.stride(2) == 1, (tuple(o.shape), tuple(sums.shape))
+        if out is not None and out.dtype != sums.dtype:
+            z, sums = sums.finish().unflatten(1, (hv, dv)), None    # rounded to another dtype than out's: reduce first
+        else:
+            z = sums.ws[0].unflatten(1, (hv, dv))
     assert z.shape == o.shape and o.stride(2) == 1 and z.stride(2) == 1, (tuple(o.shape), tuple(z.shape))
     assert weight.shape == (dv,) and weight.is_contiguous()
     if out is None:
-        out = torch.empty(R, hv * dv, dtype=z.dtype, device=z.device)
+        out = torch.empty(R, hv * dv, dtype=sums.dtype if sums is not None else z.dtype, device=z.device)
     assert out.shape == (R, hv * dv) and out.stride(1) == 1
     assert out_cols is None or (out_cols.shape == (hv * dv,) and out_cols.is_contiguous())
     if R == 0:
         return out
     BLOCK = _next_pow2(dv)
     _gated_norm_kernel[(R, hv)](o, z, weight, out, out_cols if out_cols is not None else out, dv, float(eps),
-                                o.stride(0), o.stride(1), z.stride(0), z.stride(1), out.stride(0), BLOCK=BLOCK,
-                                HAS_COLS=out_cols is not None, num_warps=1 if BLOCK <= 128 else 2,
+                                o.stride(0), o.stride(1), z.stride(0), z.stride(1), out.stride(0),
+                                sums.ws.stride(0) if sums is not None else 0, BLOCK=BLOCK,
+                                HAS_COLS=out_cols is not None, SPLIT=sums.splits if sums is not None else 0,
+                                RNE=bool(sums.rne) if sums is not None else False, num_warps=1 if BLOCK <= 128 else 2,
                                 **pdl.triton_opts(o.device))
     return out

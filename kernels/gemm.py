@@ -174,13 +174,16 @@ def splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ws, stride_wm, stride_ym, s
     tl.store(y_ptrs, cast_out(acc, y_ptr, RNE_BF16), mask=mask)
 
 
-def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, split: int, rne: bool = False) -> torch.Tensor:
-    """y [rows, N] (any strides) = the `split` fp32 partials in ws (split-major, each [rows, N] contiguous) added in
-    split order and rounded once (rne: by hand, the interpreter's bf16); the launch every split-K GEMM ends with."""
+def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, split: int, rne: bool = False,
+                  strides: tuple[int, int] | None = None) -> torch.Tensor:
+    """y [rows, N] (any strides) = the `split` fp32 partials in ws (split-major, each [rows, N] contiguous, or laid
+    out by strides = (split stride, row stride) with unit column stride) added in split order and rounded once (rne:
+    by hand, the interpreter's bf16); the launch every split-K GEMM ends with."""
     rows, N = y.shape
+    s_split, s_row = strides or (rows * N, N)
     rbm, rbn = min(16, _next_pow2(rows)), 256
     splitk_reduce_kernel[(_cdiv(rows, rbm), _cdiv(N, rbn))](
-        ws, y, rows, N, rows * N, N, y.stride(0), y.stride(1),
+        ws, y, rows, N, s_split, s_row, y.stride(0), y.stride(1),
         SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn, RNE_BF16=rne, num_warps=4, **pdl.triton_opts(ws.device))
     return y
 

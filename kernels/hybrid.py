@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.errors import ConfigError
+from kernels.splitk import SplitSums
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ def get_hybrid_kernels(backend: str) -> HybridKernels:
         from kernels.gdn import conv_ring_update_ref, gated_rms_norm_ref, gdn_step_ref
 
         def conv(x, ring, w, slots, positions=None, seq_len=1, out=None):
+            if isinstance(x, SplitSums):     # a GEMM's deferred split-K partials: the reduce's value
+                x = x.reduce()
             y = conv_ring_update_ref(x, ring, w, slots, positions, seq_len)
             return y if out is None else out.copy_(y)
 

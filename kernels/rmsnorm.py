@@ -174,7 +174,7 @@ def _launch_rms_norm(x, residual, w, eps, out):
     if rows == 0:
         return out
     split = sums.splits if sums is not None else 0
-    args = (D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1, x.numel() if split else 0)
+    args = (D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1, sums.ws.stride(0) if split else 0)
     opts = dict(HAS_RES=has_res, SPLIT=split, RNE=bool(sums.rne) if sums is not None else False)
     if chunked:
         nc = triton.cdiv(D, CHUNK)

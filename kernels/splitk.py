@@ -9,7 +9,9 @@ them in the same order and rounds the same way (``split_sum``): it sees exactly 
 written, and the step saves the reduce's launch and the round trip of its output through memory.
 
 The partials are views of the GEMM's shared split-K workspace: the consumer must run before the next GEMM that
-uses that workspace (the fused decoders consume them right away).
+uses that workspace (the fused decoders consume them before their next GEMM). A fused projection whose parts go to
+different kernels hands each its columns (``cols``): the hybrid's q|k|v|z input projection feeds the conv ring
+(kernels/gdn.py) its q|k|v partials and the gated norm its z partials.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from kernels.triton_compat import tl, triton
 
 @dataclass(frozen=True)
 class SplitSums:
-    ws: torch.Tensor          # [S, M, N] fp32, contiguous
+    ws: torch.Tensor          # [S, M, N] fp32, unit column stride (contiguous, or the column slice `cols` makes)
     out: torch.Tensor         # [M, N]: where the GEMM's own reduce would have written (its dtype, the rounding's)
     rne: bool = False         # round to nearest even by hand (Triton's interpreter, bf16), as that reduce does
 
@@ -47,10 +49,14 @@ class SplitSums:
             acc += self.ws[s]
         return acc.to(self.dtype)
 
+    def cols(self, c0: int, c1: int) -> "SplitSums":
+        """The partials of output columns c0 .. c1 - 1 (views: row stride and split stride stay the GEMM's)."""
+        return SplitSums(self.ws[:, :, c0:c1], self.out[:, c0:c1], self.rne)
+
     def finish(self) -> torch.Tensor:
         """The deferred reduce after all, into `out`: for a consumer that cannot, or would not gain to, add the
         partials itself."""
-        return splitk_reduce(self.ws, self.out, self.splits, self.rne)
+        return splitk_reduce(self.ws, self.out, self.splits, self.rne, strides=(self.ws.stride(0), self.ws.stride(1)))
 
 
 @triton.jit

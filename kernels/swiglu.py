@@ -61,7 +61,7 @@ def swiglu_triton(gate_up: torch.Tensor | SplitSums, out: torch.Tensor | None = 
         return out
     BLOCK = min(256 if sums is not None else 1024, triton.next_power_of_2(F_))   # partials: more programs to read them
     _swiglu_kernel[(R, triton.cdiv(F_, BLOCK))](gate_up, out, F_, gate_up.stride(0), out.stride(0),
-                                                 gate_up.numel() if sums is not None else 0, BLOCK=BLOCK,
+                                                 sums.ws.stride(0) if sums is not None else 0, BLOCK=BLOCK,
                                                  SPLIT=sums.splits if sums is not None else 0,
                                                  RNE=sums.rne if sums is not None else False,
                                                  num_warps=4 if BLOCK >= 512 else 1, **pdl.triton_opts(gate_up.device))

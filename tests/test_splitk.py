@@ -86,13 +86,49 @@ def test_gemms_defer_their_reduce():
         assert isinstance(one, torch.Tensor), f"{name}: one split has nothing to defer"
 
 
+@needs_kernel
+@pytest.mark.parametrize("S", [2, 5])
+@pytest.mark.parametrize("rne", [False, True])
+def test_hybrid_consumers_add_column_partials(S, rne):
+    """The hybrid's q|k|v|z partials split by columns (SplitSums.cols): the conv ring fed its q|k|v columns and the
+    gated norm its z columns give bitwise what they give on the reduce's output (outputs and the ring), and a column
+    slice finishes into its columns."""
+    from kernels.gdn import conv_ring_update_triton, gated_rms_norm_triton
+
+    g = _gen(S + 10)
+    M, C, hv, dv, K = 3, 96, 2, 32, 4
+    ws = (torch.randn(S, M, C + hv * dv, generator=g) * torch.logspace(-1, 1, S)[:, None, None]).to(DEV)
+    out = torch.full((M, C + hv * dv), float("nan"), dtype=torch.bfloat16, device=DEV)
+    sums = SplitSums(ws, out, rne=rne)
+    y = _reduce_kernel(ws, torch.bfloat16, rne)
+    ring = torch.randn(4, C, K - 1, generator=g).bfloat16().to(DEV)
+    w = (torch.randn(C, K, generator=g) * 0.5).bfloat16().to(DEV)
+    slots, positions = torch.tensor([2, 0, 3], device=DEV), torch.tensor([5, 0, 9], device=DEV)
+    r1, r2 = ring.clone(), ring.clone()
+    c1 = conv_ring_update_triton(y[:, :C], r1, w, slots, positions)
+    c2 = conv_ring_update_triton(sums.cols(0, C), r2, w, slots, positions)
+    _exact(c2, c1, f"conv S={S}")
+    _exact(r2, r1, f"conv ring S={S}")
+    o = torch.randn(M, hv, dv, generator=g).to(DEV)
+    nw = (torch.rand(dv, generator=g) + 0.5).bfloat16().to(DEV)
+    g1 = gated_rms_norm_triton(o, y[:, C:].unflatten(1, (hv, dv)), nw, 1e-6)
+    _exact(gated_rms_norm_triton(o, sums.cols(C, C + hv * dv), nw, 1e-6), g1, f"gated norm S={S}")
+    sums.cols(C, C + hv * dv).finish()
+    _exact(out[:, C:], y[:, C:], f"finish of a column slice S={S}")
+    assert torch.isnan(out[:, :C].float()).all(), "finish wrote outside its columns"
+
+
 def _split_kernels(honor_defer: bool):
-    """The triton step kernels with every dense projection split in two along K (BLOCK_K 32), deferring or not."""
+    """The triton step kernels with every projection split in two along K (BLOCK_K 32; packed ones through the
+    Triton W4A16 kernel), deferring or not."""
     from dataclasses import replace
 
+    from engine.quant_pack import PackedWeight
     from kernels.backend import get_step_kernels
 
     def lin(x, w, out=None, defer=False):
+        if isinstance(w, PackedWeight):
+            return w4a16_linear(x, w, out, config={"BLOCK_K": 32, "SPLIT_K": 2}, defer=defer and honor_defer)
         return linear(x, w, out=out, config={"BLOCK_K": 32, "SPLIT_K": 2}, defer=defer and honor_defer)
 
     return replace(get_step_kernels("triton"), linear=lin)
@@ -101,7 +137,8 @@ def _split_kernels(honor_defer: bool):
 @needs_kernel
 def test_fused_decoders_consume_partials(tiny_ggufs, tmp_path):
     """The llama and hybrid fused steps with every GEMM split: handing the o / ssm_out, gate|up and down partials
-    to the next kernel gives the logits (and residual stream) of reducing them first, bit for bit."""
+    (and, packed, the hybrid's q|k|v|z partials beside its dense beta|alpha rows) to the next kernels gives the logits
+    (and residual stream) of reducing them first, bit for bit."""
     from engine.config import ModelConfig
     from engine.fused_model import FusedDecoder
     from engine.fused_qwen35 import FusedQwen35Decoder
@@ -109,6 +146,7 @@ def test_fused_decoders_consume_partials(tiny_ggufs, tmp_path):
     from engine.gguf_writer import random_weights, write_gguf
     from engine.kv_cache import ContiguousKVCache
     from engine.state_pool import HybridCache
+    from harness.synth import LazyWeights
 
     hybrid = ModelConfig(arch="qwen35", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96,
                          vocab_size=256, norm_eps=1e-6, rope_theta=1e7, context_length=256, qk_norm=True, rotary_dim=8,
@@ -116,16 +154,23 @@ def test_fused_decoders_consume_partials(tiny_ggufs, tmp_path):
                          name="tiny-qwen35-split", full_attention_interval=2, gdn_k_heads=2, gdn_v_heads=2,
                          gdn_k_dim=16, gdn_v_dim=16, tie_embeddings=True)
     write_gguf(tmp_path / "h.gguf", hybrid, random_weights(hybrid, seed=5), weight_type="f32")
-    cases = {"llama": (tiny_ggufs["llama"], FusedDecoder, lambda c: ContiguousKVCache(c, 3, 32, torch.bfloat16, DEV)),
-             "qwen35": (tmp_path / "h.gguf", FusedQwen35Decoder,
-                        lambda c: HybridCache.create(c, 3, 32, torch.bfloat16, DEV, torch.float32))}
+    hcache = lambda c: HybridCache.create(c, 3, 32, torch.bfloat16, DEV, torch.float32)  # noqa: E731
+    loaded = lambda path: load_gguf(path, dtype=torch.bfloat16, device=DEV, progress=False)[:2]  # noqa: E731
+    cases = {"llama": (lambda: loaded(tiny_ggufs["llama"]), FusedDecoder,
+                       lambda c: ContiguousKVCache(c, 3, 32, torch.bfloat16, DEV)),
+             "qwen35": (lambda: loaded(tmp_path / "h.gguf"), FusedQwen35Decoder, hcache),
+             "qwen35-packed": (lambda: (hybrid, dict(LazyWeights(hybrid, torch.bfloat16, DEV, seed=5,
+                                                                 packed_fmt="q4_0").items())), FusedQwen35Decoder, hcache)}
     tokens = torch.tensor([5, 9, 7, 3], device=DEV)
     positions, slots = torch.tensor([0, 0, 1, 1], device=DEV), torch.tensor([0, 1, 0, 1], device=DEV)
-    for name, (path, cls, cache) in cases.items():
-        cfg, w, _ = load_gguf(path, dtype=torch.bfloat16, device=DEV, progress=False)
+    for name, (weights, cls, cache) in cases.items():
+        cfg, w = weights()
         got = {}
         for honor in (False, True):
             model = cls(cfg, w, _split_kernels(honor), max_pos=32)
+            if name == "qwen35-packed":       # the q|k|v|z GEMM beside beta|alpha: the one whose partials defer
+                C, V = cfg.gdn_conv_dim, cfg.gdn_value_dim
+                assert model.layers[0]["in_proj"].main_cols() == (0, C + V)
             kv, buf = cache(cfg), model.buffers(2)
             for r in (slice(0, 2), slice(2, 4)):
                 h = model.hidden(tokens[r], positions[r], slots[r], kv, buf)
