@@ -286,8 +286,10 @@ class FusedQwen35Decoder(DecoderBase):
         # a launch less per layer; no GEMM runs between it and them
         proj_w = layer["in_proj"]
         proj = proj_w(k, h, buf["gdn_in"], defer=proj_w.main_cols() == (0, C + V))
-        qkv, z = (proj.cols(0, C), proj.cols(C, C + V)) if isinstance(proj, SplitSums) else (proj[:, :C], proj[:, C:C + V])
-        ba = buf["gdn_in"]
+        if isinstance(proj, SplitSums):                               # beta|alpha: written into the buffer
+            qkv, z, ba = proj.cols(0, C), proj.cols(C, C + V), buf["gdn_in"]
+        else:
+            qkv, z, ba = proj[:, :C], proj[:, C:C + V], proj
         beta, alpha = ba[:, C + V:C + V + Hv], ba[:, C + V + Hv:C + V + 2 * Hv]
         conv = hk.conv_ring_update(qkv, state.conv[j], layer["conv"], slots, positions, seq_len, out=buf["conv"])
         kd = c.gdn_key_dim

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from engine.models.qwen35 import L2NORM_EPS, Qwen35Model, l2norm
 from kernels import pdl
-from kernels.splitk import SplitSums, split_sum
+from kernels.splitk import SplitSums, split_args, split_sum
 from kernels.triton_compat import tl, triton
 
 # channels per conv-ring program, one per lane: H200, one 27B GDN layer (10240 channels, 4 taps, fp32 ring), us per
@@ -197,11 +197,10 @@ def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tenso
         return out
     BLOCK_C = min(block_c, _next_pow2(C))
     grid = (R // seq_len, triton.cdiv(C, BLOCK_C))
+    s_split, split, rne = split_args(sums)
     _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, positions if positions is not None else slots,
-                            sums.out if sums is not None else x,
-                            C, seq_len, x.stride(0), out.stride(0), sums.ws.stride(0) if sums is not None else 0,
-                            K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None,
-                            SPLIT=sums.splits if sums is not None else 0, RNE=bool(sums.rne) if sums is not None else False,
+                            sums.out if sums is not None else x, C, seq_len, x.stride(0), out.stride(0), s_split,
+                            K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None, SPLIT=split, RNE=rne,
                             num_warps=max(1, min(8, BLOCK_C // 128)),
                             **pdl.triton_opts(x.device))
     return out
@@ -357,10 +356,10 @@ def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor | SplitSums, weight: 
     if R == 0:
         return out
     BLOCK = _next_pow2(dv)
+    s_split, split, rne = split_args(sums)
     _gated_norm_kernel[(R, hv)](o, z, weight, out, out_cols if out_cols is not None else out, dv, float(eps),
-                                o.stride(0), o.stride(1), z.stride(0), z.stride(1), out.stride(0),
-                                sums.ws.stride(0) if sums is not None else 0, BLOCK=BLOCK,
-                                HAS_COLS=out_cols is not None, SPLIT=sums.splits if sums is not None else 0,
-                                RNE=bool(sums.rne) if sums is not None else False, num_warps=1 if BLOCK <= 128 else 2,
+                                o.stride(0), o.stride(1), z.stride(0), z.stride(1), out.stride(0), s_split,
+                                BLOCK=BLOCK, HAS_COLS=out_cols is not None, SPLIT=split, RNE=rne,
+                                num_warps=1 if BLOCK <= 128 else 2,
                                 **pdl.triton_opts(o.device))
     return out

@@ -23,7 +23,7 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 # are, so results are bitwise batch invariant. No host sync; nothing is allocated when `out` is given (CUDA-graph
 # safe; the chunked form's scratch is one buffer per device, reused by every launch).
 
-from kernels.splitk import SplitSums, split_sum
+from kernels.splitk import SplitSums, split_args, split_sum
 from kernels.workspace import SplitKWorkspace
 from kernels import pdl
 from kernels.triton_compat import tl, triton
@@ -173,9 +173,9 @@ def _launch_rms_norm(x, residual, w, eps, out):
     rows = n0 * n1
     if rows == 0:
         return out
-    split = sums.splits if sums is not None else 0
-    args = (D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1, sums.ws.stride(0) if split else 0)
-    opts = dict(HAS_RES=has_res, SPLIT=split, RNE=bool(sums.rne) if sums is not None else False)
+    s_split, split, rne = split_args(sums)
+    args = (D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1, s_split)
+    opts = dict(HAS_RES=has_res, SPLIT=split, RNE=rne)
     if chunked:
         nc = triton.cdiv(D, CHUNK)
         ss = _SS.get(x.device, max(rows, MIN_ROWS) * nc)

@@ -59,6 +59,12 @@ class SplitSums:
         return splitk_reduce(self.ws, self.out, self.splits, self.rne, strides=(self.ws.stride(0), self.ws.stride(1)))
 
 
+def split_args(sums: SplitSums | None) -> tuple[int, int, bool]:
+    """A consumer kernel's launch values for its input: (split stride, SPLIT, RNE) of unreduced partials, or
+    (0, 0, False) for a finished tensor (SPLIT 0: a plain load)."""
+    return (0, 0, False) if sums is None else (sums.ws.stride(0), sums.splits, bool(sums.rne))
+
+
 @triton.jit
 def split_sum(p, stride_s, mask, SPLIT: tl.constexpr, like_ptr, RNE: tl.constexpr):
     """The value at p of partials laid stride_s apart, SPLIT of them: added in split order in fp32, rounded once to
@@ -69,4 +75,4 @@ def split_sum(p, stride_s, mask, SPLIT: tl.constexpr, like_ptr, RNE: tl.constexp
     return cast_out(acc, like_ptr, RNE)
 
 
-__all__ = ["SplitSums", "split_sum"]
+__all__ = ["SplitSums", "split_args", "split_sum"]

@@ -17,7 +17,7 @@ def swiglu_fused_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # Triton: grid (rows, column blocks), elementwise in fp32: silu(g) = g / (1 + exp(-g)) as torch computes
 # it. Elementwise, so trivially batch invariant; no host sync, no allocation when `out` is given.
 
-from kernels.splitk import SplitSums, split_sum
+from kernels.splitk import SplitSums, split_args, split_sum
 from kernels import pdl
 from kernels.triton_compat import tl, triton
 
@@ -60,9 +60,8 @@ def swiglu_triton(gate_up: torch.Tensor | SplitSums, out: torch.Tensor | None = 
     if R == 0 or F_ == 0:
         return out
     BLOCK = min(256 if sums is not None else 1024, triton.next_power_of_2(F_))   # partials: more programs to read them
-    _swiglu_kernel[(R, triton.cdiv(F_, BLOCK))](gate_up, out, F_, gate_up.stride(0), out.stride(0),
-                                                 sums.ws.stride(0) if sums is not None else 0, BLOCK=BLOCK,
-                                                 SPLIT=sums.splits if sums is not None else 0,
-                                                 RNE=sums.rne if sums is not None else False,
+    s_split, split, rne = split_args(sums)
+    _swiglu_kernel[(R, triton.cdiv(F_, BLOCK))](gate_up, out, F_, gate_up.stride(0), out.stride(0), s_split,
+                                                 BLOCK=BLOCK, SPLIT=split, RNE=rne,
                                                  num_warps=4 if BLOCK >= 512 else 1, **pdl.triton_opts(gate_up.device))
     return out
