@@ -15,7 +15,10 @@ and the only form for tiles of 128 rows); four give the schedulers twice the war
 A bulk copy moves bytes as they lie, so x goes through the ring already in the order and swizzle the wgmma reads
 (int4_wgmma's stage: pair_order, the 4 x 4 transpose of a unit's pieces, the 128-byte swizzle): a staging kernel
 (wg_stage_x, one launch before the GEMM, M x K x 2 bytes read and written) writes that image per (batch tile,
-quad) into a workspace. The weights' records of one group for the tile's 256 rows are 4 KB contiguous in the
+quad) into a workspace. The staging launch triggers its dependent at entry (PDL, kernels/pdl.py): the GEMM launches
+while x is staged and its producer issues the first stages' weight copies before it waits. H200 probe at e8d971c (the
+27B hybrid's graphed step, the same tokens; ms per step with the trigger / without / with the staging launch skipped
+outright, outputs wrong): B = 8 8.29 / 8.45 / 8.30, B = 32 11.54 / 12.09 / 11.33, B = 128 26.53 / 27.09 / 26.21. The weights' records of one group for the tile's 256 rows are 4 KB contiguous in the
 packed layout ([G, N] records): one copy per group, padded by 32 bytes in shared memory so the 8 lanes of a
 quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales likewise, 512 bytes a row.
 
@@ -43,8 +46,10 @@ on 34816x5120 up to 64; not pursued); a Q4_K stage's weights and scales in four 
 bulk copies (3-5% on 34816x5120, none on 5120x17408); the stage index stepped instead of computed (within 3%); 4 ring
 stages instead of 8 (the same). Scales stored ready-made would not help either: Q4_1, whose 16-bit scale and offset per
 group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B = 1: 28.9 / 46.0 us against 27.4 /
-44.6; Q4_0, without offsets, 25.9 / 41.3). Not tried yet: x staged by the kernel that writes x instead of a launch
-of its own; fewer instructions per dequantized pair or per quad's addressing.
+44.6; Q4_0, without offsets, 25.9 / 41.3). Tried at e8d971c without gain: the consumers reading the next quad's
+fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B. Not
+tried yet: x staged by the kernel that writes x instead of a launch of its own (the probe above bounds what is left:
+0.2-0.3 ms a step); fewer instructions per dequantized pair or per quad's addressing.
 """
 from __future__ import annotations
 
@@ -81,9 +86,17 @@ DEFAULT_CWG = 4
 # 49.6), on the stream-K shapes and below 64 sequences (two consumer warpgroups hide less latency than four).
 T128 = {"MT": 1, "CWG": 2}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
+STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
 WS_PRELUDE = r"""
+// the staging launch lets its GEMM launch at once (kernels/pdl.py): the GEMM's producer then issues its first weight
+// copies while x is staged, and its own wait still waits for the staging to complete
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && STAGE_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 // stream-K's combine (int4_wgmma's sk_combine) among the consumers only: the producer never meets them
 #define SK_SYNC() consumer_sync()
 #define SK_LEADER (threadIdx.x == 128)
@@ -139,6 +152,7 @@ template <int R> __device__ __forceinline__ void regs_inc() {
 extern "C" __global__ void __launch_bounds__(256)
 wg_stage_x(const u16* __restrict__ x, unsigned char* __restrict__ xs, int sxm, int M, int G, int Q, int units)
 {
+    pdl_trigger();
     pdl_wait();                                 // x is the kernel before's output
     const int u = blockIdx.x * 256 + threadIdx.x;
     if (u >= units) return;
@@ -346,7 +360,8 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 
     head = int4_wgmma.source(fmt, bt, x_f16, out32, cwg, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
     defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
     regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
-            f"#define PRODUCER_REGS {REGS[cwg][0]}\n#define CONSUMER_REGS {REGS[cwg][1]}\n")
+            f"#define PRODUCER_REGS {REGS[cwg][0]}\n#define CONSUMER_REGS {REGS[cwg][1]}\n"
+            f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n")
     return defines + int4_mma.MMA_COMMON + regs + WS_PRELUDE + int4_wgmma.common_text(bt) + WS_KERNEL
 
 

@@ -12,12 +12,18 @@ The contract every kernel launched with PDL keeps (the launch attribute alone wo
 constant weights and before it writes anything at all; the int4 GEMMs issue their first weight loads before it.
 Early trigger: for engines of up to EARLY_MAX_BATCH sequences the Triton kernels also trigger their dependents at
 entry (griddepcontrol.launch_dependents), so the next kernel -- often a GEMM -- launches once every block of this
-one has started, instead of when it completes; the CUDA GEMMs never trigger early. H200, harness runs (decode tok/s
+one has started, instead of when it completes; the CUDA GEMMs never trigger early (the ws GEMM's x-staging launch
+does, at every batch: its dependent is that GEMM, see kernels/int4_wgmma_ws.py). H200, harness runs (decode tok/s
 with PDL off / on / on with the Triton kernels triggering early / on with every kernel triggering early):
 Llama-3.2-1B Q4_0 packed B = 1 1,440 / 1,521 / 1,665 / 1,569, B = 32 31,376 / 32,656 / 32,647 / 28,676,
 B = 128 69,737 / 71,165 / 69,111 / 62,277; the 27B hybrid Q4_K B = 1 126.8 / 130.1 / 136.2 / 135.8, B = 8 778 /
 796 / 821 / 816, B = 128 3,713 (at the commit before PDL) / 3,745 / - / 3,713. Kernels resident early and waiting
-(GEMMs above all) cost more at large B than the launch they hide.
+(GEMMs above all) cost more at large B than the launch they hide. Above 32 again at e8d971c (H200 probe, graphed
+steps, ms per step with the early trigger / without, the same tokens): the hybrid gains at 64 (bf16 state 14.48-14.67 /
+14.98-15.27, fp32 state 16.21 / 16.59-16.90) and little at 128 (26.23-26.28 / 26.44-26.49); Llama-3.2-1B does not:
+Q4_0 packed B = 64 1.090-1.093 / 1.092-1.097 (even), B = 128 1.432-1.438 / 1.359-1.363; with bf16 weights, whose
+Triton GEMM triggers too, B = 64 1.372-1.375 / 1.202-1.206 and B = 128 1.572-1.574 / 1.420-1.421. So the limit stays
+at 32 for every model.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
@@ -103,7 +109,7 @@ def enter(PDL: tl.constexpr):
 
 
 # The wait for the CUDA C++ kernels (kernels/int4_*.py): a no-op on older targets, on the host emulator and when the
-# kernel was launched without PDL. They never trigger early (see above).
+# kernel was launched without PDL. The GEMMs never trigger early (see above).
 CUDA_HELPERS = r"""
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

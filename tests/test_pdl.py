@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import int4_cuda, int4_mma, int4_wgmma, pdl
+from kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws, pdl
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
@@ -88,6 +88,22 @@ def test_cuda_kernels_wait_before_x_and_outputs(which):
     if which == "wgmma":
         seg = src[src.index("k_segment(float"):]
         assert seg.index("load_quad") < seg.index("pdl_wait();") < seg.index("stage_copy(")
+
+
+def test_ws_staging_triggers_its_gemm_and_the_gemm_never_triggers():
+    """The ws kernel's x-staging launch triggers its dependent (the GEMM) at entry, then waits before it reads x; the
+    GEMM never triggers, its producer's x copies come after its wait (its first weight copies before it) and its consumers
+    wait before any store."""
+    src = int4_wgmma_ws.source("q4_k", 32, False, True, 4, 1, False, 1, 4)
+    kernels = _globals(src)
+    assert set(kernels) == {"wg_stage_x", "w4a16_wgmma_ws"}
+    stage, gemm = kernels["wg_stage_x"], kernels["w4a16_wgmma_ws"]
+    assert stage.index("pdl_trigger();") < stage.index("pdl_wait();") < stage.index("x + (i64)")
+    assert "pdl_trigger" not in gemm
+    producer, consumer = gemm.split("regs_inc<CONSUMER_REGS>();")
+    assert "copy_weights(" in producer and producer.index("pdl_wait();") < producer.index("xb + (i64)")
+    assert consumer.index("pdl_wait();") < consumer.index("store_acc(")
+    assert "#define STAGE_TRIGGER 1" in src and "griddepcontrol.launch_dependents" in src
 
 
 def test_engine_setting_and_early_trigger(monkeypatch):
