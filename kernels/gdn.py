@@ -35,6 +35,18 @@ gdn_step_{ref,triton}(q, k, v, a, b, A, dt_bias, state, slots, positions=None, s
     recomputed per program (a few hundred FLOPs).
     Every program depends only on its own row, so results are batch invariant (bitwise).
 
+The two in one launch was tried at 2fce2d3 and not kept: each GDN program computing its own q, k, v (the conv of
+its key head's q / k channels and of its v columns, the same bits), its v ring rewritten by itself and the key head's
+q / k ring by the last of the key head's programs to count itself in on an atomic. It gave the two kernels' bits and
+tokens, but the conv work (the q / k taps recomputed by every value head's and column block's program, each tap adding
+the input projection's split-K partials) sits in front of every program's state update: H200, 27B hybrid graphed
+step, ms per step apart / fused: B = 1 6.78-6.88 / 6.89-6.90, B = 32 11.57 / 12.71 (bf16 state 10.80 / 11.66),
+B = 128 26.53 / 27.85.
+Nor the step's two reductions over the state in one pass (recall and S^T q both from the decayed state read once,
+o = e^g S^T q + delta (k . q); H200 probe at e8d971c, one 27B layer in a CUDA graph, us per call against this
+kernel): fp32 state 5.4 / 17.7 / 56.6 / 212.9 against 5.2-5.4 / 17.1 / 55.8 / 211.5 at B = 1 / 8 / 32 / 128, bf16
+state 4.6 / 14.2 / 47.2 / 173.3 against 4.6 / 13.4 / 41.2 / 144.6.
+
 Both Triton entry points take an optional ``out`` and allocate nothing else, read nothing on the host,
 and accept non-contiguous row/head views (unit stride in the last dim): they can be captured in a CUDA
 graph and replayed with new inputs/slots written in place.
