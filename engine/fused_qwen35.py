@@ -101,7 +101,10 @@ class Projection:
     reduce removed outright: -0.27 / -0.53 / -1.16 ms at B = 1 / 32 / 128, and no tile choice for it moved the
     step by more than 1%; on the side stream: 7.20 -> 7.04 / 8.96 -> 8.66 / 12.57 -> 12.27 / 27.51 -> 27.13 ms
     at B = 1 / 8 / 32 / 128, the same tokens. Only dense parts beside a packed main part go there, so the side
-    stream's GEMMs (kernels/gemm.py's split-K workspace) never meet another dense GEMM."""
+    stream's GEMMs (kernels/gemm.py's split-K workspace) never meet another dense GEMM. Joining the side stream
+    after the conv ring instead (beta|alpha are first read by the GDN step) gained nothing: H200 probe at 752171e,
+    ms per step joined before / after the conv ring, B = 1 6.80-6.90 / 6.90, B = 8 8.40 / 8.44, B = 32 11.58-11.62 /
+    11.60-11.61, B = 128 26.18-26.25 / 26.21-26.29."""
 
     concurrent = True   # class switch (probes compare with it off)
 
