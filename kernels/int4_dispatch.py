@@ -91,23 +91,23 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # blocks: the same picks; with cuda_wgmma_ws_t128, at 06a2758: the issue's five Q4_0 and the six Q4_K shapes at
 # B = 16..128, Llama's four others at B = 32, 64, 128; with the ws staging launch triggering its GEMM early, at
 # 701315b: the six Q4_K shapes at B = 8..128, the issue's five Q4_0 at B = 16..128, Llama's four others at B = 32, 64,
-# 128):
+# 128; picked with CHAIN_US):
 # the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
 # the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
 MEASURED: dict[tuple[int, int, str], dict] = {
-    (2048, 2048, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda', 8: 'cuda_mma', 32: 'cuda_mma_fold', 64: 'cuda_wgmma_ws_t128', 128: 'triton'}, 1: 'cuda', 8: 'cuda_mma', 32: 'cuda_mma_fold', 64: 'cuda_wgmma_ws_t128', 128: 'dequant_cublas'},
-    (2048, 8192, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
+    (2048, 2048, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda', 8: 'cuda_mma', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda', 8: 'cuda_mma', 32: 'cuda_mma_fold', 64: 'triton', 128: 'dequant_cublas'},
+    (2048, 8192, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_wgmma', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_wgmma', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (3072, 2048, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_mma', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_mma', 64: 'cuda_wgmma_ws_t128', 128: 'dequant_cublas'},
     (4096, 4096, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_mma_fold', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
-    (5120, 6144, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
-    (5120, 12288, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
+    (5120, 6144, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
+    (5120, 12288, 'q4_0'): {'invariant': 'cuda_wgmma', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 2: 'cuda_mma', 4: 'cuda_mma', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (5120, 17408, 'q4_0'): {'invariant': 'cuda_wgmma_x2', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (5120, 17408, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
-    (14336, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
+    (14336, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (16384, 2048, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma', 8: 'cuda_mma', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'},
-    (16384, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'},
-    (17408, 5120, 'q4_0'): {'invariant': 'cuda_wgmma_x2', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_ws_t128', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_ws_t128', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
+    (16384, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'},
+    (17408, 5120, 'q4_0'): {'invariant': 'cuda_wgmma_x2', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (34816, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (128256, 2048, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma', 8: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (248320, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
@@ -338,6 +338,14 @@ def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, de
 # --------------------------------------------------------------------------------------------------
 # filling MEASURED from a recorded int4_gemm run
 
+# What a call costs in a decode step's chain beyond its int4_gemm time, in us, added before comparing: the ws kernels'
+# x-staging launch, which int4_gemm's back-to-back calls of one GEMM overlap better than a step's chain of different
+# kernels does. H200, 27B hybrid Q4_K at B = 32: a table that gave 5120x6144 the 128-row ws tiles (16.9 us in int4_gemm
+# against the two-blocks-per-SM wgmma's 17.2) ran 11.67 ms per step against 11.55 with the wgmma (2a1defd against
+# 656c769, harness runs; the one pick that differed), ~1.9 us over 64 calls.
+CHAIN_US = {"cuda_wgmma_ws": 1.0, "cuda_wgmma_ws_t128": 1.0}
+
+
 def table_entries(df) -> dict[tuple[int, int, str], dict]:
     """Recorded int4_gemm runs (one per N, K, fmt, B; metrics *_us per variant) -> MEASURED entries:
     per B bucket the fastest variant that verified, and "invariant": the batch-invariant variant (measured at
@@ -346,6 +354,7 @@ def table_entries(df) -> dict[tuple[int, int, str], dict]:
     small-batch kernel is several times slower (on the H200 a total-time pick of cuda_mma for Llama-1B's
     down projection cost 13% of end-to-end tok/s at B = 128). "invariant_at": {B: the fastest batch-invariant
     variant at B}, the pick for an engine built for B sequences (its full-batch steps are what it runs most).
+    Every comparison adds CHAIN_US to the variant's time.
     """
     import pandas as pd
 
@@ -356,7 +365,7 @@ def table_entries(df) -> dict[tuple[int, int, str], dict]:
                       "B": col("params.batch.size")})
     for v in VARIANTS:
         ok = col(f"metrics.{v}_ok")
-        d[v] = col(f"metrics.{v}_us").where(ok.fillna(1) == 1)
+        d[v] = col(f"metrics.{v}_us").where(ok.fillna(1) == 1) + CHAIN_US.get(v, 0.0)
     out: dict[tuple[int, int, str], dict] = {}
     for (n, k, fmt), grp in d.dropna(subset=["N", "K", "B"]).groupby(["N", "K", "fmt"]):
         entry: dict = {}
