@@ -176,18 +176,22 @@ def _add_qwen35_metadata(wr: gguf.GGUFWriter, cfg: ModelConfig) -> None:
 
 def write_gguf(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                weight_type: str = "bf16", tokenizer_meta: dict[str, Any] | None = None,
-               seed: int = 0) -> None:
+               seed: int = 0, embed_type: str | None = None) -> None:
     """Write `weights` (torch layout, keyed by GGUF name, written in dict order) as a GGUF file for
     cfg.arch. 1-D tensors and rope_freqs are F32, matrices `weight_type`. llama q/k rows get the
     converter's permutation, qwen35 value heads its grouped -> tiled reorder (when Hv != Hk). Tensors
     are encoded one at a time (no second full copy in memory).
     Weights are written as given: wrong shapes or missing tensors make deliberately broken files
-    (q/k are permuted only when their shape is the expected one). `seed` drives K-quant blocks."""
-    if weight_type not in WEIGHT_TYPES:
-        raise ValueError(f"weight_type {weight_type!r} not in {sorted(WEIGHT_TYPES)}")
+    (q/k are permuted only when their shape is the expected one). `seed` drives K-quant blocks. embed_type: the
+    embedding table's (and an untied output matrix's) type, when not weight_type."""
+    for t in (weight_type, embed_type or weight_type):
+        if t not in WEIGHT_TYPES:
+            raise ValueError(f"weight_type {t!r} not in {sorted(WEIGHT_TYPES)}")
     qtype, ftype = WEIGHT_TYPES[weight_type]
+    etype = WEIGHT_TYPES[embed_type or weight_type][0]
     expected = cfg.tensor_shapes()
-    types = {n: _tensor_type(n, tuple(w.shape), qtype) for n, w in weights.items()}
+    types = {n: _tensor_type(n, tuple(w.shape), etype if n in ("token_embd.weight", "output.weight") else qtype)
+             for n, w in weights.items()}
 
     wr = gguf.GGUFWriter(os.fspath(path), cfg.arch)
     _add_metadata(wr, cfg, ftype, qtype not in (QT.F32, QT.F16, QT.BF16), tokenizer_meta)

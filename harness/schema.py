@@ -26,6 +26,9 @@ class SynthShape:
     norm_eps: float = 1e-5
     context_length: int = 8192
     weight_type: str = "bf16"
+    # the embedding table's type when it differs from the matrices' (a llama.cpp file often keeps it at Q8_0 or Q6_K);
+    # tied embeddings make it the LM head's too
+    embed_type: Optional[str] = None
     seed: int = 0
     # where the weights come from: "file" (a GGUF written once to the cache, then loaded) or "memory"
     # (random weights made on the device through the loader's contract: no file; qwen35 only, see harness/synth.py)

@@ -49,7 +49,10 @@ def synthetic_gguf(name: str, shape, progress: bool = True) -> Path:
     """Write (once) a GGUF with the given shapes and seeded random weights; return its path."""
     from engine.gguf_writer import random_weights, write_gguf
 
-    spec = json.dumps(OmegaConf.to_container(shape, resolve=True) if OmegaConf.is_config(shape) else shape, sort_keys=True)
+    spec = dict(OmegaConf.to_container(shape, resolve=True) if OmegaConf.is_config(shape) else shape)
+    if spec.get("embed_type") is None:      # files written before the key existed keep their names
+        spec.pop("embed_type", None)
+    spec = json.dumps(spec, sort_keys=True)
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
     path = cache_dir() / "synth" / f"{name}-{shape.weight_type}-{digest}.gguf"
     if path.is_file():
@@ -59,7 +62,8 @@ def synthetic_gguf(name: str, shape, progress: bool = True) -> Path:
     if progress:
         print(f"[model] writing synthetic {name} ({cfg.param_count() / 1e6:.0f}M params, {shape.weight_type}) to {path}")
     tmp = path.with_suffix(".partial")
-    write_gguf(tmp, cfg, random_weights(cfg, seed=shape.seed), weight_type=shape.weight_type)
+    write_gguf(tmp, cfg, random_weights(cfg, seed=shape.seed), weight_type=shape.weight_type,
+               embed_type=getattr(shape, "embed_type", None))
     tmp.rename(path)  # a killed write never leaves a file that looks complete
     return path
 

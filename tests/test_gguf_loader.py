@@ -348,6 +348,48 @@ def test_smollm2_load_time_and_types(smollm2):
     assert (cfg.vocab_size, cfg.tie_embeddings, cfg.bos_id, cfg.eos_ids) == (49152, True, 1, (2,))
 
 
+def test_embed_type_sets_the_embedding_and_lm_head_type(tmp_path: Path):
+    """write_gguf's embed_type: the embedding table (and an untied output matrix) in that type, the other matrices
+    in weight_type; the file loads."""
+    for name in ("llama-tied", "llama-untied-rope3"):
+        cfg = CONFIGS[name]
+        path = tmp_path / f"{name}.gguf"
+        write_gguf(path, cfg, random_weights(cfg, seed=3), weight_type="q4_1", embed_type="q8_0")
+        big = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}   # the matrices
+        assert big.pop("token_embd.weight") == QT.Q8_0
+        if not cfg.tie_embeddings:
+            assert big.pop("output.weight") == QT.Q8_0
+        assert set(big.values()) == {QT.Q4_1}, big
+        load_gguf(path, progress=False)
+    with pytest.raises(ValueError, match="not in"):
+        write_gguf(tmp_path / "bad.gguf", CONFIGS["llama-tied"], {}, weight_type="q4_1", embed_type="q3_k")
+
+
+def test_smollm2_shapes_config_is_the_packaged_file_layout(smollm2):
+    """conf/model/smollm2-135m-shapes.yaml describes the packaged file: the same model config and, tensor by tensor,
+    the same shape and type as write_gguf gives its random weights."""
+    from hydra import compose, initialize_config_dir
+
+    from engine.gguf_writer import WEIGHT_TYPES, _tensor_type
+    from harness.app import CONF_DIR
+    from harness.synth import synthetic_config
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        shape = compose(config_name="config", overrides=["model=smollm2-135m-shapes"]).model.synthetic
+    cfg = synthetic_config("smollm2-135m-shapes", shape)
+    real = smollm2["cfg"]
+    fields = ("arch", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta",
+              "tie_embeddings", "rope_scaling")
+    assert {f: getattr(cfg, f) for f in fields} == {f: getattr(real, f) for f in fields}
+    assert cfg.norm_eps == pytest.approx(real.norm_eps, rel=1e-6)       # the file stores it as float32
+    expected = cfg.tensor_shapes()
+    file = {t.name: (t.tensor_type, tuple(reversed(t.shape.tolist()))) for t in gguf.GGUFReader(smollm2["path"]).tensors}
+    assert set(file) == set(expected)
+    for name, (qt, shp) in file.items():
+        want = WEIGHT_TYPES[shape.embed_type if name == "token_embd.weight" else shape.weight_type][0]
+        assert (_tensor_type(name, expected[name], want), expected[name]) == (qt, shp), name
+
+
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2):
     import transformers
