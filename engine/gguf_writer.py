@@ -184,9 +184,9 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, tor
     Weights are written as given: wrong shapes or missing tensors make deliberately broken files
     (q/k are permuted only when their shape is the expected one). `seed` drives K-quant blocks. embed_type: the
     embedding table's (and an untied output matrix's) type, when not weight_type."""
-    for t in (weight_type, embed_type or weight_type):
+    for what, t in (("weight_type", weight_type), ("embed_type", embed_type or weight_type)):
         if t not in WEIGHT_TYPES:
-            raise ValueError(f"weight_type {t!r} not in {sorted(WEIGHT_TYPES)}")
+            raise ValueError(f"{what} {t!r} not in {sorted(WEIGHT_TYPES)}")
     qtype, ftype = WEIGHT_TYPES[weight_type]
     etype = WEIGHT_TYPES[embed_type or weight_type][0]
     expected = cfg.tensor_shapes()

@@ -343,7 +343,7 @@ def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, de
 # kernels does. H200, 27B hybrid Q4_K at B = 32: a table that gave 5120x6144 the 128-row ws tiles (16.9 us in int4_gemm
 # against the two-blocks-per-SM wgmma's 17.2) ran 11.67 ms per step against 11.55 with the wgmma (2a1defd against
 # 656c769, harness runs; the one pick that differed), ~1.9 us over 64 calls.
-CHAIN_US = {"cuda_wgmma_ws": 1.0, "cuda_wgmma_ws_t128": 1.0}
+CHAIN_US = dict.fromkeys(WS_CONFIGS, 1.0)
 
 
 def table_entries(df) -> dict[tuple[int, int, str], dict]:

@@ -18,7 +18,9 @@ A bulk copy moves bytes as they lie, so x goes through the ring already in the o
 quad) into a workspace. The staging launch triggers its dependent at entry (PDL, kernels/pdl.py): the GEMM launches
 while x is staged and its producer issues the first stages' weight copies before it waits. H200 probe at e8d971c (the
 27B hybrid's graphed step, the same tokens; ms per step with the trigger / without / with the staging launch skipped
-outright, outputs wrong): B = 8 8.29 / 8.45 / 8.30, B = 32 11.54 / 12.09 / 11.33, B = 128 26.53 / 27.09 / 26.21. The weights' records of one group for the tile's 256 rows are 4 KB contiguous in the
+outright, outputs wrong): B = 8 8.29 / 8.45 / 8.30, B = 32 11.54 / 12.09 / 11.33; B = 64 16.59 / 16.84 and B = 128
+26.49 / 26.50, where the engine's Triton kernels trigger late. The weights' records of one group for the tile's 256
+rows are 4 KB contiguous in the
 packed layout ([G, N] records): one copy per group, padded by 32 bytes in shared memory so the 8 lanes of a
 quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales likewise, 512 bytes a row.
 

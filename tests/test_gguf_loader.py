@@ -361,7 +361,7 @@ def test_embed_type_sets_the_embedding_and_lm_head_type(tmp_path: Path):
             assert big.pop("output.weight") == QT.Q8_0
         assert set(big.values()) == {QT.Q4_1}, big
         load_gguf(path, progress=False)
-    with pytest.raises(ValueError, match="not in"):
+    with pytest.raises(ValueError, match="embed_type 'q3_k' not in"):
         write_gguf(tmp_path / "bad.gguf", CONFIGS["llama-tied"], {}, weight_type="q4_1", embed_type="q3_k")
 
 

@@ -242,6 +242,25 @@ def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
                                      32: "cuda_mma", 64: "triton", 128: "triton"}
 
 
+def test_ws_variants_pay_their_chain_cost_in_the_picks():
+    """CHAIN_US is added before comparing: a ws variant less than its chain cost faster than another kernel is not
+    picked, one faster by more is; the table entries compare with it for every B (random times each run)."""
+    import pandas as pd
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cost = disp.CHAIN_US["cuda_wgmma_ws_t128"]
+    assert cost > 0 and set(disp.CHAIN_US) == set(disp.WS_CONFIGS)
+    base = 10.0 + 40.0 * torch.rand(2, generator=g)
+    near, far = (base - cost * torch.tensor([0.5, 1.5])).tolist()
+    df = pd.DataFrame([{"params.micro.n": "5120", "params.micro.k": "6144", "params.micro.fmt": "q4_k",
+                        "params.batch.size": str(b), "metrics.cuda_wgmma_x2_us": float(base[i]),
+                        "metrics.cuda_wgmma_ws_t128_us": ws}
+                       for i, (b, ws) in enumerate([(32, near), (128, far)])])
+    entry = disp.table_entries(df)[(5120, 6144, "q4_k")]
+    assert entry[32] == entry["invariant_at"][32] == "cuda_wgmma_x2"
+    assert entry[128] == entry["invariant_at"][128] == "cuda_wgmma_ws_t128"
+
+
 def test_cuda_module_imports_and_configures_without_cupy():
     from kernels import int4_cuda
 
