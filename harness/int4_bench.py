@@ -19,7 +19,8 @@ and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro
   verify_ok         every variant that ran verified
   pdl               1 when the int4 kernels were launched with programmatic dependent launch (engine.pdl, sm_90+:
                     kernels/pdl.py), so each call's launch overlaps the one before, as in a decode step; torch's
-                    bf16 GEMM never is
+                    bf16 GEMM never is. At B <= pdl.RELEASE_MAX_BATCH the CUDA GEMMs release the next call once
+                    their last weight loads are issued, as they do in an engine of that batch (pdl 3)
 Tags: int4_pick (the dispatch's choice), int4_best (the fastest measured), cuda_compiler (cupy / torch / none).
 The runs of one job share a sweep_id, so the report takes the newest job.
 """
@@ -117,6 +118,7 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
     disp._DENSE.get(dev, dtype, N * K)
     rows = []
     for B in batches:
+        pdl.set_gemm_release(B <= pdl.RELEASE_MAX_BATCH)   # as an engine of B sequences launches them
         x = xs[:B]
         out = torch.empty(B, N, device=dev, dtype=dtype)
         ref = ref_all[:B]
@@ -173,6 +175,7 @@ def run_int4_gemm(cfg, out_dir) -> float:
     if dev.type != "cuda":
         raise ConfigError("int4_gemm times GPU kernels; it needs a CUDA device")
     pdl.configure(bool(cfg.engine.pdl), batch=1 << 30)   # no early trigger, for the Triton GEMM as for the CUDA ones
+    # (the CUDA GEMMs' late release is set per B in bench_shape)
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"int4_gemm runs bf16 / fp16 activations, not {dtype}")
     sweep = f"int4_gemm-{uuid.uuid4().hex[:12]}"

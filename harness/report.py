@@ -261,8 +261,10 @@ def int4_gemm(df: pd.DataFrame):
 
 def _pdl(df: pd.DataFrame) -> pd.Series:
     """How the run's kernels launched (metrics.pdl, kernels/pdl.py: off; on; on, early = the Triton kernels triggering
-    their dependents at entry; runs recorded before it existed: off)."""
-    return _opt(df, "metrics.pdl").fillna(0).map({0: "off", 1: "on", 2: "on, early"}.get)
+    their dependents at entry; release = the CUDA GEMMs releasing theirs once their weight loads are issued; runs
+    recorded before it existed: off)."""
+    return _opt(df, "metrics.pdl").fillna(0).map({0: "off", 1: "on", 2: "on, early", 3: "on, release",
+                                                  4: "on, early, release"}.get)
 
 
 @table("int4_e2e")

@@ -195,8 +195,9 @@ def device_name(dev: torch.device) -> str:
 
 
 def pdl_active(dev: torch.device, backend: str) -> int:
-    """How this job's step kernels launch: 0 plainly, 1 with PDL, 2 with PDL and the Triton kernels triggering
-    their dependents early (engine.pdl, the engine's batch, a GPU that has it; kernels/pdl.py)."""
+    """How this job's step kernels launch (pdl.mode): 0 plainly, 1 with PDL, 2 with the Triton kernels triggering
+    their dependents early too, 4 with the CUDA GEMMs' late release as well (engine.pdl, the engine's batch, a GPU
+    that has it; kernels/pdl.py)."""
     return pdl.mode(dev) if backend == "triton" else 0
 
 

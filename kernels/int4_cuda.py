@@ -350,6 +350,7 @@ w4a16_cuda(const u16* __restrict__ x, const uint4* __restrict__ qw, const u16* _
 extern "C" __global__ void __launch_bounds__(256)
 w4a16_splitk_reduce(const float* __restrict__ ws, void* __restrict__ y, int sym, int M, int N, int S)
 {
+    pdl_release();                              // no weights: the next GEMM may start on its own at once
     pdl_wait();
     const i64 idx = (i64)blockIdx.x * 256 + threadIdx.x;
     const i64 total = (i64)M * N;
@@ -418,38 +419,55 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, kw: int | None = None, c
 
 
 class _Kernel:
-    """One compiled kernel, launched on torch's current stream with raw pointers."""
+    """One compiled kernel, launched on torch's current stream with raw pointers. Compiled once per setting of
+    pdl.gemm_release() (the source's PDL_RELEASE), read at launch (for a CUDA graph: at capture)."""
 
     def __init__(self, src: str, name: str, how: str, device: torch.device, arch: str | None = None):
         """arch: a target to name (e.g. "90a" for wgmma; torch's binding only); None: the device's own."""
-        self.how, self.name = how, name
-        self._smem_set = 0
         if arch is not None:
             assert how == "torch", "int4_cuda: a named target compiles through torch's NVRTC binding"
+        self.how, self.name, self._src, self._arch, self._device = how, name, src, arch, device
+        self._fns: dict[bool, object] = {}
+        self._mods: list = []
+        self._smem_set: dict[bool, int] = {}
+        self._streams: dict[int, object] = {}
+
+    def _compile(self, release: bool):
+        """The kernel for this setting, compiled on its first launch."""
+        fn = self._fns.get(release)
+        if fn is not None:
+            return fn
+        src = ("#define PDL_RELEASE 1\n" if release else "") + self._src
+        device = self._device
+        if self._arch is not None:
             with torch.cuda.device(device):
-                self.fn = torch.cuda._compile_kernel(src, name, compute_capability=arch)
-        elif how == "cupy":
+                fn = torch.cuda._compile_kernel(src, self.name, compute_capability=self._arch)
+        elif self.how == "cupy":
             with _cupy.cuda.Device(device.index or 0):
                 mod = _cupy.RawModule(code=src, options=("--std=c++14",))
-                self.fn = mod.get_function(name)
-            self._mod = mod
-            self._streams: dict[int, object] = {}
+                fn = mod.get_function(self.name)
+            self._mods.append(mod)
         else:
             with torch.cuda.device(device):
-                self.fn = torch.cuda._compile_kernel(src, name)
+                fn = torch.cuda._compile_kernel(src, self.name)
+        self._fns[release] = fn
+        return fn
 
     def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
         """Launch on torch's current stream; shared_mem: dynamic shared memory in bytes (above 48 KB the kernel's
         limit is raised once, as CUDA requires)."""
         stream = torch.cuda.current_stream(device)
-        if shared_mem > self._smem_set and shared_mem >= 48 * 1024:
+        on = pdl.enabled(device)
+        release = on and pdl.gemm_release()
+        fn = self._compile(release)
+        if shared_mem > self._smem_set.get(release, 0) and shared_mem >= 48 * 1024:
             if self.how == "cupy":
-                self.fn.max_dynamic_shared_size_bytes = shared_mem
+                fn.max_dynamic_shared_size_bytes = shared_mem
             else:
-                self.fn.set_shared_memory_config(shared_mem)
-            self._smem_set = shared_mem
-        if pdl.enabled(device):   # every kernel of these modules keeps the PDL contract (kernels/pdl.py)
-            func = self.fn.kernel.ptr if self.how == "cupy" else self.fn.func   # RawKernel -> Function
+                fn.set_shared_memory_config(shared_mem)
+            self._smem_set[release] = shared_mem
+        if on:   # every kernel of these modules keeps the PDL contract (kernels/pdl.py)
+            func = fn.kernel.ptr if self.how == "cupy" else fn.func   # RawKernel -> Function
             pdl.launch_ex(func, grid, block, shared_mem, stream.cuda_stream, list(args))
         elif self.how == "cupy":
             import numpy as np
@@ -460,9 +478,9 @@ class _Kernel:
                 ext = self._streams[ptr] = _cupy.cuda.ExternalStream(ptr, device.index or 0)
             cargs = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else np.int32(a) for a in args)
             with _cupy.cuda.Device(device.index or 0), ext:
-                self.fn((grid,), (block,), cargs, shared_mem=shared_mem)
+                fn((grid,), (block,), cargs, shared_mem=shared_mem)
         else:
-            self.fn(grid=(grid, 1, 1), block=(block, 1, 1), args=list(args), shared_mem=shared_mem, stream=stream)
+            fn(grid=(grid, 1, 1), block=(block, 1, 1), args=list(args), shared_mem=shared_mem, stream=stream)
 
 
 @functools.lru_cache(maxsize=None)

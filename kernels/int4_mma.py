@@ -679,6 +679,7 @@ w4a16_mma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __re
             if (i + u + U < ni) LOAD(ring[u]);                    // warp-uniform
         }
     }
+    pdl_release();                              // every weight load issued
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         if (i + u < ni) APPLY(acc, ring[u], ph + (i + u) * P);

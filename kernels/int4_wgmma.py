@@ -440,6 +440,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
         const int q1 = (int)min((i64)Q, q0 + (hi - it));
         const int n0 = (nt * WGS + (warp >> 2)) * 64 * MT + 16 * (warp & 3);
         k_segment(acc, smem, x, qw, sc, mn, sub, sxm, M, N, n0, m0, 4 * q0, min(G, 4 * q1) - 4 * q0);
+        if (it + (q1 - q0) >= hi) pdl_release();          // the block's last segment: every weight load issued
         if (q0 == 0 && q1 == Q) store_acc(acc, y, 0, sym, M, N, n0, m0);
         else sk_combine(acc, smem, y, ws, flags, bt * n_nt + nt, sym, M, N, n0, m0);   // the ring is free here
         it += q1 - q0;
@@ -450,6 +451,7 @@ w4a16_wgmma(const u16* __restrict__ x, const u32* __restrict__ qw, const u16* __
     const int n0 = (nt * WGS + (warp >> 2)) * 64 * MT + 16 * (warp & 3);    // this warp's rows of its first tile
     const int g_lo = s * gps;
     k_segment(acc, smem, x, qw, sc, mn, sub, sxm, M, N, n0, m0, g_lo, min(G, g_lo + gps) - g_lo);
+    pdl_release();                              // every weight load issued
     store_acc(acc, y, (i64)s * sys, sym, M, N, n0, m0);
 #endif
 }

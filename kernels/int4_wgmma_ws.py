@@ -312,6 +312,7 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
             for (int k = 0; k < i; ++k)
                 bulk_copy(sbase + k * WS_STAGE, xb + (i64)pend[k] * XQ_BYTES, XQ_BYTES, full0 + 8 * k);
         }
+        pdl_release();                          // every copy issued
         return;
     }
 

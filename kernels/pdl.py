@@ -13,7 +13,7 @@ constant weights and before it writes anything at all; the int4 GEMMs issue thei
 Early trigger: for engines of up to EARLY_MAX_BATCH sequences the Triton kernels also trigger their dependents at
 entry (griddepcontrol.launch_dependents), so the next kernel -- often a GEMM -- launches once every block of this
 one has started, instead of when it completes; the CUDA GEMMs never trigger early (the ws GEMM's x-staging launch
-does, at every batch: its dependent is that GEMM, see kernels/int4_wgmma_ws.py). H200, harness runs (decode tok/s
+does, at every batch: its dependent is that GEMM, see kernels/int4_wgmma_ws.py), only late (below). H200, harness runs (decode tok/s
 with PDL off / on / on with the Triton kernels triggering early / on with every kernel triggering early):
 Llama-3.2-1B Q4_0 packed B = 1 1,440 / 1,521 / 1,665 / 1,569, B = 32 31,376 / 32,656 / 32,647 / 28,676,
 B = 128 69,737 / 71,165 / 69,111 / 62,277; the 27B hybrid Q4_K B = 1 126.8 / 130.1 / 136.2 / 135.8, B = 8 778 /
@@ -24,6 +24,16 @@ steps, ms per step with the early trigger / without, the same tokens): the hybri
 Q4_0 packed B = 64 1.090-1.093 / 1.092-1.097 (even), B = 128 1.432-1.438 / 1.359-1.363; with bf16 weights, whose
 Triton GEMM triggers too, B = 64 1.372-1.375 / 1.202-1.206 and B = 128 1.572-1.574 / 1.420-1.421. So the limit stays
 at 32 for every model.
+Late release (engines of up to RELEASE_MAX_BATCH sequences): a CUDA GEMM block releases its dependents
+(pdl_release: griddepcontrol.launch_dependents) once its last weight load is issued, and the split-K reduce at entry,
+so the next kernel launches during the GEMM's tail instead of after it; the source is compiled once per setting
+(int4_cuda._Kernel), and the outputs are the same bits. H200 probe at bd12c9a, off / on in one job: int4_gemm-style
+chains of one GEMM gain at 1-32 sequences (5120x17408 Q4_0, B = 1: 18.25 / 18.07 us, B = 16 ws 25.15 / 23.69;
+2048x2048 B = 16 ws 8.97 / 7.02) but lose up to 18% at 128 (2048x2048 ws t128 11.48 / 14.04) and with the two-block
+wgmma on the small shapes (4096x4096 B = 32 11.07 / 12.74). In the graphed steps, where a GEMM is followed by a norm
+or a gate rather than another GEMM, less is left: the 27B hybrid B = 1 6.79 / 6.75 ms, B = 8 8.39 / 8.37, B = 32
+11.42-11.60 / 11.48 (noise), B = 128 26.67-26.81 / 26.66-26.78; Llama-3.2-1B Q4_0 packed B = 1 0.570 / 0.566,
+B = 32 0.938 / 0.952, B = 128 1.35 / 1.45. So the release is on up to 8 sequences.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
@@ -83,15 +93,33 @@ def set_early(flag: bool) -> None:
     _early = bool(flag)
 
 
+RELEASE_MAX_BATCH = 8   # the largest engine batch whose CUDA GEMMs release their dependents late (module docstring)
+_release = False
+
+
+def set_gemm_release(flag: bool) -> None:
+    """Whether the CUDA GEMMs launched from now on let their dependents launch once their last weight loads are
+    issued (and the split-K reduce at entry), instead of at completion."""
+    global _release
+    _release = bool(flag)
+
+
+def gemm_release() -> bool:
+    return _release
+
+
 def configure(on: bool, batch: int) -> None:
-    """An engine's setting: PDL on or off (engine.pdl), the early trigger from its batch (EARLY_MAX_BATCH)."""
+    """An engine's setting: PDL on or off (engine.pdl), the early trigger from its batch (EARLY_MAX_BATCH), the
+    GEMMs' late release from it too (RELEASE_MAX_BATCH)."""
     set_enabled(on)
     set_early(batch <= EARLY_MAX_BATCH)
+    set_gemm_release(batch <= RELEASE_MAX_BATCH)
 
 
 def mode(device: torch.device) -> int:
-    """0: PDL off here; 1: on; 2: on, Triton kernels triggering early (the runs' metrics.pdl)."""
-    return (2 if _early else 1) if enabled(device) else 0
+    """The runs' metrics.pdl: 0 PDL off here; 1 on; 2 on, Triton kernels triggering early; 3 on, the CUDA GEMMs'
+    late release; 4 on, both."""
+    return 1 + int(_early) + 2 * int(_release) if enabled(device) else 0
 
 
 def triton_opts(device: torch.device) -> dict:
@@ -109,11 +137,21 @@ def enter(PDL: tl.constexpr):
 
 
 # The wait for the CUDA C++ kernels (kernels/int4_*.py): a no-op on older targets, on the host emulator and when the
-# kernel was launched without PDL. The GEMMs never trigger early (see above).
+# kernel was launched without PDL. The GEMMs never trigger early, only release late (see above).
 CUDA_HELPERS = r"""
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+#ifndef PDL_RELEASE
+#define PDL_RELEASE 0
+#endif
+// The late release (gemm_release): this block has issued its last weight load, so the next kernel may launch and
+// its blocks take the SM slots this grid's blocks leave (its own first weight loads overlap this grid's tail).
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && PDL_RELEASE
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 """

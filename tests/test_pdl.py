@@ -4,6 +4,7 @@ on and off."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
 from pathlib import Path
 
@@ -70,12 +71,20 @@ def _globals(src: str) -> dict[str, str]:
 @pytest.mark.parametrize("which", ["cuda", "mma", "wgmma"])
 def test_cuda_kernels_wait_before_x_and_outputs(which):
     """Every CUDA kernel waits before it stages x or writes (the GEMMs issue only their first weight loads before the
-    wait) and none triggers its dependents early."""
+    wait). None triggers its dependents but through pdl_release(), a no-op unless PDL_RELEASE is defined: the GEMMs
+    after their last weight load, the split-K reduce at entry."""
     src = {"cuda": int4_cuda.source("q4_k", 1, False, False),
            "mma": int4_mma.source("q4_k", 8, False, True, 4, 1, 2, True, fold=True),
            "wgmma": int4_wgmma.source("q4_k", 64, False, False, 2, 2, 1, 4, sk=True)}[which]
     kernels = _globals(src)
-    assert kernels and "launch_dependents" not in src
+    helper = src[src.index("void pdl_release()"):]
+    helper = helper[:helper.index("\n}\n")]
+    assert kernels and src.count("launch_dependents") == 1 and "launch_dependents" in helper
+    assert "&& PDL_RELEASE" in helper and "#define PDL_RELEASE 0" in src
+    if which == "cuda":
+        red = kernels["w4a16_splitk_reduce"]
+        assert red.index("pdl_release();") < red.index("pdl_wait();")
+        assert "pdl_release" not in kernels["w4a16_cuda"]
     for name, body in kernels.items():
         # the wgmma kernel waits inside k_segment, which runs before any store
         wait = "k_segment(" if name == "w4a16_wgmma" else "pdl_wait();"
@@ -85,15 +94,22 @@ def test_cuda_kernels_wait_before_x_and_outputs(which):
     if which == "mma":
         body = kernels["w4a16_mma"]
         assert body.index("load_quad") < body.index("pdl_wait();") < body.index("cp_async16_s")
+        loop = body.rindex("LOAD(ring[u]);")              # the K loop's last load, then the release
+        assert loop < body.index("pdl_release();") < body.rindex("APPLY(acc")
     if which == "wgmma":
         seg = src[src.index("k_segment(float"):]
         assert seg.index("load_quad") < seg.index("pdl_wait();") < seg.index("stage_copy(")
+        body = kernels["w4a16_wgmma"]
+        sk = body[body.index("#if SK\n    // stream-K"):]
+        sk, plain = sk[:sk.index("#else")], sk[sk.index("#else"):]
+        assert sk.index("k_segment(") < sk.index("pdl_release();") < sk.index("sk_combine(")
+        assert plain.index("k_segment(") < plain.index("pdl_release();") < plain.index("store_acc(")
 
 
-def test_ws_staging_triggers_its_gemm_and_the_gemm_never_triggers():
+def test_ws_staging_triggers_its_gemm_and_the_gemm_releases_late():
     """The ws kernel's x-staging launch triggers its dependent (the GEMM) at entry, then waits before it reads x; the
-    GEMM never triggers, its producer's x copies come after its wait (its first weight copies before it) and its consumers
-    wait before any store."""
+    GEMM never triggers early: its producer releases (pdl_release) once every copy is issued. Its producer's x copies
+    come after its wait (its first weight copies before it) and its consumers wait before any store."""
     src = int4_wgmma_ws.source("q4_k", 32, False, True, 4, 1, False, 1, 4)
     kernels = _globals(src)
     assert set(kernels) == {"wg_stage_x", "w4a16_wgmma_ws"}
@@ -102,6 +118,8 @@ def test_ws_staging_triggers_its_gemm_and_the_gemm_never_triggers():
     assert "pdl_trigger" not in gemm
     producer, consumer = gemm.split("regs_inc<CONSUMER_REGS>();")
     assert "copy_weights(" in producer and producer.index("pdl_wait();") < producer.index("xb + (i64)")
+    assert producer.rindex("bulk_copy(") < producer.index("pdl_release();") < producer.rindex("return;")
+    assert "pdl_release" not in consumer and "pdl_release" not in stage
     assert consumer.index("pdl_wait();") < consumer.index("store_acc(")
     assert "#define STAGE_TRIGGER 1" in src and "griddepcontrol.launch_dependents" in src
 
@@ -111,9 +129,13 @@ def test_engine_setting_and_early_trigger(monkeypatch):
     monkeypatch.setattr(pdl, "supported", lambda index: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     dev = torch.device("cuda", 0)
+    assert pdl.RELEASE_MAX_BATCH < pdl.EARLY_MAX_BATCH
     try:
+        pdl.configure(True, pdl.RELEASE_MAX_BATCH)
+        assert pdl.mode(dev) == 4 and pdl.gemm_release()
         pdl.configure(True, pdl.EARLY_MAX_BATCH)
         assert pdl.mode(dev) == 2 and pdl.triton_opts(dev) == {"PDL": 2, "launch_pdl": True}
+        assert not pdl.gemm_release()
         pdl.configure(True, pdl.EARLY_MAX_BATCH + 1)
         assert pdl.mode(dev) == 1 and pdl.triton_opts(dev) == {"PDL": 1, "launch_pdl": True}
         pdl.configure(False, 1)
@@ -121,6 +143,41 @@ def test_engine_setting_and_early_trigger(monkeypatch):
     finally:
         pdl.set_enabled(None)
         pdl.set_early(False)
+        pdl.set_gemm_release(False)
+
+
+def test_gemm_release_compiles_its_own_kernel(monkeypatch):
+    """int4_cuda._Kernel compiles the source once per release setting, read at launch: with the release on, the
+    kernel that runs is the one with PDL_RELEASE defined (its pdl_release() issues launch_dependents)."""
+    compiled = []
+
+    class Fn:
+        func = 0
+
+        def set_shared_memory_config(self, n):
+            pass
+
+    def compile_kernel(src, name, **kw):
+        compiled.append(src)
+        return Fn()
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", compile_kernel, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    launched = []
+    monkeypatch.setattr(pdl, "launch_ex", lambda func, *a: launched.append(a))
+    monkeypatch.setattr(pdl, "enabled", lambda device=None: True)
+    k = int4_cuda._Kernel(int4_cuda.source("q4_0", 1, False, True), "w4a16_splitk_reduce", "torch",
+                          torch.device("cuda", 0))
+    assert compiled == []                                   # nothing compiled before the first launch
+    try:
+        for flag in (False, True, False, True):
+            pdl.set_gemm_release(flag)
+            k(1, 256, [], torch.device("cuda", 0))
+    finally:
+        pdl.set_gemm_release(False)
+    assert len(compiled) == 2 and len(launched) == 4
+    assert not compiled[0].startswith("#define PDL_RELEASE 1") and compiled[1].startswith("#define PDL_RELEASE 1\n")
 
 
 def test_off_on_cpu_and_by_switch(monkeypatch):
