@@ -135,9 +135,12 @@ FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in F
 # 23.6 / 27.3 against 24.0 / 28.3, 14336x5120 20.0 / 25.8 against 20.3 / 26.5; within noise or slower on 34816x5120 Q4_K
 # and the Q4_0 shapes.
 MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
-    (34816, 5120, "q4_k"): {"MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
+    (34816, 5120, "q4_k"): {"MT": 2, "RT": 4, "U": 2, "MINB": 3, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   B = 16 / 32: 61.2 / 83.2 us against 59.8 / 87.3 with 32 warps of one tile (59.5 / 88.9 against 61.8 / 94.6
-    #   for those against 16 warps)
+    #   for those against 16 warps); tiles of up to 8 with two row tiles per warp in 4-warp blocks (the same 128 rows
+    #   per block, so the same split and bits), registers for three blocks per SM: H200 sweep at e421dd5 with the
+    #   GEMMs' late release (an engine of 1), B = 1: 37.0 us deferred / 38.1 with the reduce, against 39.0 / 40.2
+    #   (MINB 4 alone: 37.5; the other launches and splits within 1 us of the default)
     (5120, 17408, "q4_k"): {"MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   33.3 / 43.1 us against 32.3 / 45.5 with 32 warps of one tile (32.3 / 45.4 against 33.6 / 49.0)
     (5120, 6144, "q4_k"): {"MINB": 4, "RT16": 32, "MINB16": 1},   # 15.2 / 20.0 against 15.5 / 21.3
