@@ -181,7 +181,11 @@ __device__ __forceinline__ unsigned long long x_desc0_swz(u32 base) {
 
 // one quad on the warpgroup's tensor cores: per word, the A fragments of every tile, then one commit group of their
 // wgmmas; waiting for the word before only, so the next word's fragments are made while this one runs
-__device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QSlot& sl, unsigned long long desc0) {
+// fresh: the quad starts a K range, so its first wgmma per tile writes acc (scale-d 0) instead of adding to it: no
+// instruction but a wgmma defines an accumulator inside the K loop (zeroing acc there makes ptxas serialize every
+// wgmma of the kernel, its warning C7515)
+__device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QSlot& sl, unsigned long long desc0,
+                                              bool fresh = false) {
     const QScales q = quad_scales(sl);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -191,8 +195,8 @@ __device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QS
         wgmma_fence();
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            wgmma_rs(acc[mt], a_lo[mt], X_DESC(desc0, 2 * p));
-            wgmma_rs(acc[mt], a_hi[mt], X_DESC(desc0, 2 * p + 1));
+            wgmma_rs(acc[mt], a_lo[mt], X_DESC(desc0, 2 * p), p > 0 || !fresh);
+            wgmma_rs(acc[mt], a_hi[mt], X_DESC(desc0, 2 * p + 1), 1);
         }
         wgmma_commit();
         wgmma_wait<1>();
@@ -461,19 +465,20 @@ SOURCE_DEFINES = 15
 
 
 def _wgmma_rs_text(nb: int) -> str:
-    """wgmma_rs(d, a, desc): d[4 nb] += A (64 x 16; this warp's 16 rows in a, mma.m16n8k16's A layout) times the
-    16 x 8nb slice of x that desc names: one warpgroup-wide wgmma.mma_async m64n(8nb)k16, A from registers,
-    scale-d 1 (accumulate), B K-major."""
+    """wgmma_rs(d, a, desc, add): d[4 nb] = (add ? d : 0) + A (64 x 16; this warp's 16 rows in a, mma.m16n8k16's A
+    layout) times the 16 x 8nb slice of x that desc names: one warpgroup-wide wgmma.mma_async m64n(8nb)k16, A from
+    registers, scale-d = add, B K-major."""
     n = 4 * nb
     d = ", ".join(f"%{i}" for i in range(n))
     a = ", ".join(f"%{n + i}" for i in range(4))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
     asm = (f"{{ .reg .pred p; setp.ne.b32 p, %{n + 5}, 0; wgmma.mma_async.sync.aligned.m64n{8 * nb}k16.f32.\" WG_T "
            f"\".\" WG_T \" {{{d}}}, {{{a}}}, %{n + 4}, p, 1, 1, 0; }}")
-    return (f"__device__ __forceinline__ void wgmma_rs(float (&d)[{n}], const u32 (&a)[4], unsigned long long desc) {{\n"
+    return (f"__device__ __forceinline__ void wgmma_rs(float (&d)[{n}], const u32 (&a)[4], unsigned long long desc, "
+            f"int add) {{\n"
             f'    asm volatile("{asm}"\n'
             f"                 : {outs}\n"
-            f'                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));\n}}\n')
+            f'                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(add));\n}}\n')
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: int, stages: int, minb: int = 1,

@@ -49,7 +49,11 @@ bulk copies (3-5% on 34816x5120, none on 5120x17408); the stage index stepped in
 stages instead of 8 (the same). Scales stored ready-made would not help either: Q4_1, whose 16-bit scale and offset per
 group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B = 1: 28.9 / 46.0 us against 27.4 /
 44.6; Q4_0, without offsets, 25.9 / 41.3). Tried at e8d971c without gain: the consumers reading the next quad's
-fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B. Not
+fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B. Every
+split-K build of 16+ sequences used to zero its accumulators inside the consumers' K loop (so in every row recorded
+up to 060faf8), and ptxas then serialized every wgmma of the kernel (its warning C7515: each wgmma waited for the one before, so no word's
+dequantization overlapped the tensor cores); a segment's first quad now writes the accumulators (wgmma scale-d 0)
+instead, which tests/test_int4_wgmma_ws.py checks on the offline sm_90a build wherever nvcc is found. Not
 tried yet: x staged by the kernel that writes x instead of a launch of its own (the probe above bounds what is left:
 0.2-0.3 ms a step); fewer instructions per dequantized pair or per quad's addressing.
 """
@@ -325,17 +329,13 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
     int i = 0;
     while (next_seg(segs, nt, q0, q1)) {
         const int n0 = nt * ROWS + r0;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int j = 0; j < 4 * NB; ++j) acc[mt][j] = 0.0f;
-        }
+        // acc is not zeroed: the segment's first quad writes it (apply_quad_wg's fresh)
         for (int qn = q0; qn < q1; ++qn, ++i) {
             const int s = i % STAGES;
             mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
             QSlot sl;
             stage_quad(sl, smem + s * WS_STAGE, r0 + (lane >> 2), t);
-            apply_quad_wg(acc, sl, DESC0(sbase + s * WS_STAGE));
+            apply_quad_wg(acc, sl, DESC0(sbase + s * WS_STAGE), qn == q0);
             // the wgmmas of quad i - 1 are done (apply_quad_wg waits for all but its last group): its stage is free
             if (i > 0 && leader) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
         }

@@ -204,7 +204,7 @@ static inline int atomicExch(int* p, int v) { const int o = *p; *p = v; return o
 static inline void __threadfence() {}
 static inline float __ldcg(const float* p) { return *p; }
 template <int NN>
-static inline void wgmma_rs(float (&d)[NN], const unsigned (&a)[4], unsigned long long desc) {
+static inline void wgmma_rs(float (&d)[NN], const unsigned (&a)[4], unsigned long long desc, int add) {
     const int tid = threadIdx.x & 127, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     WgMma& W = g_wgs[threadIdx.x >> 7];
     for (int j = 0; j < 4; ++j) W.a[tid][j] = a[j];
@@ -215,7 +215,7 @@ static inline void wgmma_rs(float (&d)[NN], const unsigned (&a)[4], unsigned lon
     for (int c = 0; c < NN / 4; ++c) {
         for (int j = 0; j < 4; ++j) {
             const int row = g + (j >= 2 ? 8 : 0), col = 8 * c + 2 * t + (j & 1);
-            float s = d[4 * c + j];
+            float s = add ? d[4 * c + j] : 0.0f;            // scale-d 0: the accumulator is not read
             for (int k = 0; k < 16; ++k) {
                 const unsigned av = W.a[w * 32 + (row & 7) * 4 + (k & 7) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
                 u16_ bv;

@@ -143,3 +143,33 @@ def test_ws_batch_invariant_and_repeatable(seed, config):
 @pytest.mark.parametrize("shape", [(2048, 8192), (34816, 5120)], ids=["split", "stream_k"])
 def test_ws_strided_and_graph_capture(seed, shape):
     gpu_strided_and_graph_capture(ws.w4a16_wgmma_ws, seed, *shape, "q4_k", weights=folded_weights)
+
+
+def _nvcc():
+    import glob
+    import shutil
+
+    found = shutil.which("nvcc") or sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+@pytest.mark.parametrize("N, K, M, config", [(5120, 17408, 16, None), (5120, 17408, 32, None),
+                                             (5120, 6144, 128, ws.T128), (34816, 5120, 32, None)])
+def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config):
+    """ptxas on the sm_90a build (offline, nvcc): no wgmma serialization (its warning C7515, which a zeroing of the
+    accumulators inside the K loop caused on every split-K build of 16+ sequences) and no spills."""
+    import subprocess
+
+    cfg = ws.ws_config(M, N, K, fmt, config)
+    src = ws.source(fmt, cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"])
+    cu = tmp_path / "ws.cu"
+    cu.write_text(src)
+    r = subprocess.run([_nvcc(), "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "ws.cubin")],
+                       capture_output=True, text=True, timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-2000:]
+    assert "C7515" not in log and "wgmma.mma_async instructions are serialized" not in log, log[-2000:]
+    spills = [ln for ln in log.splitlines() if "spill" in ln]
+    assert spills and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills), log[-2000:]
