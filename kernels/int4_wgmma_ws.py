@@ -50,10 +50,18 @@ stages instead of 8 (the same). Scales stored ready-made would not help either: 
 group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B = 1: 28.9 / 46.0 us against 27.4 /
 44.6; Q4_0, without offsets, 25.9 / 41.3). Tried at e8d971c without gain: the consumers reading the next quad's
 fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B. Every
-split-K build of 16+ sequences used to zero its accumulators inside the consumers' K loop (so in every row recorded
-up to 060faf8), and ptxas then serialized every wgmma of the kernel (its warning C7515: each wgmma waited for the one before, so no word's
-dequantization overlapped the tensor cores); a segment's first quad now writes the accumulators (wgmma scale-d 0)
-instead, which tests/test_int4_wgmma_ws.py checks on the offline sm_90a build wherever nvcc is found. Not
+split-K build of 16+ sequences zeroes its accumulators inside the consumers' K loop, and ptxas then serializes every
+wgmma of the kernel (its warning C7515, found compiling the source offline with nvcc: each wgmma waits for the one
+before). From FRESH_MIN_BT sequences a segment's first quad writes the accumulators instead (wgmma scale-d 0; no
+C7515, no spills; tests/test_int4_wgmma_ws.py checks the offline sm_90a build wherever nvcc is found). H200, harness
+runs at 05d290d, where every batch tile did so, against the newest recorded rows of other machines (701315b /
+656c769 / 2a1defd; no A/B in one job): at 128 sequences faster everywhere (int4_gemm ws, the issue's five Q4_0
+shapes: 45.0 / 50.0 / 35.7 / 19.9 / 19.7 us against 46.1 / 51.3 / 36.6 / 20.4 / 20.4; the 27B hybrid 25.21 ms a step
+against 25.60, bf16 state 21.95 against 22.35; Llama-3.2-1B Q4_0 packed 1.374 against 1.425), but not below: at 16
+to 64 sequences int4_gemm's ws times moved -3..+5% (5120x17408 B = 16 / 64: 26.1 / 34.9 against 25.2 / 33.2) and the
+27B hybrid's B = 32 step was slower, 11.78 against 11.55 ms. So smaller tiles keep the zeroing. What ptxas still
+reports (nvcc 13.0, -Xptxas -v): Q4_K in 256-row tiles at 128 sequences serializes for lack of registers (C7512: four
+consumer warpgroups of 112), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes. Not
 tried yet: x staged by the kernel that writes x instead of a launch of its own (the probe above bounds what is left:
 0.2-0.3 ms a step); fewer instructions per dequantized pair or per quad's addressing.
 """
@@ -93,6 +101,9 @@ DEFAULT_CWG = 4
 T128 = {"MT": 1, "CWG": 2}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
+# batch tiles from which a segment's first quad writes the accumulators (wgmma scale-d 0) instead of the consumers
+# zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring)
+FRESH_MIN_BT = 128
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
 WS_PRELUDE = r"""
@@ -329,13 +340,19 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
     int i = 0;
     while (next_seg(segs, nt, q0, q1)) {
         const int n0 = nt * ROWS + r0;
-        // acc is not zeroed: the segment's first quad writes it (apply_quad_wg's fresh)
+#if !FRESH_WRITE
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int j = 0; j < 4 * NB; ++j) acc[mt][j] = 0.0f;
+        }
+#endif
         for (int qn = q0; qn < q1; ++qn, ++i) {
             const int s = i % STAGES;
             mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
             QSlot sl;
             stage_quad(sl, smem + s * WS_STAGE, r0 + (lane >> 2), t);
-            apply_quad_wg(acc, sl, DESC0(sbase + s * WS_STAGE), qn == q0);
+            apply_quad_wg(acc, sl, DESC0(sbase + s * WS_STAGE), FRESH_WRITE && qn == q0);
             // the wgmmas of quad i - 1 are done (apply_quad_wg waits for all but its last group): its stage is free
             if (i > 0 && leader) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
         }
@@ -364,7 +381,7 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 
     defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
     regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
             f"#define PRODUCER_REGS {REGS[cwg][0]}\n#define CONSUMER_REGS {REGS[cwg][1]}\n"
-            f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n")
+            f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n#define FRESH_WRITE {int(bt >= FRESH_MIN_BT)}\n")
     return defines + int4_mma.MMA_COMMON + regs + WS_PRELUDE + int4_wgmma.common_text(bt) + WS_KERNEL
 
 
