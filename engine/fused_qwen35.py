@@ -31,9 +31,9 @@ step trusts its rows (each slot's rows must continue its sequence or restart it 
 
 Rows per slot: in token mode (decode, token prefill) each slot has at most one row per step. A step may
 also carry runs of `seq_len` consecutive tokens per slot, slot-major (rows n*T .. n*T+T-1 of one slot:
-GraphStepper's batched prefill of a static batch); the GDN kernels then walk each run in order. Ragged
-multi-row steps (a serving loop's chunked prefill with unequal chunks) are not supported: the harness
-refuses scheduler.prefill=chunked for hybrid models (engine/state_pool.check_hybrid_serving).
+GraphStepper's batched prefill of a static batch), or ragged runs (`runs`, int32 row offsets: a serving
+step's decode rows and prompt chunks of unequal lengths, each slot's rows together; engine/row_step.py
+builds them); the GDN kernels walk each run in order.
 """
 from __future__ import annotations
 
@@ -235,10 +235,11 @@ class FusedQwen35Decoder(DecoderBase):
         return buf
 
     def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None,
-               seq_len: int = 1) -> torch.Tensor:
+               seq_len: int = 1, runs: torch.Tensor | None = None) -> torch.Tensor:
         """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm).
         Every position must be < max_len (default: the cache's ctx). seq_len > 1: the rows are slot-major
-        runs of seq_len consecutive positions of one slot (see the module docstring)."""
+        runs of seq_len consecutive positions of one slot; runs: ragged runs instead, int32 row offsets (a serving
+        step's decode rows and prompt chunks; see the module docstring)."""
         state = getattr(kv, "state", None)
         if state is None:
             raise ConfigError("the hybrid decoder keeps per-slot recurrent state: pass kv=HybridCache(kv_cache, "
@@ -261,7 +262,7 @@ class FusedQwen35Decoder(DecoderBase):
             if layer["kind"] == LAYER_ATTENTION:
                 x = self._attention(i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len)
             else:
-                x = self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len)
+                x = self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len, runs)
             k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
             gate_up = layer["gate_up"](k, h, buf["gate_up"], defer=True)
             k.swiglu(gate_up, out=buf["act"])
@@ -280,7 +281,7 @@ class FusedQwen35Decoder(DecoderBase):
         hk.sigmoid_gate_mul(buf["attn"], gate_view(qkv, c.n_heads, c.head_dim), out=buf["attn"])
         return layer["out"](k, buf["attn"].view(-1, c.q_dim), buf["x"], defer=True)
 
-    def _gdn(self, j, layer, h, positions, slots, state, buf, seq_len: int):
+    def _gdn(self, j, layer, h, positions, slots, state, buf, seq_len: int, runs: torch.Tensor | None = None):
         c, k, hk = self.cfg, self.k, self.hk
         R = h.shape[0]
         C, V, Hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads
@@ -294,13 +295,14 @@ class FusedQwen35Decoder(DecoderBase):
         else:
             qkv, z, ba = proj[:, :C], proj[:, C:C + V], proj
         beta, alpha = ba[:, C + V:C + V + Hv], ba[:, C + V + Hv:C + V + 2 * Hv]
-        conv = hk.conv_ring_update(qkv, state.conv[j], layer["conv"], slots, positions, seq_len, out=buf["conv"])
+        conv = hk.conv_ring_update(qkv, state.conv[j], layer["conv"], slots, positions, seq_len, out=buf["conv"],
+                                   runs=runs)
         kd = c.gdn_key_dim
         q = conv[:, :kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
         kk = conv[:, kd:2 * kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
         v = conv[:, 2 * kd:].view(R, Hv, c.gdn_v_dim)
         o = hk.gdn_step(q, kk, v, alpha, beta, layer["A"], layer["dt"], state.ssm[j], slots, positions, seq_len,
-                        out=buf["gdn_o"])
+                        out=buf["gdn_o"], runs=runs)
         # a packed ssm_out in the file's column order reads its input in that order: the norm writes it so
         out_cols = layer.get("out_cols")
         z = z if isinstance(z, SplitSums) else z.unflatten(1, (Hv, c.gdn_v_dim))

@@ -37,28 +37,35 @@ class Launched:
 class RowStep:
     def __init__(self, model, kv, num_slots: int, max_rows: int, scratch: int, paged: bool,
                  sampling: SamplingParams, use_graphs: bool, sample_on_device: bool = True,
-                 attn_workspace: dict | None = None, max_len: int | None = None, time_steps: bool = False):
+                 attn_workspace: dict | None = None, max_len: int | None = None, time_steps: bool = False,
+                 ragged: bool = False):
+        """ragged: a hybrid model's steps may hold several rows of one slot (chunked prefill): each step also
+        stages its ragged runs (one per slot's rows, one per padding row; engine/fused_qwen35.py)."""
         dev, self.model, self.kv, self.sampling = model.device, model, kv, sampling
+        self.ragged = ragged
         self.cuda = dev.type == "cuda"
         self.rows = bucket_for(max_rows)
         self.sample_rows = bucket_for(num_slots)
         self.scratch, self.paged, self.on_device = scratch, paged, sample_on_device
         self.attn_ws, self.max_len, self.time_steps = attn_workspace, max_len, time_steps and self.cuda
         R = self.rows
-        # staged per step: 8 rows of R ids (below), then with paged KV the changed block-table rows
-        # as (slot, blocks...) records, one per slot at most
+        # staged per step: 8 rows of R ids (below), the ragged runs' R + 1 row offsets (ragged only), then with
+        # paged KV the changed block-table rows as (slot, blocks...) records, one per slot at most
         self.table_rows = kv.block_table.shape[0] if paged else 0
         width = kv.block_table.shape[1] + 1 if paged else 0
-        n = 8 * R + self.table_rows * width
+        nr = R + 1 if ragged else 0
+        n = 8 * R + nr + self.table_rows * width
         flat = torch.zeros(n, dtype=torch.long, device=dev)
-        self.inp, self.tab = flat[:8 * R].view(8, R), flat[8 * R:].view(self.table_rows, width)
+        self.inp, self.tab = flat[:8 * R].view(8, R), flat[8 * R + nr:].view(self.table_rows, width)
+        self.run_off = flat[8 * R:8 * R + nr]
+        self.runs = torch.zeros(nr, dtype=torch.int32, device=dev)   # what the GDN kernels read
         self.flat = flat
         pin = self.cuda
         self.stage = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self.stage_np = [(s[:8 * R].numpy().reshape(8, R), s[8 * R:].numpy().reshape(self.table_rows, width))
-                         for s in self.stage]
+        self.stage_np = [(s[:8 * R].numpy().reshape(8, R), s[8 * R + nr:].numpy().reshape(self.table_rows, width),
+                          s[8 * R:8 * R + nr].numpy()) for s in self.stage]
         if paged:
-            for _, t in self.stage_np:
+            for _, t, _ in self.stage_np:
                 t[:, 0] = self.table_rows - 1  # unused records rewrite the scratch slot's row with zeros
         self.tokens = torch.zeros(R, dtype=torch.long, device=dev)
         self.slot_next = torch.zeros(kv.num_slots, dtype=torch.long, device=dev)
@@ -91,8 +98,12 @@ class RowStep:
         # decode rows take the token the previous step sampled for their slot, still on the device
         torch.where(inp[FEED, :r].bool(), self.slot_next[inp[SLOT, :r]], inp[TOKEN, :r], out=self.tokens[:r])
         buf = {k: v[:r] for k, v in self.buf.items()}
+        runs = {}
+        if self.ragged:
+            self.runs[:r + 1].copy_(self.run_off[:r + 1])
+            runs = {"runs": self.runs[:r + 1]}
         self.model.hidden(self.tokens[:r], inp[POS, :r], inp[SLOT, :r], self.kv, buf, self.attn_ws,
-                          block_table=self.kv.block_table if self.paged else None, max_len=self.max_len)
+                          block_table=self.kv.block_table if self.paged else None, max_len=self.max_len, **runs)
 
     def _head(self, n: int) -> None:
         m, k, inp = self.model, self.model.k, self.inp
@@ -147,6 +158,16 @@ class RowStep:
         t[n:, 0] = self.table_rows - 1
         t[n:, 1:] = 0
 
+    @staticmethod
+    def _stage_runs(slots: np.ndarray, nrows: int, r: int, ro: np.ndarray) -> None:
+        """The step's ragged runs as r + 1 row offsets: a run wherever the slot changes (each slot's rows are
+        together: decode rows, then prompt chunks), each padding row its own run, then empty runs up to r."""
+        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if nrows else np.zeros(0, dtype=np.int64)
+        k = len(starts) + (r - nrows)
+        ro[:len(starts)] = starts
+        ro[len(starts):k] = np.arange(nrows, r)
+        ro[k:r + 1] = r
+
     def launch(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds=None, steps=None,
                tables: dict[int, list[int]] | None = None) -> Launched:
         """Queue one step: rows (tokens[r] is ignored where feed[r]) and the rows that sample. Returns at once."""
@@ -158,12 +179,14 @@ class RowStep:
         if self.time_steps:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        a, t = self.stage_np[flip]
+        a, t, ro = self.stage_np[flip]
         if self.paged:
             self._stage_tables(tables or {}, t)
         a[TOKEN, :nrows], a[POS, :nrows], a[SLOT, :nrows], a[FEED, :nrows] = tokens, positions, slots, feed
         a[TOKEN:FEED + 1, nrows:r] = 0
         a[SLOT, nrows:r] = self.scratch
+        if self.ragged:
+            self._stage_runs(a[SLOT, :nrows], nrows, r, ro)
         nb = bucket_for(n) if n else 0
         if n:
             a[SAMPLE_ROW, :n], a[SAMPLE_SLOT, :n] = sample_rows, sample_slots

@@ -62,8 +62,10 @@ class ServingEngine:
             raise ConfigError("host sampling (sampling.on_device=false) is the seed's greedy baseline: it argmaxes "
                               "the logits on the host; use sampling.on_device=true for temperature sampling")
         graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        # a hybrid model's chunked prefill puts several rows of one slot in a step: its GDN layers take them as runs
+        ragged = bool(getattr(model, "hybrid", False)) and scheduler.prefill == "chunked"
         self.step = RowStep(model, kv, scheduler.num_slots, scheduler.max_rows, self.scratch, self.paged, sampling, graphs,
-                            sample_on_device, attn_workspace, max_len, time_steps)
+                            sample_on_device, attn_workspace, max_len, time_steps, ragged=ragged)
 
     def pin_prefix(self, tokens: list[int]) -> int:
         """The seed's prefix mode: fill the block-aligned shared prefix's KV once into pinned blocks."""

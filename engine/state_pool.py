@@ -151,22 +151,16 @@ def drop_recurrent_kv(kv, cfg: ModelConfig):
     return kv
 
 
-def check_hybrid_serving(cfg: ModelConfig, prefix: str = "off", prefill: str = "token") -> None:
-    """What a serving loop may do with a hybrid model, refused with a ConfigError before anything runs:
-    - prefix caching (`prefix` != "off"): a cached KV prefix says nothing about the recurrent state after
-      that prefix, and the state pool keeps no snapshots at block boundaries, so a hit would continue from
-      the wrong state; refused rather than ever giving a wrong output;
-    - ragged chunked prefill (`prefill == "chunked"`): the fused hybrid step walks several rows of one slot
-      only as equal slot-major runs (static batched prefill); a scheduler's unequal chunks would race on
-      the slot's state. Token prefill (every prompt token through the decode step) works, as does
-      continuous refill: a slot restarting at position 0 starts from zero state inside the kernels."""
+def check_hybrid_serving(cfg: ModelConfig, prefix: str = "off") -> None:
+    """What a serving loop may not do with a hybrid model, refused with a ConfigError before anything runs:
+    prefix caching (`prefix` != "off"): a cached KV prefix says nothing about the recurrent state after
+    that prefix, and the state pool keeps no snapshots at block boundaries, so a hit would continue from
+    the wrong state; refused rather than ever giving a wrong output. Token and chunked prefill both work
+    (a chunk is a ragged run the GDN kernels walk in order), as does continuous refill: a slot restarting
+    at position 0 starts from zero state inside the kernels."""
     if not cfg.gdn_layers:
         return
     if prefix != "off":
         raise ConfigError(f"kv_cache.prefix={prefix}: prefix caching is not supported for the hybrid {cfg.arch} "
                           "model (its Gated DeltaNet layers keep per-slot recurrent state that cached KV blocks do "
                           "not capture; no state snapshots are kept): use kv_cache.prefix=off")
-    if prefill == "chunked":
-        raise ConfigError(f"scheduler.prefill=chunked is not supported for the hybrid {cfg.arch} model (the fused "
-                          "step takes several rows of one slot only as equal runs of a static batch's prefill): "
-                          "use scheduler.prefill=token")

@@ -58,7 +58,7 @@ def runs_from_csv(name: str) -> pd.DataFrame:
 ROW_KEYS: dict[str, tuple[str, ...]] = {
     "int4_gemm": ("params.micro.n", "params.micro.k", "params.micro.fmt", "params.batch.size"),
     "hybrid_27b": ("params.engine.weights", "params.engine.int4", "params.kv_cache.state_dtype",
-                   "params.scheduler.mode", "params.engine.pdl", "params.batch.size"),
+                   "params.scheduler.mode", "params.scheduler.prefill", "params.engine.pdl", "params.batch.size"),
     "int4_e2e": ("params.model.name", "params.engine.weights", "params.engine.pdl", "params.batch.size"),
 }
 # a key column that runs recorded before it existed lack, and the value they ran with
@@ -311,7 +311,10 @@ def hybrid_27b(df: pd.DataFrame):
         "int4 kernel": (df["params.engine.int4"].where(df["params.engine.weights"] == "packed", "—")
                         if "params.engine.int4" in df else "—"),
         "state": df["params.kv_cache.state_dtype"] if "params.kv_cache.state_dtype" in df else "float32",
-        "mode": df["params.scheduler.mode"],
+        # continuous serving's prompts go through the decode step token by token, or in chunks ("chunked")
+        "mode": df["params.scheduler.mode"] + (df["params.scheduler.prefill"] if "params.scheduler.prefill" in df
+                                               else pd.Series("", index=df.index)).eq("chunked").map(
+            {True: ", chunked", False: ""}),
         "PDL": _pdl(df),
         "B": num(df, "params.batch.size").astype(int),
         "aggregate tok/s": num(df, "metrics.throughput_tok_s"),

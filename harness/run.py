@@ -142,7 +142,7 @@ def build(cfg) -> Built:
     if mcfg.arch == "qwen35":
         from engine.state_pool import check_hybrid_serving
 
-        check_hybrid_serving(mcfg, cfg.kv_cache.prefix, cfg.scheduler.prefill)
+        check_hybrid_serving(mcfg, cfg.kv_cache.prefix)
     b = Built(mcfg, weights, tokenizer, dev, dtype, backend, gguf_path, 0.0, cfg.engine,
               state_dtype=DTYPES[cfg.kv_cache.state_dtype])
     if backend == "torch":

@@ -9,6 +9,11 @@ slot (rows n*T .. n*T + T-1; a static batch's prefill). Run n uses ``slots[n*T]`
 ``positions[n*T]``; one program walks its run's tokens in order, so a slot's state is read once and
 written once per call whatever T is. T = 1 is the decode step.
 
+Ragged runs (``runs`` given instead of seq_len): runs[n] .. runs[n + 1] - 1 are the rows of run n, one slot's
+consecutive tokens (a serving step's decode rows and prompt chunks, each slot's rows together); runs is int32 [n + 1]
+with runs[0] = 0 and runs[-1] = R, and entries may repeat (empty runs: a graph bucket's spare programs). One program
+per run again, so each slot's state is still read and written once per call.
+
 Sequence start (``positions`` given): a run whose first position is 0 starts a new sequence in its
 slot: the kernel ignores what the pools hold and starts from a zero conv history and a zero state
 (both are overwritten by the call). So a refilled slot needs no separate reset, on the device and
@@ -88,6 +93,18 @@ def _runs(R: int, seq_len: int, slots: torch.Tensor, positions: torch.Tensor | N
     return run_slots, live, fresh
 
 
+def _run_bounds(runs: torch.Tensor, R: int, slots: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, end) of every non-empty ragged run, checked: offsets from 0 to R, non-decreasing, one slot each."""
+    b = [int(v) for v in runs.reshape(-1).tolist()]
+    if len(b) < 2 or b[0] != 0 or b[-1] != R or any(e < s for s, e in zip(b, b[1:])):
+        raise ValueError(f"runs {b} are not row offsets from 0 to {R}")
+    sl = slots.reshape(-1).tolist()
+    out = [(s, e) for s, e in zip(b, b[1:]) if e > s]
+    if any(len(set(sl[s:e])) != 1 for s, e in out):
+        raise ValueError("a ragged run must hold the rows of one slot")
+    return out
+
+
 def _zero_fresh(pool: torch.Tensor, run_slots: torch.Tensor, live: torch.Tensor, fresh: torch.Tensor) -> None:
     ids = run_slots[live & fresh]
     if ids.numel():
@@ -95,10 +112,17 @@ def _zero_fresh(pool: torch.Tensor, run_slots: torch.Tensor, live: torch.Tensor,
 
 
 def conv_ring_update_ref(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                         slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1) -> torch.Tensor:
-    """Qwen35Model.causal_conv over runs of seq_len rows; rows of runs with slot < 0 are skipped (output 0).
-    Runs starting at position 0 start from a zero ring."""
+                         slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1,
+                         runs: torch.Tensor | None = None) -> torch.Tensor:
+    """Qwen35Model.causal_conv over runs of seq_len rows (or the ragged runs); rows of runs with slot < 0 are skipped
+    (output 0). Runs starting at position 0 start from a zero ring."""
     R, C = x.shape
+    if runs is not None:
+        out = torch.zeros(R, C, dtype=torch.float32, device=x.device)
+        for s, e in _run_bounds(runs, R, slots):
+            out[s:e] = conv_ring_update_ref(x[s:e], conv_state, conv_weight, slots[s:e],
+                                            None if positions is None else positions[s:e], seq_len=e - s)
+        return out
     run_slots, live, fresh = _runs(R, seq_len, slots, positions)
     _zero_fresh(conv_state, run_slots, live, fresh)
     out = torch.zeros(R // seq_len, seq_len, C, dtype=torch.float32, device=x.device)
@@ -109,12 +133,19 @@ def conv_ring_update_ref(x: torch.Tensor, conv_state: torch.Tensor, conv_weight:
 
 
 def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
-                 positions: torch.Tensor | None = None, seq_len: int = 1) -> torch.Tensor:
-    """Qwen35Model.gated_delta_net's recurrence over runs of seq_len rows (see module doc); rows of runs
-    with slot < 0 are skipped (output 0); runs starting at position 0 start from a zero state.
+                 positions: torch.Tensor | None = None, seq_len: int = 1,
+                 runs: torch.Tensor | None = None) -> torch.Tensor:
+    """Qwen35Model.gated_delta_net's recurrence over runs of seq_len rows, or the ragged runs (see module doc); rows
+    of runs with slot < 0 are skipped (output 0); runs starting at position 0 start from a zero state.
     Returns o [R, Hv, Dv] fp32; `state` is updated in place."""
     R, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
+    if runs is not None:
+        out = torch.zeros(R, hv, dv, dtype=torch.float32, device=v.device)
+        for s, e in _run_bounds(runs, R, slots):
+            out[s:e] = gdn_step_ref(q[s:e], k[s:e], v[s:e], a[s:e], b[s:e], A, dt_bias, state, slots[s:e],
+                                    None if positions is None else positions[s:e], seq_len=e - s)
+        return out
     run_slots, live, fresh = _runs(R, seq_len, slots, positions)
     _zero_fresh(state, run_slots, live, fresh)
     n, T = R // seq_len, seq_len
@@ -146,18 +177,23 @@ def _load_input(p, mask, stride_s, like_ptr, SPLIT: tl.constexpr, RNE: tl.conste
 
 
 @triton.jit
-def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_ptr,
+def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_ptr, run_ptr,
                       C, T, stride_xr, stride_or, stride_xs,
                       K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr, SPLIT: tl.constexpr = 0,
-                      RNE: tl.constexpr = False, PDL: tl.constexpr = False):
+                      RNE: tl.constexpr = False, RAGGED: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     # One program: BLOCK_C channels of one run, one channel per lane (1-D: no cross-lane selects). Each tap
     # is loaded where it lives -- the run's x rows or the old ring -- and summed in tap order, as the
     # reference does. Every ring read comes before the barrier, every ring write after it.
     n = tl.program_id(0)
     cb = tl.program_id(1)
-    r0 = n.to(tl.int64) * T
-    slot = tl.load(slots_ptr + r0).to(tl.int64)
+    if RAGGED:  # run n: rows runs[n] .. runs[n + 1] - 1 (an empty run does nothing)
+        r0 = tl.load(run_ptr + n).to(tl.int64)
+        T = tl.load(run_ptr + n + 1) - tl.load(run_ptr + n)
+        slot = tl.load(slots_ptr + r0, mask=T > 0, other=-1).to(tl.int64)
+    else:
+        r0 = n.to(tl.int64) * T
+        slot = tl.load(slots_ptr + r0).to(tl.int64)
     if slot >= 0:
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < C
@@ -186,11 +222,23 @@ def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_
             tl.store(ring + j, tl.where(s >= 0, vx, vr).to(ring_ptr.dtype.element_ty), mask=cm)
 
 
+def _check_run_args(R: int, seq_len: int, runs: torch.Tensor | None) -> int:
+    """The number of programs over the rows: R / seq_len runs, or one per ragged run (offsets int32 [n + 1])."""
+    if runs is None:
+        assert seq_len >= 1 and R % seq_len == 0, f"{R} rows do not split into runs of {seq_len}"
+        return R // seq_len
+    assert seq_len == 1, "ragged runs replace seq_len"
+    assert runs.dtype == torch.int32 and runs.dim() == 1 and runs.numel() >= 2 and runs.is_contiguous()
+    return runs.numel() - 1
+
+
 def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                             slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1,
-                            out: torch.Tensor | None = None, block_c: int = CONV_BLOCK_C) -> torch.Tensor:
+                            out: torch.Tensor | None = None, block_c: int = CONV_BLOCK_C,
+                            runs: torch.Tensor | None = None) -> torch.Tensor:
     """x may be a GEMM's unreduced split-K partials (kernels/splitk.py): summed where loaded, the same bits as
-    reducing them first (the ring keeps the rounded inputs)."""
+    reducing them first (the ring keeps the rounded inputs). runs: the ragged runs' int32 row offsets (module doc;
+    not checked here: that would read them on the host)."""
     sums = x if isinstance(x, SplitSums) else None
     if sums is not None:
         x = sums.ws[0]
@@ -201,36 +249,43 @@ def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tenso
     assert conv_weight.shape == (C, K) and conv_weight.is_contiguous()
     assert x.stride(1) == 1 and slots.shape == (R,) and slots.is_contiguous()
     assert positions is None or (positions.shape == (R,) and positions.is_contiguous())
-    assert seq_len >= 1 and R % seq_len == 0, f"{R} rows do not split into runs of {seq_len}"
+    n_runs = _check_run_args(R, seq_len, runs)
     if out is None:
         out = torch.empty(R, C, dtype=torch.float32, device=x.device)
     assert out.shape == (R, C) and out.stride(1) == 1
     if R == 0:
         return out
     BLOCK_C = min(block_c, _next_pow2(C))
-    grid = (R // seq_len, triton.cdiv(C, BLOCK_C))
+    grid = (n_runs, triton.cdiv(C, BLOCK_C))
     s_split, split, rne = split_args(sums)
     _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, positions if positions is not None else slots,
-                            sums.out if sums is not None else x, C, seq_len, x.stride(0), out.stride(0), s_split,
+                            sums.out if sums is not None else x, runs if runs is not None else slots,
+                            C, seq_len, x.stride(0), out.stride(0), s_split,
                             K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None, SPLIT=split, RNE=rne,
+                            RAGGED=runs is not None,
                             num_warps=max(1, min(8, BLOCK_C // 128)),
                             **pdl.triton_opts(x.device))
     return out
 
 
 @triton.jit
-def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr, pos_ptr,
+def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr, pos_ptr, run_ptr,
                      T, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                      stride_ar, stride_br, stride_or, stride_oh,
                      HV, DK, DV, scale, eps,
                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
-                     HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
+                     HAS_POS: tl.constexpr, RAGGED: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    r0 = n.to(tl.int64) * T
-    slot = tl.load(slots_ptr + r0).to(tl.int64)
+    if RAGGED:  # run n: rows runs[n] .. runs[n + 1] - 1 (an empty run does nothing)
+        r0 = tl.load(run_ptr + n).to(tl.int64)
+        T = tl.load(run_ptr + n + 1) - tl.load(run_ptr + n)
+        slot = tl.load(slots_ptr + r0, mask=T > 0, other=-1).to(tl.int64)
+    else:
+        r0 = n.to(tl.int64) * T
+        slot = tl.load(slots_ptr + r0).to(tl.int64)
     if slot >= 0:
         hk = h // GROUP
         kk = tl.arange(0, BK)
@@ -269,7 +324,8 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
 
 def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor | None = None, seq_len: int = 1,
-                    out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                    out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int = 4,
+                    runs: torch.Tensor | None = None) -> torch.Tensor:
     R, hk, dk = q.shape
     _, hv, dv = v.shape
     assert k.shape == q.shape and hv % hk == 0
@@ -278,20 +334,21 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     assert slots.shape == (R,) and slots.is_contiguous()
     assert positions is None or (positions.shape == (R,) and positions.is_contiguous())
-    assert seq_len >= 1 and R % seq_len == 0, f"{R} rows do not split into runs of {seq_len}"
+    n_runs = _check_run_args(R, seq_len, runs)
     if out is None:
         out = torch.empty(R, hv, dv, dtype=torch.float32, device=v.device)
     assert out.shape == (R, hv, dv) and out.stride(2) == 1
     if R == 0:
         return out
     BV = min(block_v or default_block_v(hv, dv), _next_pow2(dv))
-    grid = (R // seq_len, hv, triton.cdiv(dv, BV))
+    grid = (n_runs, hv, triton.cdiv(dv, BV))
     _gdn_step_kernel[grid](q, k, v, a, b, A, dt_bias, state, out, slots, positions if positions is not None else slots,
-                           seq_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           runs if runs is not None else slots, seq_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            a.stride(0), b.stride(0), out.stride(0), out.stride(1),
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
-                           HAS_POS=positions is not None, num_warps=num_warps, **pdl.triton_opts(q.device))
+                           HAS_POS=positions is not None, RAGGED=runs is not None, num_warps=num_warps,
+                           **pdl.triton_opts(q.device))
     return out
 
 

@@ -28,14 +28,14 @@ def get_hybrid_kernels(backend: str) -> HybridKernels:
         from kernels.gated_attention import gated_rope_kv_write_ref, sigmoid_gate_mul_ref
         from kernels.gdn import conv_ring_update_ref, gated_rms_norm_ref, gdn_step_ref
 
-        def conv(x, ring, w, slots, positions=None, seq_len=1, out=None):
+        def conv(x, ring, w, slots, positions=None, seq_len=1, out=None, runs=None):
             if isinstance(x, SplitSums):     # a GEMM's deferred split-K partials: the reduce's value
                 x = x.reduce()
-            y = conv_ring_update_ref(x, ring, w, slots, positions, seq_len)
+            y = conv_ring_update_ref(x, ring, w, slots, positions, seq_len, runs=runs)
             return y if out is None else out.copy_(y)
 
-        def gdn(q, k, v, a, b, A, dt, state, slots, positions=None, seq_len=1, out=None):
-            y = gdn_step_ref(q, k, v, a, b, A, dt, state, slots, positions, seq_len)
+        def gdn(q, k, v, a, b, A, dt, state, slots, positions=None, seq_len=1, out=None, runs=None):
+            y = gdn_step_ref(q, k, v, a, b, A, dt, state, slots, positions, seq_len, runs=runs)
             return y if out is None else out.copy_(y)
 
         return HybridKernels("torch", conv, gdn, gated_rms_norm_ref, gated_rope_kv_write_ref, sigmoid_gate_mul_ref)

@@ -195,6 +195,36 @@ def test_paged_kv_matches_contiguous(ggufs):
         assert (a - b).abs().max().item() <= LOGIT_ATOL, p  # the two references gather keys differently
 
 
+def _serve(model, kv, prompts, max_new, prefill, budget, graphs=False):
+    from engine.scheduler import Request, Scheduler
+    from engine.serve import ServingEngine
+
+    sched = Scheduler(kv.num_slots - 1, "continuous", prefill, budget, None, kv.kv.ctx)
+    eng = ServingEngine(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
+    return eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
+
+
+SERVE_PROMPTS = [(41, 5, 6), (42, 13, 3), (43, 2, 8), (44, 9, 5), (45, 17, 4)]   # (seed, prompt length, max new)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_serving_chunked_prefill_matches_single_stream(ggufs, name):
+    """Continuous serving with chunked prefill under a budget of 8 rows a step: prompt chunks of unequal lengths,
+    some continuing a prompt from an earlier step, beside other slots' decode rows (ragged runs through the GDN
+    layers) give every request its single-stream greedy output, as token prefill does, in fewer steps."""
+    cfg, w, _ = load(ggufs[name])
+    model, ref = fused(cfg, w), build_model(cfg, w, get_ops("torch"))
+    prompts = [prompt(sd, n) for sd, n, _ in SERVE_PROMPTS]
+    max_new = [m for _, _, m in SERVE_PROMPTS]
+    want = {i: generate_static(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
+            for i, (p, m) in enumerate(zip(prompts, max_new))}
+    res = {pf: _serve(model, hybrid(cfg, 4), prompts, max_new, pf, 8) for pf in ("token", "chunked")}
+    for pf, r in res.items():
+        assert {q.rid: q.output for q in r.finished} == want, pf
+    assert res["chunked"].steps < res["token"].steps
+    assert res["chunked"].prefill_rows == res["token"].prefill_rows
+
+
 def test_refusals(ggufs):
     cfg, w, _ = load(ggufs["equal-heads"])
     model = fused(cfg, w)
@@ -202,9 +232,7 @@ def test_refusals(ggufs):
         check_hybrid_serving(cfg, prefix="auto")
     with pytest.raises(ConfigError, match="prefix caching"):
         check_hybrid_serving(cfg, prefix="pinned")
-    with pytest.raises(ConfigError, match="scheduler.prefill=chunked is not supported"):
-        check_hybrid_serving(cfg, prefill="chunked")
-    check_hybrid_serving(cfg, prefix="off", prefill="token")
+    check_hybrid_serving(cfg, prefix="off")
     with pytest.raises(ConfigError, match="HybridCache"):
         rows_logits(model, ContiguousKVCache(cfg, 2, 8, torch.float32, "cpu"), [5], [0], [0])
     with pytest.raises(ConfigError, match="runs of seq_len=2"):
@@ -278,6 +306,24 @@ def test_triton_batch_streams_equal_single_stream(ggufs):
     p = prompt(18, 5)
     runs = {B: run_static(stepper(model, B)[0], [p] * B, 6, ctx=64).outputs for B in (1, 3)}
     assert verify_greedy(runs[3], runs[1][0]).ok
+
+
+@needs_kernel
+def test_triton_serving_chunked_prefill_matches_token_prefill(ggufs):
+    """The Triton step (no graphs): chunked prefill's ragged runs and token prefill serve the same greedy outputs,
+    the single-stream outputs of the same engine (static, batched prefill)."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    cfg, w, _ = load(ggufs["3x-value-heads"], torch.bfloat16, dev)
+    model = fused(cfg, w, "triton")
+    prompts = [prompt(sd, n) for sd, n, _ in SERVE_PROMPTS[:3]]
+    max_new = [m for _, _, m in SERVE_PROMPTS[:3]]
+    want = {}
+    for i, (p, m) in enumerate(zip(prompts, max_new)):
+        st, _ = stepper(model, 1)
+        want[i] = run_static(st, [p], m, prefill="batched", ctx=64).outputs[0]
+    for pf in ("token", "chunked"):
+        r = _serve(model, hybrid(cfg, 3, dtype=torch.bfloat16, device=dev), prompts, max_new, pf, 8)
+        assert {q.rid: q.output for q in r.finished} == want, pf
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
@@ -384,6 +430,25 @@ def test_gpu_paged_equals_contiguous(ggufs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", CONFIGS)
+def test_gpu_serving_chunked_prefill(ggufs, name):
+    """The Triton step with CUDA graphs: chunked prefill (ragged runs) and token prefill serve every request the
+    greedy output of a single stream of the same engine (static, batched prefill)."""
+    cfg, w, _ = load(ggufs[name], torch.bfloat16, "cuda")
+    model = fused(cfg, w, "triton")
+    prompts = [prompt(sd, n) for sd, n, _ in SERVE_PROMPTS]
+    max_new = [m for _, _, m in SERVE_PROMPTS]
+    want = {}
+    for i, (p, m) in enumerate(zip(prompts, max_new)):
+        st, _ = stepper(model, 1, graphs=True)
+        want[i] = run_static(st, [p], m, prefill="batched", ctx=64).outputs[0]
+    for pf in ("token", "chunked"):
+        kv = hybrid(cfg, 4, dtype=torch.bfloat16, device="cuda")
+        r = _serve(model, kv, prompts, max_new, pf, 8, graphs=True)
+        assert {q.rid: q.output for q in r.finished} == want, pf
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_state_runs(ggufs):
     p = prompt(26, 9)
     out = gpu_run(ggufs["3x-value-heads"], 4, p, 16, state_dtype=torch.bfloat16)
@@ -432,13 +497,12 @@ def test_harness_hybrid_job_with_bf16_state(tmp_path, monkeypatch, materialize):
     assert "bfloat16" in table and "✓" in table
 
 
-def test_harness_refuses_prefix_caching_and_chunked_prefill(tmp_path):
+def test_harness_refuses_prefix_caching(tmp_path):
     from harness.run import build
 
     with pytest.raises(ConfigError, match="prefix caching is not supported"):
         build(_job(tmp_path, "kv_cache.layout=paged", "kv_cache.prefix=auto", "scheduler=continuous"))
-    with pytest.raises(ConfigError, match="scheduler.prefill=chunked is not supported"):
-        build(_job(tmp_path, "kv_cache.layout=paged", "scheduler=continuous_chunked"))
+    build(_job(tmp_path, "kv_cache.layout=paged", "scheduler=continuous_chunked"))   # chunked prefill: ragged runs
 
 
 def test_in_memory_weights_follow_the_loader_contract(ggufs):

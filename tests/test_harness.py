@@ -160,11 +160,16 @@ def test_misspelled_override_on_the_command_line(tmp_path):
     assert r.returncode != 0 and "max_new_tokenz" in r.stderr
 
 
-@pytest.mark.parametrize("model,kv", [("tiny-llama", "contiguous"), ("tiny-llama", "paged"),
-                                      ("tiny-qwen35", "contiguous"), ("tiny-qwen35", "paged")])
-def test_serving_run_verifies_and_logs(tmp_path, model, kv):
-    """Continuous serving, also of the hybrid model (its slots' recurrent state restarts at position 0)."""
-    extra = ["scheduler=continuous", f"kv_cache={kv}", "workload.num_requests=6", "workload.min_new_tokens=2",
+@pytest.mark.parametrize("model,kv,sched", [("tiny-llama", "contiguous", "continuous"),
+                                            ("tiny-llama", "paged", "continuous"),
+                                            ("tiny-qwen35", "contiguous", "continuous"),
+                                            ("tiny-qwen35", "paged", "continuous"),
+                                            ("tiny-qwen35", "contiguous", "continuous_chunked"),
+                                            ("tiny-qwen35", "paged", "continuous_chunked")])
+def test_serving_run_verifies_and_logs(tmp_path, model, kv, sched):
+    """Continuous serving, also of the hybrid model (its slots' recurrent state restarts at position 0), with its
+    prompts token by token or in chunks (ragged runs through the GDN layers)."""
+    extra = [f"scheduler={sched}", f"kv_cache={kv}", "workload.num_requests=6", "workload.min_new_tokens=2",
              "kv_cache.block_size=4", "kv_cache.ctx=64"] + (["kv_cache.prefix=auto"] if kv == "paged" and model == "tiny-llama" else [])
     cfg = cfg_of(*tiny(tmp_path, "table=serving_paged", *extra), f"model={model}", "batch.size=3")
     assert run_job(cfg, tmp_path / "out") > 0

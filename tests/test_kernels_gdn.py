@@ -293,6 +293,53 @@ def test_runs_match_token_by_token(T):
     _untouched(pool, pool0, SLOTS, "state after runs")
 
 
+@needs_kernel
+def test_ragged_runs_match_token_by_token():
+    """Ragged runs (a serving step: one slot's decode row, another's prompt chunk from position 0, a third's chunk
+    continuing it; empty runs after them, as a graph bucket's spare programs) == the tokens one call each; the
+    references over the same runs agree, and bad offsets are refused there."""
+    hk, hv, dk, dv = 2, 6, 16, 16
+    C = 2 * hk * dk + hv * dv
+    g = _gen(77)
+    lens, starts = [1, 4, 2], [5, 0, 2]              # slots SLOTS = [3, 0, 4]
+    R = sum(lens)
+    qkv, a_in, b_in = _randn(g, R, C), _randn(g, R, hv), _randn(g, R, hv)
+    w = _randn(g, C, CONV_K) * 0.5
+    A, dt = -torch.exp(_randn(g, hv) * 0.5), _randn(g, hv) * 0.5
+    ring0, pool0 = _randn(g, N_SLOTS, C, CONV_K - 1), _randn(g, N_SLOTS, hv, dk, dv) * 0.3
+    slots_rows = torch.cat([_slots([s] * n) for s, n in zip(SLOTS, lens)])
+    pos = torch.cat([torch.arange(p, p + n, device=DEV) for p, n in zip(starts, lens)])
+    offs = [0, 1, 5, R, R, R]
+    runs = torch.tensor(offs, dtype=torch.int32, device=DEV)
+
+    def split(x):
+        q, k, v = x.split((hk * dk, hk * dk, hv * dv), dim=-1)
+        return q.view(-1, hk, dk), k.view(-1, hk, dk), v.view(-1, hv, dv)
+
+    ring, pool = ring0.clone(), pool0.clone()
+    x = conv_ring_update_triton(qkv, ring, w, slots_rows, pos, runs=runs)
+    o = gdn_step_triton(*split(x), a_in, b_in, A, dt, pool, slots_rows, pos, runs=runs)
+    ring1, pool1 = ring0.clone(), pool0.clone()
+    for r in range(R):                                 # each token alone, in row order (a run's rows in order)
+        x1 = conv_ring_update_triton(qkv[r:r + 1], ring1, w, slots_rows[r:r + 1], pos[r:r + 1])
+        o1 = gdn_step_triton(*split(x1), a_in[r:r + 1], b_in[r:r + 1], A, dt, pool1, slots_rows[r:r + 1], pos[r:r + 1])
+        _close(x[r:r + 1], x1, f"conv of row {r} in ragged runs vs alone")
+        _close(o[r:r + 1], o1, f"gdn o of row {r} in ragged runs vs alone", tol=2e-5)
+    assert _bitwise(ring, ring1), _msg("conv ring after ragged runs vs token by token")
+    _close(pool, pool1, "state after ragged runs vs token by token", tol=2e-5)
+    ring2, pool2 = ring0.clone(), pool0.clone()
+    x2 = conv_ring_update_ref(qkv, ring2, w, slots_rows, pos, runs=runs)
+    o2 = gdn_step_ref(*split(x2), a_in, b_in, A, dt, pool2, slots_rows, pos, runs=runs)
+    _close(x, x2, "conv ragged runs vs reference")
+    _close(o, o2, "gdn ragged runs vs reference", tol=2e-5)
+    _close(pool, pool2, "state ragged runs vs reference", tol=2e-5)
+    _untouched(pool, pool0, SLOTS, "state after ragged runs")
+    for bad in ([0, 2, R], [0, 1, 5]):                 # a run across two slots; offsets that stop short of R
+        with pytest.raises(ValueError):
+            conv_ring_update_ref(qkv, ring2.clone(), w, slots_rows, pos,
+                                 runs=torch.tensor(bad, dtype=torch.int32, device=DEV))
+
+
 # ------------------------------------------------------------------------------------------------
 # CPU-only: the kernel tests above, in a child process under the Triton interpreter
 
