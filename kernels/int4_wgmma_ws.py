@@ -61,9 +61,12 @@ against 25.60, bf16 state 21.95 against 22.35; Llama-3.2-1B Q4_0 packed 1.374 ag
 to 64 sequences int4_gemm's ws times moved -3..+5% (5120x17408 B = 16 / 64: 26.1 / 34.9 against 25.2 / 33.2) and the
 27B hybrid's B = 32 step was slower, 11.78 against 11.55 ms. So smaller tiles keep the zeroing. What ptxas still
 reports (nvcc 13.0, -Xptxas -v): Q4_K in 256-row tiles at 128 sequences serializes for lack of registers (C7512: four
-consumer warpgroups of 112), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes. Not
-tried yet: x staged by the kernel that writes x instead of a launch of its own (the probe above bounds what is left:
-0.2-0.3 ms a step); fewer instructions per dequantized pair or per quad's addressing.
+consumer warpgroups of 112), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes.
+X_IN_GEMM (off: written and checked on the CPU, not yet timed on the GPU): no staging launch; the producer
+warpgroup's warps 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's
+barrier after a proxy fence, while thread 0 copies only weights and never waits for the kernel before. The probe
+above bounds what it can gain: 0.2-0.3 ms a step. It gives int4_wgmma's bits in the emulator. Not tried yet: fewer
+instructions per dequantized pair or per quad's addressing.
 """
 from __future__ import annotations
 
@@ -85,6 +88,10 @@ MAX_STAGES = 8
 # With four consumer warpgroups (CWG 4, 640 threads; the launch bound allows 96 registers each): 128 x (96 - 24)
 # given back cover 512 x (112 - 96).
 REGS = {2: (40, 232), 4: (24, 112)}         # consumer warpgroups -> (producer, consumer) registers
+# with X_IN_GEMM the stagers hold a unit's four pieces and walk the segments: with four consumer warpgroups 56 for
+# the producer and 104 for the consumers (128 x (96 - 56) given back cover 512 x (104 - 96)); nvcc 13.0 offline: at
+# 24 / 112 or 32 / 112 the stagers spilled 32-184 bytes, at 56 / 104 only the LM head's stream-K build does (24 bytes)
+REGS_X_IN_GEMM = {2: (40, 232), 4: (56, 104)}
 # the tiles: two m64 per warpgroup; halved to one where that turns a wave of a few tiles into stream-K over all the
 # SMs (17408x5120: 68 tiles of 256 rows on 132 SMs, 53 against 68 us at B = 128)
 DEFAULTS = {"SK_HALVE": 1}
@@ -101,6 +108,10 @@ DEFAULT_CWG = 4
 T128 = {"MT": 1, "CWG": 2}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
+# x staged inside the GEMM by the producer warpgroup's warps 1-3 (loaded from x, put in the ring's order and stored
+# into each stage, completed on the stage's barrier by their arrivals) instead of by the wg_stage_x launch
+# (module switch, off: not yet measured on the GPU; the probe compares it)
+X_IN_GEMM = False
 # batch tiles from which a segment's first quad writes the accumulators (wgmma scale-d 0) instead of the consumers
 # zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring)
 FRESH_MIN_BT = 128
@@ -268,6 +279,38 @@ __device__ __forceinline__ void stage_quad(QSlot& sl, const unsigned char* st, i
 #undef SROW
 }
 
+#define STAGERS 96                              /* X_IN_GEMM: the producer warpgroup's warps 1-3 */
+#if X_IN_GEMM
+// quad qn of x for the batch tile at row m0 into a stage: the units wg_stage_x writes, each stager thread its share
+__device__ __forceinline__ void stage_x_quad(unsigned char* st, const u16* __restrict__ x, int sxm, int M, int G,
+                                             int m0, int qn) {
+    for (int u = threadIdx.x - 32; u < 32 * NB; u += STAGERS) {
+        const int b = UNIT_ROW(u), p = UNIT_WORD(u), m = m0 + b;
+        uint4 v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int g = 4 * qn + q;
+            v[q] = m < M && g < G ? *reinterpret_cast<const uint4*>(x + (i64)m * sxm + g * 32 + 8 * p)
+                                  : make_uint4(0, 0, 0, 0);
+        }
+        // unit_order's pieces one at a time (piece 0 / 1: the words x, z of each group's pair_order; 2 / 3: y, w),
+        // so few registers are live: the stagers run on PRODUCER_REGS
+        *reinterpret_cast<uint4*>(st + PIECE(b, p, 0)) = make_uint4(
+            prmt(v[0].x, v[0].z, 0x5410u), prmt(v[1].x, v[1].z, 0x5410u), prmt(v[2].x, v[2].z, 0x5410u),
+            prmt(v[3].x, v[3].z, 0x5410u));
+        *reinterpret_cast<uint4*>(st + PIECE(b, p, 1)) = make_uint4(
+            prmt(v[0].x, v[0].z, 0x7632u), prmt(v[1].x, v[1].z, 0x7632u), prmt(v[2].x, v[2].z, 0x7632u),
+            prmt(v[3].x, v[3].z, 0x7632u));
+        *reinterpret_cast<uint4*>(st + PIECE(b, p, 2)) = make_uint4(
+            prmt(v[0].y, v[0].w, 0x5410u), prmt(v[1].y, v[1].w, 0x5410u), prmt(v[2].y, v[2].w, 0x5410u),
+            prmt(v[3].y, v[3].w, 0x5410u));
+        *reinterpret_cast<uint4*>(st + PIECE(b, p, 3)) = make_uint4(
+            prmt(v[0].y, v[0].w, 0x7632u), prmt(v[1].y, v[1].w, 0x7632u), prmt(v[2].y, v[2].w, 0x7632u),
+            prmt(v[3].y, v[3].w, 0x7632u));
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1)
 w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u16* __restrict__ sc,
                const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
@@ -286,7 +329,8 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
     const u32 full0 = sbase + BAR_OFF, empty0 = full0 + 8 * STAGES;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);        // the producer's arrive (with the stage's bytes)
+            mbar_init(full0 + 8 * s, 1 + (X_IN_GEMM ? STAGERS : 0));   // the producer's arrive (with the stage's
+                                                                        // bytes), and each stager's
             mbar_init(empty0 + 8 * s, CWG);     // one arrive per consumer warpgroup
         }
         mbar_init_fence();
@@ -300,6 +344,38 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 
     if (threadIdx.x < 128) {                    // the producer warpgroup: one thread issues every copy
         regs_dec<PRODUCER_REGS>();
+#if X_IN_GEMM
+        if (threadIdx.x >= 32) {                // the stagers: x, once the kernel before is done
+            pdl_wait();
+            int i = 0;
+            while (next_seg(segs, nt, q0, q1)) {
+                for (int qn = q0; qn < q1; ++qn, ++i) {
+                    const int s = i % STAGES;
+                    if (i >= STAGES) mbar_wait(empty0 + 8 * s, ((i / STAGES) + 1) & 1);
+                    stage_x_quad(smem + s * WS_STAGE, xs16, sxm, M, G, m0, qn);
+                    fence_proxy_async();        // ordinary stores, read by the wgmmas (the async proxy)
+                    mbar_arrive(full0 + 8 * s);
+                }
+            }
+            return;
+        }
+        if (threadIdx.x != 0) return;
+        {                                       // thread 0: the weights only, never waiting for the kernel before
+            int i = 0;
+            while (next_seg(segs, nt, q0, q1)) {
+                const int n0t = nt * ROWS, rows = min(ROWS, N - n0t);
+                const u32 wbytes = 4 * rows * 16 + NSR * rows * 2;
+                for (int qn = q0; qn < q1; ++qn, ++i) {
+                    const int s = i % STAGES;
+                    if (i >= STAGES) mbar_wait(empty0 + 8 * s, ((i / STAGES) + 1) & 1);
+                    mbar_expect_tx(full0 + 8 * s, wbytes);
+                    copy_weights(sbase + s * WS_STAGE, full0 + 8 * s, qw, sc, mn, sub, N, G, n0t, rows, qn);
+                }
+            }
+            pdl_release();                      // every copy issued
+            return;
+        }
+#else
         if (threadIdx.x != 0) return;
         const unsigned char* xb = reinterpret_cast<const unsigned char*>(xs16) + (i64)bt * segs.Q * XQ_BYTES;
         int pend[STAGES];                       // the first stages' quads: their x after the PDL wait
@@ -329,6 +405,7 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
         }
         pdl_release();                          // every copy issued
         return;
+#endif
     }
 
     regs_inc<CONSUMER_REGS>();
@@ -374,13 +451,15 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
-           mt: int = 2, cwg: int = 2) -> str:
+           mt: int = 2, cwg: int = 2, x_in_gemm: bool | None = None) -> str:
     """One instantiation: int4_wgmma's SOURCE_DEFINES lines (cwg consumer warpgroups of MT m64 tiles), then
     int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL."""
     head = int4_wgmma.source(fmt, bt, x_f16, out32, cwg, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
     defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
+    x_in_gemm = X_IN_GEMM if x_in_gemm is None else x_in_gemm
+    producer, consumer = REGS_X_IN_GEMM[cwg] if x_in_gemm else REGS[cwg]
     regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
-            f"#define PRODUCER_REGS {REGS[cwg][0]}\n#define CONSUMER_REGS {REGS[cwg][1]}\n"
+            f"#define PRODUCER_REGS {producer}\n#define CONSUMER_REGS {consumer}\n#define X_IN_GEMM {int(x_in_gemm)}\n"
             f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n#define FRESH_WRITE {int(bt >= FRESH_MIN_BT)}\n")
     return defines + int4_mma.MMA_COMMON + regs + WS_PRELUDE + int4_wgmma.common_text(bt) + WS_KERNEL
 
@@ -437,16 +516,16 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
     # the staging launch: one thread per unit (row, word: four 16-byte pieces) of each (batch tile, quad); the image
     cfg.update(STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
                CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg, quads=quads, stage_units=cfg["n_bt"] * quads * 32 * nb,
-               x_staged=cfg["n_bt"] * quads * 8 * 256 * nb)
+               x_staged=0 if X_IN_GEMM else cfg["n_bt"] * quads * 8 * 256 * nb, x_in_gemm=X_IN_GEMM)
     return cfg
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, cwg: int,
-             device: torch.device):
+             device: torch.device, x_in_gemm: bool = False):
     if not available():
         raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg)
+    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm)
     return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
             int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
 
@@ -458,6 +537,9 @@ class _StagedLaunch:
         self.cfg, (self.stage, self.gemm) = cfg, kernels
 
     def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
+        if self.cfg.get("x_in_gemm"):           # compiled with X_IN_GEMM: the GEMM reads x itself
+            self.gemm(grid, block, args, device, shared_mem)
+            return
         x, sxm, M, G = args[0], args[6], args[9], args[11]     # run_packed's argument order
         c = self.cfg
         xs = _XSTAGED.get(device, c["x_staged"])
@@ -493,7 +575,7 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
         plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
         kernel=lambda cfg, x_f16, out32, dev: _StagedLaunch(
             cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
-                          dev)),
+                          dev, cfg["x_in_gemm"])),
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4, defer=defer)
 

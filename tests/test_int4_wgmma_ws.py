@@ -71,6 +71,23 @@ def test_ws_fresh_write_emulated_matches_wgmma(seed, case, monkeypatch):
 
 
 @needs_emu
+@pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[2], EMU[4]], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+def test_ws_x_in_gemm_emulated_matches_wgmma(seed, case, monkeypatch):
+    """X_IN_GEMM (the producer warpgroup's warps 1-3 stage x into each stage themselves, one launch): int4_wgmma's
+    bits still, with rings reused many times, stream-K, four consumer warpgroups and rows past M."""
+    monkeypatch.setattr(ws, "X_IN_GEMM", True)
+    N, K, fmt, Ms, config = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    for M in Ms:
+        x = _x(seed + M, M, K, xs, device="cpu")
+        cfg = _plan(M, N, K, fmt, config)
+        assert cfg["x_in_gemm"] and cfg["x_staged"] == 0
+        y = cuda_emu.w4a16_wgmma_ws_emulated(x, pw, out32=True, config=config, seed=seed)
+        want = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=ws.wg_equivalent(config), seed=seed + 1)
+        assert torch.equal(y, want), f"{config} M={M}: not int4_wgmma's bits"
+
+
+@needs_emu
 def test_ws_two_batch_tiles_emulated(seed):
     """M = 130: two batch tiles, each staged and streamed from its own part of the staged image; stream-K flags per
     (batch tile, row tile)."""
@@ -172,24 +189,29 @@ def _nvcc():
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
+@pytest.mark.parametrize("x_in_gemm", [False, True])
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
 @pytest.mark.parametrize("N, K, M, config", [(5120, 17408, 128, None), (17408, 5120, 128, None),
                                              (5120, 6144, 128, ws.T128), (2048, 8192, 128, ws.T128),
                                              (5120, 17408, 32, None), (34816, 5120, 32, None)])
-def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config):
+def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config, x_in_gemm):
     """ptxas on the sm_90a build (offline, nvcc): from FRESH_MIN_BT sequences no wgmma serialization by accumulators
     defined inside the K loop (warning C7515, which zeroing them there causes on split-K builds of 16+ sequences;
-    smaller tiles keep that zeroing, measured no slower there: the module docstring); every build compiles."""
+    smaller tiles keep that zeroing, measured no slower there: the module docstring); every build compiles, X_IN_GEMM's
+    too."""
     import subprocess
 
     cfg = ws.ws_config(M, N, K, fmt, config)
-    src = ws.source(fmt, cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"])
+    src = ws.source(fmt, cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
+                    x_in_gemm)
     cu = tmp_path / "ws.cu"
     cu.write_text(src)
     r = subprocess.run([_nvcc(), "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "ws.cubin")],
                        capture_output=True, text=True, timeout=300)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-2000:]
+    if x_in_gemm:
+        return
     if cfg["BT"] >= ws.FRESH_MIN_BT:
         assert "#define FRESH_WRITE 1" in src
         assert "C7515" not in log, log[-2000:]

@@ -117,8 +117,15 @@ def test_ws_staging_triggers_its_gemm_and_the_gemm_releases_late():
     assert stage.index("pdl_trigger();") < stage.index("pdl_wait();") < stage.index("x + (i64)")
     assert "pdl_trigger" not in gemm
     producer, consumer = gemm.split("regs_inc<CONSUMER_REGS>();")
-    assert "copy_weights(" in producer and producer.index("pdl_wait();") < producer.index("xb + (i64)")
-    assert producer.rindex("bulk_copy(") < producer.index("pdl_release();") < producer.rindex("return;")
+    branch = producer[producer.index("#if X_IN_GEMM"):]
+    in_gemm, staged = branch[:branch.index("#else")], branch[branch.index("#else"):]   # X_IN_GEMM's, the staged
+    assert "copy_weights(" in staged and staged.index("pdl_wait();") < staged.index("xb + (i64)")
+    assert staged.rindex("bulk_copy(") < staged.index("pdl_release();") < staged.rindex("return;")
+    # X_IN_GEMM: the stagers wait before they read x; thread 0 copies weights only, never waits, releases after
+    stagers, weights = in_gemm.split("if (threadIdx.x != 0) return;")
+    assert stagers.index("pdl_wait();") < stagers.index("stage_x_quad(") < stagers.index("mbar_arrive(")
+    assert "pdl_wait" not in weights and "bulk_copy(" not in weights
+    assert weights.index("copy_weights(") < weights.index("pdl_release();")
     assert "pdl_release" not in consumer and "pdl_release" not in stage
     assert consumer.index("pdl_wait();") < consumer.index("store_acc(")
     assert "#define STAGE_TRIGGER 1" in src and "griddepcontrol.launch_dependents" in src
