@@ -359,26 +359,12 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
             }
             return;
         }
-        if (threadIdx.x != 0) return;
-        {                                       // thread 0: the weights only, never waiting for the kernel before
-            int i = 0;
-            while (next_seg(segs, nt, q0, q1)) {
-                const int n0t = nt * ROWS, rows = min(ROWS, N - n0t);
-                const u32 wbytes = 4 * rows * 16 + NSR * rows * 2;
-                for (int qn = q0; qn < q1; ++qn, ++i) {
-                    const int s = i % STAGES;
-                    if (i >= STAGES) mbar_wait(empty0 + 8 * s, ((i / STAGES) + 1) & 1);
-                    mbar_expect_tx(full0 + 8 * s, wbytes);
-                    copy_weights(sbase + s * WS_STAGE, full0 + 8 * s, qw, sc, mn, sub, N, G, n0t, rows, qn);
-                }
-            }
-            pdl_release();                      // every copy issued
-            return;
-        }
-#else
-        if (threadIdx.x != 0) return;
+#endif
+        if (threadIdx.x != 0) return;           // thread 0: every bulk copy (X_IN_GEMM: weights only, no PDL wait)
+#if !X_IN_GEMM
         const unsigned char* xb = reinterpret_cast<const unsigned char*>(xs16) + (i64)bt * segs.Q * XQ_BYTES;
         int pend[STAGES];                       // the first stages' quads: their x after the PDL wait
+#endif
         int i = 0;
         while (next_seg(segs, nt, q0, q1)) {
             const int n0t = nt * ROWS, rows = min(ROWS, N - n0t);
@@ -386,26 +372,34 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
             for (int qn = q0; qn < q1; ++qn, ++i) {
                 const int s = i % STAGES;
                 const u32 st = sbase + s * WS_STAGE, full = full0 + 8 * s;
+#if !X_IN_GEMM
                 if (i == STAGES) {              // the ring is full of weights: now x, once the kernel before is done
                     pdl_wait();
                     for (int k = 0; k < STAGES; ++k)
                         bulk_copy(sbase + k * WS_STAGE, xb + (i64)pend[k] * XQ_BYTES, XQ_BYTES, full0 + 8 * k);
                 }
+#endif
                 if (i >= STAGES) mbar_wait(empty0 + 8 * s, ((i / STAGES) + 1) & 1);
+#if X_IN_GEMM
+                mbar_expect_tx(full, wbytes);
+                copy_weights(st, full, qw, sc, mn, sub, N, G, n0t, rows, qn);
+#else
                 mbar_expect_tx(full, wbytes + XQ_BYTES);
                 copy_weights(st, full, qw, sc, mn, sub, N, G, n0t, rows, qn);
                 if (i < STAGES) pend[i] = qn;
                 else bulk_copy(st, xb + (i64)qn * XQ_BYTES, XQ_BYTES, full);
+#endif
             }
         }
+#if !X_IN_GEMM
         if (i <= STAGES) {                      // the whole K loop fit in the ring
             pdl_wait();
             for (int k = 0; k < i; ++k)
                 bulk_copy(sbase + k * WS_STAGE, xb + (i64)pend[k] * XQ_BYTES, XQ_BYTES, full0 + 8 * k);
         }
+#endif
         pdl_release();                          // every copy issued
         return;
-#endif
     }
 
     regs_inc<CONSUMER_REGS>();

@@ -117,15 +117,18 @@ def test_ws_staging_triggers_its_gemm_and_the_gemm_releases_late():
     assert stage.index("pdl_trigger();") < stage.index("pdl_wait();") < stage.index("x + (i64)")
     assert "pdl_trigger" not in gemm
     producer, consumer = gemm.split("regs_inc<CONSUMER_REGS>();")
-    branch = producer[producer.index("#if X_IN_GEMM"):]
-    in_gemm, staged = branch[:branch.index("#else")], branch[branch.index("#else"):]   # X_IN_GEMM's, the staged
-    assert "copy_weights(" in staged and staged.index("pdl_wait();") < staged.index("xb + (i64)")
-    assert staged.rindex("bulk_copy(") < staged.index("pdl_release();") < staged.rindex("return;")
-    # X_IN_GEMM: the stagers wait before they read x; thread 0 copies weights only, never waits, releases after
-    stagers, weights = in_gemm.split("if (threadIdx.x != 0) return;")
+    # X_IN_GEMM's stagers wait before they read x and arrive on the stage's barrier after storing it
+    start = producer.index("#if X_IN_GEMM")
+    stagers = producer[start:producer.index("#endif", start)]
     assert stagers.index("pdl_wait();") < stagers.index("stage_x_quad(") < stagers.index("mbar_arrive(")
-    assert "pdl_wait" not in weights and "bulk_copy(" not in weights
-    assert weights.index("copy_weights(") < weights.index("pdl_release();")
+    # thread 0: weight copies first; the staged x copies after its wait (neither X_IN_GEMM's, which has no wait);
+    # the release once every copy is issued
+    copier = producer[producer.index("if (threadIdx.x != 0) return;"):]
+    assert copier.index("copy_weights(") < copier.index("#if !X_IN_GEMM\n        if (i <= STAGES)")
+    waits = [m.start() for m in re.finditer(r"pdl_wait\(\);", copier)]
+    assert waits and all("#if !X_IN_GEMM" in copier[:w][copier[:w].rindex("#if"):] for w in waits)
+    assert copier.index("pdl_wait();") < copier.index("xb + (i64)pend")
+    assert copier.rindex("bulk_copy(") < copier.index("pdl_release();") < copier.rindex("return;")
     assert "pdl_release" not in consumer and "pdl_release" not in stage
     assert consumer.index("pdl_wait();") < consumer.index("store_acc(")
     assert "#define STAGE_TRIGGER 1" in src and "griddepcontrol.launch_dependents" in src
