@@ -163,6 +163,8 @@ class RowStep:
         """The step's ragged runs as r + 1 row offsets: a run wherever the slot changes (each slot's rows are
         together: decode rows, then prompt chunks), each padding row its own run, then empty runs up to r."""
         starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if nrows else np.zeros(0, dtype=np.int64)
+        if len(np.unique(slots[starts])) != len(starts):   # two runs of one slot would race on its state
+            raise ValueError(f"a step's rows of one slot must be consecutive (slots by row: {slots.tolist()})")
         k = len(starts) + (r - nrows)
         ro[:len(starts)] = starts
         ro[len(starts):k] = np.arange(nrows, r)

@@ -562,3 +562,17 @@ def test_packed_projections_match_their_dense_values():
     lb = rows_logits(b, hybrid(cfg, 1), toks, pos, [0] * 6, seq_len=6)
     assert (la - lb).abs().max().item() <= LOGIT_ATOL * max(1.0, lb.abs().max().item())
     assert a.weight_bytes() < b.weight_bytes()
+
+
+def test_ragged_runs_staged_per_step():
+    """RowStep's runs for a step: one per slot's consecutive rows, one per padding row, empty runs to the bucket;
+    a slot whose rows are split in two is refused (its two runs would race on its state)."""
+    import numpy as np
+
+    from engine.row_step import RowStep
+
+    ro = np.zeros(9, dtype=np.int64)
+    RowStep._stage_runs(np.array([3, 0, 0, 0, 4, 4]), 6, 8, ro)
+    assert ro.tolist() == [0, 1, 4, 6, 7, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="consecutive"):
+        RowStep._stage_runs(np.array([3, 0, 3]), 3, 4, np.zeros(5, dtype=np.int64))
