@@ -52,8 +52,9 @@ group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B =
 fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B. Every
 split-K build of 16+ sequences zeroes its accumulators inside the consumers' K loop, and ptxas then serializes every
 wgmma of the kernel (its warning C7515, found compiling the source offline with nvcc: each wgmma waits for the one
-before). From FRESH_MIN_BT sequences a segment's first quad writes the accumulators instead (wgmma scale-d 0; no
-C7515, no spills; tests/test_int4_wgmma_ws.py checks the offline sm_90a build wherever nvcc is found). H200, harness
+before). In batch tiles of FRESH_MIN_BT (128: more than 64 sequences) a segment's first quad writes the accumulators
+instead (wgmma scale-d 0; no C7515; tests/test_int4_wgmma_ws.py checks the offline sm_90a build wherever nvcc is
+found). H200, harness
 runs at 05d290d, where every batch tile did so, against the newest recorded rows of other machines (701315b /
 656c769 / 2a1defd; no A/B in one job): at 128 sequences faster everywhere (int4_gemm ws, the issue's five Q4_0
 shapes: 45.0 / 50.0 / 35.7 / 19.9 / 19.7 us against 46.1 / 51.3 / 36.6 / 20.4 / 20.4; the 27B hybrid 25.21 ms a step
