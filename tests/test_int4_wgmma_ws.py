@@ -175,6 +175,30 @@ def test_ws_batch_invariant_and_repeatable(seed, config):
 
 @pytest.mark.gpu
 @needs_wg
+@pytest.mark.parametrize("config", [None, {"CWG": 4}, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}, ws.T128],
+                         ids=["default", "cwg4", "stream_k", "t128"])
+@pytest.mark.parametrize("fresh", [False, True], ids=["zeroed", "fresh"])
+def test_ws_x_in_gemm_and_fresh_write_keep_the_bits(seed, config, fresh, monkeypatch):
+    """The switches measured against each other on the GPU: X_IN_GEMM (x staged inside the GEMM, one launch), with the
+    accumulators zeroed in the K loop or written by each segment's first quad at every batch tile: int4_wgmma's bits
+    at B = 1, 40, 130 (two batch tiles), rows independent of M, graph capture."""
+    monkeypatch.setattr(ws, "X_IN_GEMM", True)
+    monkeypatch.setattr(ws, "FRESH_MIN_BT", 1 if fresh else 1 << 30)
+    ws._kernels.cache_clear()
+    try:
+        fn = functools.partial(ws.w4a16_wgmma_ws, config=config)
+        pw, xs = _weight("q4_k", 2048, 5120, seed % 1000, device="cuda")
+        for M in (1, 40, 130):
+            x = _x(seed + M, M, 5120, xs, device="cuda")
+            assert torch.equal(fn(x, pw), int4_wgmma.w4a16_wgmma(x, pw, config=ws.wg_equivalent(config))), f"M={M}"
+        gpu_rows_independent_of_m(fn, seed, 2048, 5120, "q4_k")
+        gpu_strided_and_graph_capture(fn, seed, 2048, 5120, "q4_k", weights=folded_weights)
+    finally:
+        ws._kernels.cache_clear()
+
+
+@pytest.mark.gpu
+@needs_wg
 @pytest.mark.parametrize("shape", [(2048, 8192), (34816, 5120)], ids=["split", "stream_k"])
 def test_ws_strided_and_graph_capture(seed, shape):
     gpu_strided_and_graph_capture(ws.w4a16_wgmma_ws, seed, *shape, "q4_k", weights=folded_weights)
