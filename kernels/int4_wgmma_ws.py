@@ -62,7 +62,9 @@ against 25.60, bf16 state 21.95 against 22.35; Llama-3.2-1B Q4_0 packed 1.374 ag
 to 64 sequences int4_gemm's ws times moved -3..+5% (5120x17408 B = 16 / 64: 26.1 / 34.9 against 25.2 / 33.2) and the
 27B hybrid's B = 32 step was slower, 11.78 against 11.55 ms. So smaller tiles keep the zeroing. What ptxas still
 reports (nvcc 13.0, -Xptxas -v): Q4_K in 256-row tiles at 128 sequences serializes for lack of registers (C7512: four
-consumer warpgroups of 112), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes.
+consumer warpgroups of 112; with two of 232 the same tiles compile unserialized, not yet timed against them since
+the fix: DEFAULT_CWG's figures below predate it), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32
+bytes.
 X_IN_GEMM (off: written and checked on the CPU, not yet timed on the GPU): no staging launch; the producer
 warpgroup's warps 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's
 barrier after a proxy fence, while thread 0 copies only weights and never waits for the kernel before. The probe
