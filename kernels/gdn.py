@@ -177,6 +177,20 @@ def _load_input(p, mask, stride_s, like_ptr, SPLIT: tl.constexpr, RNE: tl.conste
 
 
 @triton.jit
+def _run(run_ptr, slots_ptr, n, T, RAGGED: tl.constexpr):
+    """Run n's first row, its length and its slot: rows n * T .. n * T + T - 1, or (RAGGED) runs[n] .. runs[n + 1] - 1,
+    where an empty run gets slot -1 (nothing to do)."""
+    if RAGGED:
+        r0 = tl.load(run_ptr + n).to(tl.int64)
+        T = tl.load(run_ptr + n + 1) - tl.load(run_ptr + n)
+        slot = tl.load(slots_ptr + r0, mask=T > 0, other=-1).to(tl.int64)
+    else:
+        r0 = n.to(tl.int64) * T
+        slot = tl.load(slots_ptr + r0).to(tl.int64)
+    return r0, T, slot
+
+
+@triton.jit
 def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_ptr, run_ptr,
                       C, T, stride_xr, stride_or, stride_xs,
                       K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr, SPLIT: tl.constexpr = 0,
@@ -187,13 +201,7 @@ def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_
     # reference does. Every ring read comes before the barrier, every ring write after it.
     n = tl.program_id(0)
     cb = tl.program_id(1)
-    if RAGGED:  # run n: rows runs[n] .. runs[n + 1] - 1 (an empty run does nothing)
-        r0 = tl.load(run_ptr + n).to(tl.int64)
-        T = tl.load(run_ptr + n + 1) - tl.load(run_ptr + n)
-        slot = tl.load(slots_ptr + r0, mask=T > 0, other=-1).to(tl.int64)
-    else:
-        r0 = n.to(tl.int64) * T
-        slot = tl.load(slots_ptr + r0).to(tl.int64)
+    r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
     if slot >= 0:
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < C
@@ -279,13 +287,7 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    if RAGGED:  # run n: rows runs[n] .. runs[n + 1] - 1 (an empty run does nothing)
-        r0 = tl.load(run_ptr + n).to(tl.int64)
-        T = tl.load(run_ptr + n + 1) - tl.load(run_ptr + n)
-        slot = tl.load(slots_ptr + r0, mask=T > 0, other=-1).to(tl.int64)
-    else:
-        r0 = n.to(tl.int64) * T
-        slot = tl.load(slots_ptr + r0).to(tl.int64)
+    r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
     if slot >= 0:
         hk = h // GROUP
         kk = tl.arange(0, BK)
