@@ -65,7 +65,7 @@ reports (nvcc 13.0, -Xptxas -v): Q4_K in 256-row tiles at 128 sequences serializ
 consumer warpgroups of 112; with two of 232 the same tiles compile unserialized, not yet timed against them since
 the fix: DEFAULT_CWG's figures below predate it), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32
 bytes.
-X_IN_GEMM (off: written and checked on the CPU, not yet timed on the GPU): no staging launch; the producer
+X_IN_GEMM (batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences; the probe's figures are at the switch): no staging launch; the producer
 warpgroup's warps 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's
 barrier after a proxy fence, while thread 0 copies only weights and never waits for the kernel before. The probe
 above bounds what it can gain: 0.2-0.3 ms a step. It gives int4_wgmma's bits in the emulator. Not tried yet: fewer
@@ -113,8 +113,12 @@ SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
 # x staged inside the GEMM by the producer warpgroup's warps 1-3 (loaded from x, put in the ring's order and stored
 # into each stage, completed on the stage's barrier by their arrivals) instead of by the wg_stage_x launch
-# (module switch, off: not yet measured on the GPU; the probe compares it)
+# (module switch for every batch tile; off). H200 probe at 7f6b448, graphed 27B hybrid Q4_K steps in one job, ms per
+# step staged / in the GEMM: B = 8 8.27 / 8.18, B = 32 11.51 / 13.13, B = 128 25.25 / 41.30 (the same tokens): three
+# warps restaging x for every stage cost more than one launch once a tile holds more than a few sequences. So only
+# batch tiles of up to X_IN_GEMM_MAX_BT sequences read x in the GEMM.
 X_IN_GEMM = False
+X_IN_GEMM_MAX_BT = 8
 # batch tiles from which a segment's first quad writes the accumulators (wgmma scale-d 0) instead of the consumers
 # zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring)
 FRESH_MIN_BT = 128
@@ -510,10 +514,11 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
     if not 2 <= stages <= fit:
         raise ValueError(f"int4_wgmma_ws: STAGES={stages} for BT={cfg['BT']} {fmt}: 2..{fit} stages of {sb} B fit")
     quads, nb = _cdiv(K // GROUP, 4), _cdiv(cfg["BT"], 8)
+    x_in = X_IN_GEMM or cfg["BT"] <= X_IN_GEMM_MAX_BT
     # the staging launch: one thread per unit (row, word: four 16-byte pieces) of each (batch tile, quad); the image
     cfg.update(STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
                CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg, quads=quads, stage_units=cfg["n_bt"] * quads * 32 * nb,
-               x_staged=0 if X_IN_GEMM else cfg["n_bt"] * quads * 8 * 256 * nb, x_in_gemm=X_IN_GEMM)
+               x_staged=0 if x_in else cfg["n_bt"] * quads * 8 * 256 * nb, x_in_gemm=x_in)
     return cfg
 
 

@@ -119,9 +119,12 @@ def test_ws_launch_rules():
     assert _plan(128, 17408, 5120, "q4_0")["MT"] == 1 and _plan(128, 17408, 5120, "q4_0")["workers"] == 132
     assert _plan(128, 17408, 5120, "q4_0", {"SK_HALVE": 0})["grid"] == 68
     assert _plan(8, 4096, 4096, "q4_0")["STAGES"] == ws.MAX_STAGES
-    for M in (1, 128, 300):     # the staging launch: a thread per unit, its four 16-byte pieces, covers the image
+    for M in (16, 128, 300):    # the staging launch: a thread per unit, its four 16-byte pieces, covers the image
         c = _plan(M, 4096, 4096, "q4_k")
-        assert c["stage_units"] * 64 == c["x_staged"] == c["n_bt"] * c["BT"] * 4096 * 2
+        assert not c["x_in_gemm"] and c["stage_units"] * 64 == c["x_staged"] == c["n_bt"] * c["BT"] * 4096 * 2
+    for M in (1, 5, 8):         # tiles of up to X_IN_GEMM_MAX_BT sequences: x read inside the GEMM, nothing staged
+        c = _plan(M, 4096, 4096, "q4_k")
+        assert c["BT"] <= ws.X_IN_GEMM_MAX_BT and c["x_in_gemm"] and c["x_staged"] == 0
     c4 = _plan(128, 5120, 17408, "q4_k", {"CWG": 4})
     assert (c4["CWG"], c4["WG_MT"], c4["block"], c4["SPLIT_K"]) == (4, 1, 640, _plan(128, 5120, 17408, "q4_k")["SPLIT_K"])
     assert _plan(128, 17408, 5120, "q4_0", {"CWG": 4})["CWG"] == 2     # halved tiles: one m64 per warpgroup already
