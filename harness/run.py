@@ -16,6 +16,7 @@ from engine.errors import ConfigError
 from engine.gguf_loader import load_gguf
 from engine.kv_cache import ContiguousKVCache
 from engine.models import build_model
+from engine.runner import BUCKETS
 from engine.sampler import SamplingParams
 from engine.state_pool import HybridCache
 from engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits, run_static
@@ -233,6 +234,9 @@ def run_job(cfg, out_dir: Path) -> float:
         raise ConfigError(f"scheduler.mode={cfg.scheduler.mode!r}; choose static, wave or continuous")
     if cfg.scheduler.mode == "static" and cfg.kv_cache.layout != "contiguous":
         raise ConfigError("static batching uses the contiguous KV layout; paged KV serves scheduler.mode=wave|continuous")
+    if cfg.scheduler.prefill == "chunked" and cfg.scheduler.mode != "static" and cfg.scheduler.token_budget > BUCKETS[-1]:
+        raise ConfigError(f"scheduler.token_budget={cfg.scheduler.token_budget}: a step runs at most {BUCKETS[-1]} rows "
+                          f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)

@@ -189,6 +189,16 @@ def test_prefix_cache_needs_paged_kv(tmp_path):
         run_job(cfg, tmp_path / "out")
 
 
+def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_path, monkeypatch):
+    from engine.errors import ConfigError
+    from harness import run
+
+    monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the budget was checked"))
+    cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous_chunked", "workload.num_requests=2", "scheduler.token_budget=1024"))
+    with pytest.raises(ConfigError, match="token_budget=1024.*512 or less"):
+        run_job(cfg, tmp_path / "out")
+
+
 def test_store_reads_the_newest_sweep_unless_told_all(tmp_path):
     """runs_from_store: the newest sweep per experiment file by default (a rerun replaces the old one); every
     finished run with newest=False (two jobs of one commit recorded into one table, e.g. int4_gemm's Q4_0
