@@ -42,7 +42,7 @@ from engine.errors import GGUFError  # noqa: E402
 from engine.gguf_loader import unpermute_qk  # noqa: E402
 from engine.quant import dequantize  # noqa: E402
 from engine.quant_pack import (FORMATS, PackedWeight, cat_rows, pack, packable, packed_nbytes,  # noqa: E402
-                               unpack_int, unpack_ref)
+                               unpack_folded, unpack_int, unpack_ref)
 from kernels import int4_gemm  # noqa: E402  (after the interpreter flag)
 from kernels.int4_gemm import int4_config, w4a16_linear, w4a16_linear_ref  # noqa: E402
 
@@ -656,9 +656,13 @@ def _gpu_weight(fmt: str, N: int, K: int) -> tuple[PackedWeight, float]:
 
 
 def _gpu_ref(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
-    """w4a16_linear_ref with the cached fp32 weight (rounded to x's dtype for FOLD), TF32 off."""
+    """w4a16_linear_ref with the cached fp32 weight (rounded to x's dtype for FOLD; unpack_folded's 16-bit values
+    where the launch folds in 16-bit arithmetic, W16), TF32 off."""
     w = next(v[2] for v in _W.values() if v[0] is pw)
-    if int4_config(x.shape[0], pw.N, pw.K, pw.fmt)["FOLD"]:
+    cfg = int4_config(x.shape[0], pw.N, pw.K, pw.fmt)
+    if cfg.get("W16"):
+        w = unpack_folded(pw, x.dtype).to(x.device).float()
+    elif cfg["FOLD"]:
         w = w.to(x.dtype).float()
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
