@@ -62,13 +62,14 @@ against 25.60, bf16 state 21.95 against 22.35; Llama-3.2-1B Q4_0 packed 1.374 ag
 to 64 sequences int4_gemm's ws times moved -3..+5% (5120x17408 B = 16 / 64: 26.1 / 34.9 against 25.2 / 33.2) and the
 27B hybrid's B = 32 step was slower, 11.78 against 11.55 ms. So smaller tiles keep the zeroing. What ptxas still
 reports (nvcc 13.0, -Xptxas -v): Q4_K in 256-row tiles at 128 sequences serializes for lack of registers (C7512: four
-consumer warpgroups of 112; with two of 232 the same tiles compile unserialized, not yet timed against them since
-the fix: DEFAULT_CWG's figures below predate it), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32
-bytes.
-X_IN_GEMM (batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences; the probe's figures are at the switch): no staging launch; the producer
-warpgroup's warps 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's
-barrier after a proxy fence, while thread 0 copies only weights and never waits for the kernel before. The probe
-above bounds what it can gain: 0.2-0.3 ms a step. It gives int4_wgmma's bits in the emulator. Not tried yet: fewer
+consumer warpgroups of 112; with two of 232 the same tiles compile unserialized, yet the 27B hybrid's graphed steps
+are slower with two: H200 probe at a78b2b8, ms per step with four / two, B = 64 16.72 / 17.21, B = 128 25.03-25.29 /
+26.21), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes.
+X_IN_GEMM, in batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences: no staging launch; the producer warpgroup's warps
+1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's barrier after a
+proxy fence, while thread 0 copies only weights and never waits for the kernel before. It gives int4_wgmma's bits
+(the emulator and the GPU tests). Where it pays (27B hybrid steps, figures at the switch below): at 8 sequences,
+8.27 -> 8.20 ms; at 16 the step is 1% slower (9.28 -> 9.39), at 32 and 128 far slower. Not tried yet: fewer
 instructions per dequantized pair or per quad's addressing.
 """
 from __future__ import annotations
@@ -100,7 +101,8 @@ REGS_X_IN_GEMM = {2: (40, 232), 4: (56, 104)}
 DEFAULTS = {"SK_HALVE": 1}
 # four consumer warpgroups of one m64 tile on the 256-row tiles (same bits as two of two): H200 probe at 22b8d3b,
 # us at B = 16 / 64 / 128 against two: 5120x17408 Q4_K 28.9 / 37.2 / 49.4 (32.1 / 41.8 / 54.3), 16384x5120 27.0 /
-# 35.2 / 49.3 (29.8 / 39.6 / 52.8), 34816x5120 48.0 / 65.7 / 92.6 (47.3 / 66.2 / 101.2)
+# 35.2 / 49.3 (29.8 / 39.6 / 52.8), 34816x5120 48.0 / 65.7 / 92.6 (47.3 / 66.2 / 101.2); again at a78b2b8, after the
+# fresh-write fix, in 27B hybrid steps (the module docstring): four still faster at 64 and 128 sequences
 DEFAULT_CWG = 4
 # the dispatch's "cuda_wgmma_ws_t128": tiles of 128 rows, one m64 for each of two consumer warpgroups. Twice the row
 # tiles, so half the split: fewer fp32 partials written and added where many sequences make them large (a split of S
@@ -116,11 +118,13 @@ STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module s
 # (module switch for every batch tile; off). H200 probe at 7f6b448, graphed 27B hybrid Q4_K steps in one job, ms per
 # step staged / in the GEMM: B = 8 8.27 / 8.18, B = 32 11.51 / 13.13, B = 128 25.25 / 41.30 (the same tokens): three
 # warps restaging x for every stage cost more than one launch once a tile holds more than a few sequences. So only
-# batch tiles of up to X_IN_GEMM_MAX_BT sequences read x in the GEMM.
+# batch tiles of up to X_IN_GEMM_MAX_BT sequences read x in the GEMM. At a78b2b8 (same job, max 8 / 0 / 16):
+# B = 8 8.20 / 8.27 / 8.19 ms, B = 16 9.28 / 9.29 / 9.39.
 X_IN_GEMM = False
 X_IN_GEMM_MAX_BT = 8
 # batch tiles from which a segment's first quad writes the accumulators (wgmma scale-d 0) instead of the consumers
-# zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring)
+# zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring). In one job at 7f6b448
+# (27B hybrid graphed steps, ms, 128 / 16): B = 32 11.51 / 11.73, B = 128 25.25 / 25.21, B = 8 8.27 / 8.26
 FRESH_MIN_BT = 128
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
