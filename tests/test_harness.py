@@ -48,6 +48,14 @@ def test_every_experiment_composes(name):
     assert cfg.table in TABLES and name.startswith(cfg.table)
 
 
+def test_misspelled_experiment_is_refused_not_run_as_the_default():
+    """experiment is a required-if-given group: a name with no file is an error listing the files, never a silent
+    default job (an optional group would skip the missing file and run the default model)."""
+    with pytest.raises(ConfigCompositionException, match="experiment/hybrid_27b_q5"):
+        cfg_of("experiment=hybrid_27b_q5")
+    assert cfg_of().model.name == "smollm2-135m"          # no experiment: the default job still composes
+
+
 def test_misspelled_override_names_the_key():
     with pytest.raises(ConfigCompositionException) as e:
         cfg_of("batch.sise=4")
