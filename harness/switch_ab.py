@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+from hydra.errors import ConfigCompositionException
 
 from engine.errors import ConfigError
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise ConfigError(f"--batches {a.batches!r}: comma-separated integers, e.g. 8,32") from None
         run_ab(a.overrides, switches, batches, a.tokens, a.reps)
-    except ConfigError as e:
+    except (ConfigError, ConfigCompositionException) as e:     # a bad switch, batch list or override
         print(f"[error] {e}", file=sys.stderr)
         return 2
     return 0

@@ -32,6 +32,8 @@ def test_cli_refuses_bad_arguments_with_exit_2(capsys):
     assert "--switch" in capsys.readouterr().err
     assert switch_ab.main(["--switch", "engine.fused_qwen35.Projection.concurrent=True,False", "--batches", "a"]) == 2
     assert "--batches 'a'" in capsys.readouterr().err
+    assert switch_ab.main(["experiment=hybrid_27b_q5", "--switch", "engine.fused_qwen35.Projection.concurrent=True,False"]) == 2
+    assert "experiment/hybrid_27b_q5" in capsys.readouterr().err
 
 
 def test_ab_runs_every_variant_flags_changed_tokens_and_restores(tmp_path, monkeypatch):
