@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -16,6 +18,15 @@ class SamplingParams:
     top_k: int = 0  # 0 = whole vocabulary
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        # each of these would otherwise run: a negative temperature as greedy, top_p = 0 as NaN probabilities
+        if not self.temperature >= 0.0:
+            raise ConfigError(f"sampling.temperature={self.temperature}: use 0 for greedy or a positive temperature")
+        if self.top_k < 0:
+            raise ConfigError(f"sampling.top_k={self.top_k}: use 0 for the whole vocabulary or a positive k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"sampling.top_p={self.top_p}: the nucleus is a probability in (0, 1]; 1 keeps everything")
 
     @property
     def greedy(self) -> bool:

@@ -237,12 +237,12 @@ def run_job(cfg, out_dir: Path) -> float:
     if cfg.scheduler.prefill == "chunked" and cfg.scheduler.mode != "static" and cfg.scheduler.token_budget > BUCKETS[-1]:
         raise ConfigError(f"scheduler.token_budget={cfg.scheduler.token_budget}: a step runs at most {BUCKETS[-1]} rows "
                           f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
+    sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p, cfg.sampling.seed)
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)
     check_fits(len(ids), w.max_new_tokens, cfg.kv_cache.ctx)
     stop_ids = () if w.ignore_eos else (tok.stop_ids if tok else mcfg.eos_ids)
-    sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p, cfg.sampling.seed)
     ctx = cfg.kv_cache.ctx
     print(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "
           f"{mcfg.vocab_size}; {built.gguf_path.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "

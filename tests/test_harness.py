@@ -222,6 +222,17 @@ def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_p
         run_job(cfg, tmp_path / "out")
 
 
+@pytest.mark.parametrize("override, msg", [("sampling.temperature=-1", "0 for greedy"),
+                                            ("sampling.top_p=0", r"\(0, 1\]"), ("sampling.top_k=-5", "whole vocabulary")])
+def test_bad_sampling_is_refused_before_loading(tmp_path, monkeypatch, override, msg):
+    from engine.errors import ConfigError
+    from harness import run
+
+    monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before sampling was checked"))
+    with pytest.raises(ConfigError, match=msg):
+        run_job(cfg_of(*tiny(tmp_path, override)), tmp_path / "out")
+
+
 def test_store_reads_the_newest_sweep_unless_told_all(tmp_path):
     """runs_from_store: the newest sweep per experiment file by default (a rerun replaces the old one); every
     finished run with newest=False (two jobs of one commit recorded into one table, e.g. int4_gemm's Q4_0
