@@ -79,6 +79,9 @@ class ReferenceStepper:
 def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> None:
     if prompt_len < 1:
         raise ConfigError("empty prompt: a request needs at least one prompt token")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: a request generates at least one token (the prefill's); "
+                          "set workload.max_new_tokens >= 1")
     need = prompt_len + max_new_tokens - 1  # the last sampled token is never fed back
     if need > ctx:
         raise ConfigError(

@@ -122,6 +122,11 @@ def test_prompt_longer_than_ctx_is_rejected(model):
         generate_static(model, kv_for(model, 1, ctx=16), [prompt(12, 9)], 8, GREEDY)
 
 
+def test_zero_new_tokens_is_rejected(model):
+    with pytest.raises(ConfigError, match=r"max_new_tokens=0.*workload.max_new_tokens >= 1"):
+        generate_static(model, kv_for(model, 1, ctx=16), [prompt(4, 9)], 0, GREEDY)
+
+
 def test_ragged_prompts_rejected_in_static_mode(model):
     with pytest.raises(ConfigError, match="equal length"):
         generate_static(model, kv_for(model, 2), [prompt(4, 1), prompt(5, 1)], 4, GREEDY)
