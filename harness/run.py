@@ -216,6 +216,12 @@ def decode_rate(r: StaticBatchResult) -> float:
     return r.decode_tokens / r.decode_s if r.decode_s > 0 else 0.0
 
 
+def sampling_params(cfg) -> SamplingParams:
+    """The job's sampling group as SamplingParams (which refuses values out of range)."""
+    s = cfg.sampling
+    return SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
+
+
 def run_job(cfg, out_dir: Path) -> float:
     if cfg.job == "int4_gemm":  # one job, one recorded run per (shape, format, B)
         from harness.int4_bench import run_int4_gemm
@@ -237,7 +243,7 @@ def run_job(cfg, out_dir: Path) -> float:
     if cfg.scheduler.prefill == "chunked" and cfg.scheduler.mode != "static" and cfg.scheduler.token_budget > BUCKETS[-1]:
         raise ConfigError(f"scheduler.token_budget={cfg.scheduler.token_budget}: a step runs at most {BUCKETS[-1]} rows "
                           f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
-    sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p, cfg.sampling.seed)
+    sampling = sampling_params(cfg)
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)

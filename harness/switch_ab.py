@@ -22,7 +22,7 @@ import importlib
 import itertools
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from hydra.errors import ConfigCompositionException
@@ -38,7 +38,7 @@ class Switch:
     attr: str
     module: object
     values: list
-    original: object = field(default=None)
+    original: object
 
     def set(self, value) -> None:
         setattr(self.owner, self.attr, value)
@@ -91,10 +91,9 @@ def run_ab(overrides: list[str], switches: list[Switch], batches: list[int], tok
     and whether the tokens equal the baseline's."""
     from hydra import compose, initialize_config_dir
 
-    from engine.sampler import SamplingParams
     from engine.static_batch import run_static
     from harness.app import CONF_DIR
-    from harness.run import build
+    from harness.run import build, sampling_params
     from harness.workload import prompt_ids
 
     if tokens < 2 or reps < 1:
@@ -107,7 +106,7 @@ def run_ab(overrides: list[str], switches: list[Switch], batches: list[int], tok
                 cfg = compose(config_name="config", overrides=[*overrides, f"batch.size={B}", "progress=false"])
             built = build(cfg)
             ids = prompt_ids(cfg.workload, built.tokenizer, built.cfg.vocab_size)
-            sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p, cfg.sampling.seed)
+            sampling = sampling_params(cfg)
             ctx, prefill = cfg.kv_cache.ctx, cfg.scheduler.prefill
             times: dict[tuple, list[float]] = {c: [] for c in combos}
             tokens_of: dict[tuple, list] = {}
