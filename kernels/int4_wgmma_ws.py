@@ -126,6 +126,19 @@ X_IN_GEMM_MAX_BT = 8
 # zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring). In one job at 7f6b448
 # (27B hybrid graphed steps, ms, 128 / 16): B = 32 11.51 / 11.73, B = 128 25.25 / 25.21, B = 8 8.27 / 8.26
 FRESH_MIN_BT = 128
+# the consumers on mma.sync (CMMA; config "MMA") in batch tiles of up to MMA_MAX_BT sequences, two consumer warpgroups
+# of two m64 tiles (MMA_CWG: each x fragment then feeds two tiles' mmas); wgmma above. The same bits either way (the
+# same products and k16 order per element; equal on the H200 at every shape and B probed). H200 probe at f960f0c,
+# us per call (int4_gemm's method: one CUDA graph over rotated weights), wgmma consumers (four warpgroups) / mma.sync
+# (two) / mma.sync (four), B = 1: 34816x5120 Q4_K 42.6 / 40.2 / 42.5, 16384x5120 21.8 / 20.7 / 21.7, 5120x17408 23.7
+# / 22.6 / 24.1, 5120x6144 10.0 / 9.5 / 10.0, 14336x5120 21.5 / 20.1 / 21.6, Q4_0 5120x17408 21.9 / 20.8 / 19.6,
+# 17408x5120 28.9 / 27.1 / 26.9; B = 8: 34816x5120 43.1 / 41.1 / 42.8, 16384x5120 22.6 / 23.1 / 22.3, 5120x17408
+# 26.0 / 27.2 / 25.0, 14336x5120 21.9 / 21.4 / 22.3, Q4_0 17408x5120 29.6 / 27.2 / 27.5. From 16 sequences mma.sync
+# loses, more the more sequences (B = 32: 52.6 / 54.7 / 58.5 on 34816x5120; B = 128: 89.4 / 149.8 / 337.2): the tensor
+# work per sequence is what grows, and wgmma does it at a higher rate. The ring's depth is not what limits these
+# tiles: 8 or 10 stages (227 KB) against 4 (99 KB) moved no B = 1 or 8 time by more than ~1 us either way.
+MMA_MAX_BT = 8
+MMA_CWG = 2
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
 WS_PRELUDE = r"""
@@ -141,6 +154,12 @@ __device__ __forceinline__ void pdl_trigger() {
 #define SK_LEADER (threadIdx.x == 128)
 #ifndef ONEPASS_HOST_EMU
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" :: "n"(128 * CWG) : "memory"); }
+// CMMA: four 8 x 8 matrices of 16-bit values from shared memory, lane l naming row l & 7 of matrix l >> 3; register m
+// gets matrix m's row (lane >> 2), columns 2 (lane & 3), + 1
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
 #endif
 """
 
@@ -322,6 +341,35 @@ __device__ __forceinline__ void stage_x_quad(unsigned char* st, const u16* __res
 }
 #endif
 
+#if CMMA
+// CMMA: a quad on the warp's own mma.sync instead of the warpgroup's wgmma: the same A fragments (quad_word), the
+// same k16 steps of x from the same stage image, read into mma.m16n8k16's B fragments by ldmatrix (matrix m of word
+// p: k16 step 2p + (m >> 1), k half m & 1, i.e. piece m of the unit; the swizzle keeps each 8-row phase on distinct
+// banks). Every product and the order of the k16 steps per element are the wgmma's. No warpgroup-wide fence, commit
+// or wait: each warp issues and waits on its own.
+__device__ __forceinline__ void apply_quad_mma(float (&acc)[MT][4 * NB], const QSlot& sl, u32 xbase, int lane) {
+    const QScales q = quad_scales(sl);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        u32 a_lo[MT][4], a_hi[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) quad_word(sl, q, p, mt, a_lo[mt], a_hi[mt]);
+#pragma unroll
+        for (int c = 0; c < NB; ++c) {
+            u32 b[4];
+            ldsm_x4(b, xbase + PIECE(8 * c + (lane & 7), p, lane >> 3));
+            const u32 b_lo[2] = {b[0], b[1]}, b_hi[2] = {b[2], b[3]};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float (&ac)[4] = *reinterpret_cast<float (*)[4]>(acc[mt] + 4 * c);
+                mma16816(ac, a_lo[mt], b_lo);
+                mma16816(ac, a_hi[mt], b_hi);
+            }
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1)
 w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u16* __restrict__ sc,
                const u16* __restrict__ mn, const u16* __restrict__ sub, void* __restrict__ y,
@@ -342,7 +390,7 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1 + (X_IN_GEMM ? STAGERS : 0));   // the producer's arrive (with the stage's
                                                                         // bytes), and each stager's
-            mbar_init(empty0 + 8 * s, CWG);     // one arrive per consumer warpgroup
+            mbar_init(empty0 + 8 * s, CMMA ? 4 * CWG : CWG);   // one arrive per consumer warpgroup (CMMA: warp)
         }
         mbar_init_fence();
     }
@@ -434,16 +482,24 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
             mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
             QSlot sl;
             stage_quad(sl, smem + s * WS_STAGE, r0 + (lane >> 2), t);
+#if CMMA
+            apply_quad_mma(acc, sl, sbase + s * WS_STAGE, lane);
+            __syncwarp();                       // every lane's reads of the stage are done: the warp gives it back
+            if (lane == 0) mbar_arrive(empty0 + 8 * s);
+#else
             apply_quad_wg(acc, sl, DESC0(sbase + s * WS_STAGE), FRESH_WRITE && qn == q0);
             // the wgmmas of quad i - 1 are done (apply_quad_wg waits for all but its last group): its stage is free
             if (i > 0 && leader) mbar_arrive(empty0 + 8 * ((i - 1) % STAGES));
+#endif
         }
+#if !CMMA
         wgmma_wait<0>();
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int j = 0; j < 4 * NB; ++j) fence_operand(acc[mt][j]);
         }
+#endif
 #if SK
         if (q0 == 0 && q1 == segs.Q) store_acc(acc, y, 0, sym, M, N, n0, m0);
         else sk_combine(acc, smem + BAR_OFF + 16 * STAGES, y, ws, flags, bt * n_nt + nt, sym, M, N, n0, m0);
@@ -456,16 +512,18 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
-           mt: int = 2, cwg: int = 2, x_in_gemm: bool | None = None) -> str:
+           mt: int = 2, cwg: int = 2, x_in_gemm: bool | None = None, mma: bool = False) -> str:
     """One instantiation: int4_wgmma's SOURCE_DEFINES lines (cwg consumer warpgroups of MT m64 tiles), then
-    int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL."""
+    int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL. mma: the
+    consumers on mma.sync (CMMA) instead of wgmma."""
     head = int4_wgmma.source(fmt, bt, x_f16, out32, cwg, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
     defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
     x_in_gemm = X_IN_GEMM if x_in_gemm is None else x_in_gemm
     producer, consumer = REGS_X_IN_GEMM[cwg] if x_in_gemm else REGS[cwg]
     regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
             f"#define PRODUCER_REGS {producer}\n#define CONSUMER_REGS {consumer}\n#define X_IN_GEMM {int(x_in_gemm)}\n"
-            f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n#define FRESH_WRITE {int(bt >= FRESH_MIN_BT)}\n")
+            f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n#define FRESH_WRITE {int(bt >= FRESH_MIN_BT and not mma)}\n"
+            f"#define CMMA {int(mma)}\n")
     return defines + int4_mma.MMA_COMMON + regs + WS_PRELUDE + int4_wgmma.common_text(bt) + WS_KERNEL
 
 
@@ -498,18 +556,22 @@ def stage_bytes(bt: int, fmt: str, mt: int = 2) -> int:
 def wg_equivalent(config: dict | None = None) -> dict:
     """The int4_wgmma config whose split, stream-K and tiles this kernel's config runs (so its bits): two
     warpgroups, DEFAULTS, then config (without STAGES and CWG, this kernel's own)."""
-    c = {k: v for k, v in {**DEFAULTS, **(config or {})}.items() if k not in ("STAGES", "CWG")}
+    c = {k: v for k, v in {**DEFAULTS, **(config or {})}.items() if k not in ("STAGES", "CWG", "MMA")}
     return {**c, "WGS": 2, "MT": c.get("MT", 2)}
 
 
 def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     """int4_wgmma's launch for wg_equivalent(config) (its split or stream-K, tiles and batch tile: the same bits),
     with this kernel's block and ring: STAGES (config) or as many as fit. The tile's 128 MT rows go to two consumer
-    warpgroups of MT m64 tiles, or with CWG 4 (config; tiles of 256 rows only) to four of one ("CWG", "WG_MT")."""
-    cwg = int((config or {}).get("CWG", DEFAULT_CWG))
+    warpgroups of MT m64 tiles, or with CWG 4 (config; tiles of 256 rows only) to four of one ("CWG", "WG_MT").
+    MMA (config, else batch tiles of up to MMA_MAX_BT): the consumers on mma.sync, MMA_CWG of them by default."""
+    cfg = int4_wgmma.wg_config(M, N, K, fmt, wg_equivalent(config))
+    mma = int((config or {}).get("MMA", cfg["BT"] <= MMA_MAX_BT))
+    if mma not in (0, 1):
+        raise ValueError(f"int4_wgmma_ws: MMA={mma}: 0 (wgmma consumers) or 1 (mma.sync consumers)")
+    cwg = int((config or {}).get("CWG", MMA_CWG if mma else DEFAULT_CWG))
     if cwg not in REGS:
         raise ValueError(f"int4_wgmma_ws: CWG={cwg}: two or four consumer warpgroups")
-    cfg = int4_wgmma.wg_config(M, N, K, fmt, wg_equivalent(config))
     if cfg["MT"] == 1:
         cwg = 2                                 # tiles of 128 rows: one m64 per warpgroup already
     sb = stage_bytes(cfg["BT"], fmt, cfg["MT"])
@@ -520,7 +582,7 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
     quads, nb = _cdiv(K // GROUP, 4), _cdiv(cfg["BT"], 8)
     x_in = X_IN_GEMM or cfg["BT"] <= X_IN_GEMM_MAX_BT
     # the staging launch: one thread per unit (row, word: four 16-byte pieces) of each (batch tile, quad); the image
-    cfg.update(STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
+    cfg.update(MMA=mma, STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
                CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg, quads=quads, stage_units=cfg["n_bt"] * quads * 32 * nb,
                x_staged=0 if x_in else cfg["n_bt"] * quads * 8 * 256 * nb, x_in_gemm=x_in)
     return cfg
@@ -528,10 +590,10 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
 
 @functools.lru_cache(maxsize=None)
 def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, cwg: int,
-             device: torch.device, x_in_gemm: bool = False):
+             device: torch.device, x_in_gemm: bool = False, mma: bool = False):
     if not available():
         raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm)
+    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma)
     return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
             int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
 
@@ -581,7 +643,7 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
         plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
         kernel=lambda cfg, x_f16, out32, dev: _StagedLaunch(
             cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
-                          dev, cfg["x_in_gemm"])),
+                          dev, cfg["x_in_gemm"], bool(cfg["MMA"]))),
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=4, defer=defer)
 

@@ -115,7 +115,7 @@ static inline unsigned fma2(unsigned a, unsigned b, unsigned c) {
     unsigned hi = f32_to_x(std::fma(h16_to_f(a >> 16), h16_to_f(b >> 16), h16_to_f(c >> 16)));
     return lo | (hi << 16);
 }
-struct WarpMma { std::barrier<>* bar; unsigned a[32][4]; unsigned b[32][2]; };
+struct WarpMma { std::barrier<>* bar; unsigned a[32][4]; unsigned b[32][2]; unsigned addr[32]; };
 static WarpMma* g_warps;
 // D (+)= A (16 x 16) B (16 x 8): lane (g, t) gives A rows g, g + 8 at k 2t, 2t + 1 (+ 8) and B column g at the
 // same k, and gets D rows g, g + 8 at columns 2t, 2t + 1 (PTX ISA, mma.m16n8k16 fragments)
@@ -420,6 +420,16 @@ static inline void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsi
 }
 template <int R> static inline void regs_dec() {}
 template <int R> static inline void regs_inc() {}
+// ldmatrix .x4: the warp's 32 row addresses exchanged; register m of lane l: matrix m's row l >> 2, 4 bytes at 4 (l & 3)
+static inline void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    const int lane = threadIdx.x & 31;
+    WarpMma& W = g_warps[threadIdx.x >> 5];
+    W.addr[lane] = addr;
+    W.bar->arrive_and_wait();
+    for (int m = 0; m < 4; ++m) std::memcpy(&r[m], g_smem + W.addr[8 * m + (lane >> 2)] + 4 * (lane & 3), 4);
+    W.bar->arrive_and_wait();
+}
+static inline void __syncwarp() { g_warps[threadIdx.x >> 5].bar->arrive_and_wait(); }
 """
 
 LAUNCH_STAGE = r"""
@@ -443,7 +453,7 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
     M, K = x.shape
     cfg = ws.ws_config(M, pw.N, K, pw.fmt, config)
     src = ws.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["STAGES"], 1,
-                    cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"], cfg["x_in_gemm"])
+                    cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"], cfg["x_in_gemm"], bool(cfg["MMA"]))
     head, body = _split_defines(src, ws.SOURCE_DEFINES)
     if cfg["x_in_gemm"]:                       # one launch: the GEMM stages x itself
         return _run_tensor_core(x, pw, cfg, [head, body], SHIM_WG + SHIM_WS, "w4a16_wgmma_ws", out32, seed)

@@ -88,6 +88,26 @@ def test_ws_x_in_gemm_emulated_matches_wgmma(seed, case, monkeypatch):
 
 
 @needs_emu
+@pytest.mark.parametrize("x_in_gemm", [False, True], ids=["staged", "x_in_gemm"])
+@pytest.mark.parametrize("case", [EMU[0], EMU[2], EMU[4], EMU[6], EMU[7]], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+def test_ws_mma_consumers_emulated_match_wgmma(seed, case, x_in_gemm, monkeypatch):
+    """MMA 1 (the consumers on mma.sync, x's B fragments read by ldmatrix from the same stage image): int4_wgmma's
+    bits for the same split, over rings reused many times, stream-K, four consumer warpgroups, Q4_1 / Q4_K, tiles of
+    128 rows and rows past M, with x staged by its own launch or inside the GEMM."""
+    monkeypatch.setattr(ws, "X_IN_GEMM", x_in_gemm)
+    N, K, fmt, Ms, config = case
+    config = {**config, "MMA": 1}
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    for M in Ms:
+        x = _x(seed + M, M, K, xs, device="cpu")
+        cfg = _plan(M, N, K, fmt, config)
+        assert cfg["MMA"] == 1 and cfg["x_in_gemm"] == (x_in_gemm or cfg["BT"] <= ws.X_IN_GEMM_MAX_BT)
+        y = cuda_emu.w4a16_wgmma_ws_emulated(x, pw, out32=True, config=config, seed=seed)
+        want = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=ws.wg_equivalent(config), seed=seed + 1)
+        assert torch.equal(y, want), f"{config} M={M}: not int4_wgmma's bits"
+
+
+@needs_emu
 def test_ws_two_batch_tiles_emulated(seed):
     """M = 130: two batch tiles, each staged and streamed from its own part of the staged image; stream-K flags per
     (batch tile, row tile)."""
@@ -125,6 +145,12 @@ def test_ws_launch_rules():
     for M in (1, 5, 8):         # tiles of up to X_IN_GEMM_MAX_BT sequences: x read inside the GEMM, nothing staged
         c = _plan(M, 4096, 4096, "q4_k")
         assert c["BT"] <= ws.X_IN_GEMM_MAX_BT and c["x_in_gemm"] and c["x_staged"] == 0
+    for M in (1, 8, 9, 128):    # mma.sync consumers (two warpgroups by default) in tiles of up to MMA_MAX_BT
+        c = _plan(M, 5120, 17408, "q4_k")
+        mma = c["BT"] <= ws.MMA_MAX_BT
+        assert (c["MMA"], c["CWG"]) == ((1, ws.MMA_CWG) if mma else (0, ws.DEFAULT_CWG)), M
+        assert _plan(M, 5120, 17408, "q4_k", {"MMA": 1 - mma})["MMA"] == 1 - mma
+        assert _plan(M, 5120, 17408, "q4_k", {"CWG": 4})["CWG"] == 4
     c4 = _plan(128, 5120, 17408, "q4_k", {"CWG": 4})
     assert (c4["CWG"], c4["WG_MT"], c4["block"], c4["SPLIT_K"]) == (4, 1, 640, _plan(128, 5120, 17408, "q4_k")["SPLIT_K"])
     assert _plan(128, 17408, 5120, "q4_0", {"CWG": 4})["CWG"] == 2     # halved tiles: one m64 per warpgroup already
@@ -132,7 +158,7 @@ def test_ws_launch_rules():
         c, t = _plan(128, N, K, fmt), _plan(128, N, K, fmt, ws.T128)                         # twice as many, half the split
         assert (t["MT"], t["CWG"], t["WG_MT"], t["block"]) == (1, 2, 1, 384)
         assert t["n_nt"] == 2 * c["n_nt"] and t["SPLIT_K"] * 2 == c["SPLIT_K"] and t["grid"] == c["grid"]
-    for bad in ({"STAGES": 1}, {"STAGES": 9}, {"CWG": 3}):
+    for bad in ({"STAGES": 1}, {"STAGES": 9}, {"CWG": 3}, {"MMA": 2}):
         with pytest.raises(ValueError, match="int4_wgmma_ws"):
             _plan(128, 4096, 4096, "q4_k", bad)
     with pytest.raises(ValueError, match="not supported"):
@@ -161,8 +187,11 @@ def test_ws_matches_folded_ref_and_wgmma_bits(seed, case):
 @pytest.mark.gpu
 @needs_wg
 @pytest.mark.parametrize("config", [None, {"STAGES": 2}, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}, {"SPLIT_K": 3},
-                                    {"CWG": 4}, {"CWG": 4, "TARGET_BLOCKS": 5, "SK_HALVE": 0}, ws.T128],
-                         ids=["default", "two_stages", "stream_k", "split3", "cwg4", "cwg4_stream_k", "t128"])
+                                    {"CWG": 4}, {"CWG": 4, "TARGET_BLOCKS": 5, "SK_HALVE": 0}, ws.T128,
+                                    {"MMA": 1}, {"MMA": 1, "CWG": 4}, {"MMA": 1, "CWG": 4, "TARGET_BLOCKS": 5,
+                                                                        "SK_HALVE": 0}, {**ws.T128, "MMA": 1}],
+                         ids=["default", "two_stages", "stream_k", "split3", "cwg4", "cwg4_stream_k", "t128", "mma",
+                              "mma_cwg4", "mma_cwg4_stream_k", "mma_t128"])
 def test_ws_batch_invariant_and_repeatable(seed, config):
     """Rows independent of M (fp32 out) for each launch shape, the same bits on every repeat (stream-K leaves its
     flags zero), and int4_wgmma's bits for the same split."""
