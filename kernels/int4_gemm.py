@@ -543,6 +543,11 @@ MEASURED: dict[tuple[int, int, str], dict[str, int]] = {
     (5120, 6144, "q4_k"): {"W16": True},                   # 36.0 / 51.4 vs 37.2 / 52.8
     (5120, 17408, "q4_k"): {"W16": True},                  # 78.3 / 114.7 vs 81.4 / 116.7
     (248320, 5120, "q4_k"): {"W16": True},                 # 797 / 1183 vs 863 / 1232 (the LM head)
+    # H200 probe at 6c413f9 on the small shapes where no int4 kernel matches dequantize + cuBLAS at B = 128 (2048x2048,
+    # 3072x2048 Q4_0; SmolLM2's 960x576, 576x576, 3072x576, 576x1536 Q4_1): 36 tile choices (BLOCK_N 16 / 32 / 64,
+    # BLOCK_K 64 / 128, split 1 / 2 / 4, W16 or not) at B = 32 / 64 / 128. None reached it at 128; the best per shape
+    # was 1.06x / 1.21x / 1.31x / 1.12x / 1.26x / 1.35x its time (2048x2048: 11.4 against 10.7 us with the rule's own
+    # choice, BLOCK_N 64, split 4), so the rule stays. These shapes are a few microseconds of launch and latency.
 }
 _SHAPE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "MAX_BLOCK_M", "DEQ_ASM", "FOLD", "W16"}
 

@@ -10,7 +10,9 @@ several quads ahead; the consumer warpgroups wait on the stage's barrier, read t
 shared loads, dequantize and issue the wgmmas, and give the stage back through a second barrier once their
 wgmmas have read it. No block-wide barrier in the K loop. A 256-row tile goes to four consumer warpgroups of one
 m64 tile (CWG 4, the default; setmaxnreg: producer 24, consumers 112 registers) or two of two (CWG 2: 40 / 232,
-and the only form for tiles of 128 rows); four give the schedulers twice the warps to issue from.
+and the only form for tiles of 128 rows); four give the schedulers twice the warps to issue from. In batch tiles of
+up to MMA_MAX_BT sequences the consumers issue mma.sync instead of wgmma (CMMA: the same A fragments, x's B fragments
+read by ldmatrix from the same stage, each warp on its own; the same bits), two warpgroups by default.
 
 A bulk copy moves bytes as they lie, so x goes through the ring already in the order and swizzle the wgmma reads
 (int4_wgmma's stage: pair_order, the 4 x 4 transpose of a unit's pieces, the 128-byte swizzle): a staging kernel
@@ -465,7 +467,9 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
     pdl_wait();                                 // y, the workspace and the stream-K flags: after the kernel before
     const int cw = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31, t = lane & 3;
     const int r0 = (cw >> 2) * 64 * MT + 16 * (cw & 3);    // this warp's first row in the tile
+#if !CMMA
     const bool leader = (threadIdx.x & 127) == 0;
+#endif
     float acc[MT][4 * NB];
     int i = 0;
     while (next_seg(segs, nt, q0, q1)) {
