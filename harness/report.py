@@ -256,7 +256,58 @@ def int4_gemm(df: pd.DataFrame):
     d = d.sort_values(["format", "_n", "_k", "B"], ascending=[True, False, True, True]).drop(columns=["_n", "_k"])
     times = (".1f",) * 10                          # Triton .. bf16 cuBLAS
     md = d.to_markdown(index=False, floatfmt=("", "", ".0f") + times + ("", ".2f", ".2f", "", "", ""))
-    return md.replace("nan", "—"), None
+    return _standing(int4_gemm_standing(df), md.replace("nan", "—")), None
+
+
+def _standing(standing: str, table: str) -> str:
+    """A report that opens with where its targets stand, then every recorded row."""
+    return f"### Where the targets stand\n\n{standing}\n\n### Every recorded row\n\n{table}"
+
+
+# the int4_gemm targets (W4A16 kernels): B = 1 effective TB/s on 5120x17408 Q4_0, the fastest verified variant against
+# bf16 cuBLAS at B = 1 and 16 on the three large shapes, and no B <= 128 where every int4 kernel is slower than
+# dequantize + cuBLAS
+INT4_TBPS_TARGET = 3.0
+INT4_VS_BF16_TARGETS = {1: 3.0, 16: 2.5}
+INT4_LARGE = ("5120x17408", "17408x5120", "5120x12288")
+INT4_KERNELS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2", "cuda_wgmma_ws",
+                "cuda_wgmma_ws_t128")
+
+
+def int4_gemm_standing(df: pd.DataFrame) -> str:
+    """The targets' table from the recorded rows (the fastest variant that verified, as the table's "fastest")."""
+    shape = num(df, "params.micro.n").astype("Int64").astype(str) + "x" + num(df, "params.micro.k").astype("Int64").astype(str)
+    fmt, B = df["params.micro.fmt"], num(df, "params.batch.size")
+    best = _tag(df, "tags.int4_best")
+    rows = []
+
+    def at(sh: str, b: int, col: str) -> pd.Series:
+        hit = df[(shape == sh) & (fmt == "q4_0") & (B == b) & (_opt(df, col).notna())]
+        return hit.iloc[-1] if len(hit) else None
+
+    r = at(INT4_LARGE[0], 1, "metrics.best_tbps")
+    if r is not None:
+        tbps = float(r["metrics.best_tbps"])
+        rows.append((f"B = 1, {INT4_LARGE[0]} Q4_0: >= {INT4_TBPS_TARGET:.1f} TB/s effective",
+                     f"{tbps:.2f} TB/s ({best[r.name]}, {float(r['metrics.best_us']):.1f} us)",
+                     "met" if tbps >= INT4_TBPS_TARGET else "short"))
+    for b, want in INT4_VS_BF16_TARGETS.items():
+        got = [(sh, at(sh, b, "metrics.best_speedup_vs_bf16")) for sh in INT4_LARGE]
+        got = [(sh, float(r["metrics.best_speedup_vs_bf16"]), best[r.name]) for sh, r in got if r is not None]
+        if got:
+            rows.append((f"B = {b}: >= {want:.1f}x bf16 cuBLAS on {' / '.join(sh for sh, _, _ in got)} Q4_0",
+                         " / ".join(f"{v:.2f}x ({k})" for _, v, k in got),
+                         "met" if all(v >= want for _, v, _ in got) else "short"))
+    ours = pd.concat([_opt(df, f"metrics.{v}_us").where(_opt(df, f"metrics.{v}_ok") == 1) for v in INT4_KERNELS],
+                     axis=1).min(axis=1)
+    deq = _opt(df, "metrics.dequant_cublas_us")
+    slower = df[(ours > deq) & (B <= 128)]
+    where = ", ".join(f"{shape[i]} {fmt[i]} B = {int(B[i])} ({ours[i]:.1f} against {deq[i]:.1f} us)"
+                      for i in slower.sort_values(["params.micro.fmt"]).index)
+    rows.append(("every B <= 128: an int4 kernel no slower than dequantize + cuBLAS",
+                 f"slower at {len(slower)} of {int(deq.notna().sum())} rows: {where}" if len(slower) else
+                 f"all {int(deq.notna().sum())} rows", "short" if len(slower) else "met"))
+    return pd.DataFrame(rows, columns=["target", "now (newest recorded rows)", ""]).to_markdown(index=False)
 
 
 def _pdl(df: pd.DataFrame) -> pd.Series:
@@ -327,9 +378,34 @@ def hybrid_27b(df: pd.DataFrame):
         "bf16 state: logit err": _opt(df, "metrics.bf16_state_logit_err"),
         "verified": check(num(df, "metrics.verify_ok")),
     }).sort_values(["weights", "state", "mode", "PDL", "B"], ascending=[False, False, False, True, True])
+    standing = hybrid_27b_standing(d.assign(_start=df["start_time"] if "start_time" in df else ""))
     md = d.to_markdown(index=False, floatfmt=("", "", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f", ".0%", ".1e",
                                               ""))
-    return md.replace("nan%", "—").replace("nan", "—"), None
+    return _standing(standing, md.replace("nan%", "—").replace("nan", "—")), None
+
+
+# the hybrid_27b targets: aggregate tok/s with Q4 weights (packed, the invariant kernels) and fp32 state, verified
+HYBRID_TARGETS = {1: 200, 32: 3_000, 128: 6_000}
+
+
+def hybrid_27b_standing(d: pd.DataFrame) -> str:
+    """Per B, the newest packed Q4 row of each mode and state (tok/s; ✗ where it did not verify), against the target
+    for static batching with fp32 state."""
+    d = d[(d["weights"] == "packed") & (d["int4 kernel"] == "invariant")].copy()
+    if d.empty:
+        return "No packed Q4 rows (engine.weights=packed, the invariant int4 kernels) recorded yet."
+    d["column"] = d["mode"] + d["state"].map(lambda v: ", bf16 state" if v == "bfloat16" else ", fp32 state"
+                                             ).where(d["mode"] == "static", "")
+    d = d.sort_values("_start").groupby(["column", "B"]).last().reset_index()
+    cell = [f"{v:,.0f}" + ("" if ok == "✓" else " ✗") for v, ok in zip(d["aggregate tok/s"], d["verified"])]
+    t = d.assign(cell=cell).pivot(index="B", columns="column", values="cell").fillna("—")
+    order = [c for c in ("static, fp32 state", "static, bf16 state", "continuous", "continuous, chunked") if c in t]
+    t = t[order + [c for c in t if c not in order]]
+    fp32 = d[d["column"] == "static, fp32 state"].set_index("B")["aggregate tok/s"]
+    t["target (static, fp32 state)"] = [f"{HYBRID_TARGETS[b]:,}" if b in HYBRID_TARGETS else "—" for b in t.index]
+    t["reached"] = [f"{fp32[b] / HYBRID_TARGETS[b]:.0%}" if b in HYBRID_TARGETS and b in fp32 else "—"
+                    for b in t.index]
+    return t.reset_index().to_markdown(index=False)
 
 
 def _serving(df: pd.DataFrame, first: dict) -> pd.DataFrame:

@@ -246,3 +246,54 @@ def test_store_reads_the_newest_sweep_unless_told_all(tmp_path):
     newest = report.runs_from_store("tbl", uri)
     assert sorted(newest["metrics.v"]) == [2.0, 3.0]
     assert sorted(report.runs_from_store("tbl", uri, newest=False)["metrics.v"]) == [1.0, 2.0, 3.0]
+
+
+def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
+    """The hybrid_27b report's first table: per B the newest packed Q4 (invariant) row of each mode and state, an
+    unverified row marked, dequantized-weight rows left out, the static fp32-state rows against the targets."""
+    def row(i, B, tok, state="float32", mode="static", weights="packed", ok=1.0, t=0):
+        return {"start_time": f"2026-11-30 1{t}:00:{i:02d}", "params.engine.weights": weights,
+                "params.engine.int4": "invariant", "params.kv_cache.state_dtype": state, "params.scheduler.mode": mode,
+                "params.scheduler.prefill": "token", "params.engine.pdl": "True", "params.batch.size": str(B),
+                "metrics.throughput_tok_s": tok, "metrics.verify_ok": ok, "metrics.pdl": 4.0}
+    df = pd.DataFrame([row(0, 32, 2000.0), row(1, 32, 2767.0, t=1), row(2, 32, 2964.0, state="bfloat16"),
+                       row(3, 32, 1638.0, mode="continuous", ok=0.0), row(4, 32, 9999.0, weights="dequant", t=2),
+                       row(5, 1, 150.2), row(6, 8, 993.0)])
+    md, _ = report.TABLES["hybrid_27b"](df)
+    standing = md.split("### Every recorded row")[0]
+    assert standing.startswith("### Where the targets stand")
+    line32 = next(l for l in standing.splitlines() if l.startswith("|  32 "))
+    assert "2,767" in line32 and "2,000" not in line32 and "9,999" not in line32, line32
+    assert "2,964" in line32 and "1,638 ✗" in line32 and "3,000" in line32 and "92%" in line32, line32
+    line8 = next(l for l in standing.splitlines() if l.startswith("|   8 "))
+    assert "993" in line8 and "%" not in line8, line8          # no target at B = 8
+    assert "75%" in next(l for l in standing.splitlines() if l.startswith("|   1 "))
+
+
+def test_int4_report_opens_with_the_targets_from_the_rows():
+    """The int4_gemm report's first table: B = 1 TB/s and the bf16 ratios of the fastest verified variant, met or
+    short, and every row where each int4 kernel that verified is slower than dequantize + cuBLAS (a faster kernel
+    that failed verification does not count)."""
+    def row(n, k, fmt, B, tbps=1.0, vs=1.0, best="cuda_mma_fold", fold=10.0, ws=None, ws_ok=1.0, deq=20.0):
+        r = {"params.micro.n": str(n), "params.micro.k": str(k), "params.micro.fmt": fmt, "params.batch.size": str(B),
+             "metrics.best_tbps": tbps, "metrics.best_us": fold, "metrics.best_speedup_vs_bf16": vs,
+             "tags.int4_best": best, "metrics.cuda_mma_fold_us": fold, "metrics.cuda_mma_fold_ok": 1.0,
+             "metrics.dequant_cublas_us": deq, "metrics.verify_ok": 1.0, "metrics.pdl": 3.0}
+        if ws is not None:
+            r.update({"metrics.cuda_wgmma_ws_us": ws, "metrics.cuda_wgmma_ws_ok": ws_ok})
+        return r
+    df = pd.DataFrame([row(5120, 17408, "q4_0", 1, tbps=3.1, vs=3.2, fold=18.0),
+                       row(17408, 5120, "q4_0", 1, vs=2.9), row(5120, 12288, "q4_0", 1, vs=3.0),
+                       row(5120, 17408, "q4_0", 16, vs=2.6), row(17408, 5120, "q4_0", 16, vs=2.5),
+                       row(5120, 12288, "q4_0", 16, vs=2.7),
+                       row(2048, 2048, "q4_0", 128, fold=11.7, ws=9.0, ws_ok=0.0, deq=10.8),
+                       row(576, 576, "q4_1", 64, fold=6.0, ws=5.0, deq=5.8)])
+    md, _ = report.TABLES["int4_gemm"](df)
+    standing = md.split("### Every recorded row")[0]
+    lines = {l.split("|")[1].strip()[:8]: l for l in standing.splitlines() if l.startswith("| ")}
+    assert "3.10 TB/s" in lines["B = 1, 5"] and lines["B = 1, 5"].rstrip(" |").endswith("met")
+    assert "2.90x" in lines["B = 1: >"] and lines["B = 1: >"].rstrip(" |").endswith("short")
+    assert lines["B = 16: "].rstrip(" |").endswith("met")
+    never = lines["every B "]
+    assert "slower at 1 of 8 rows" in never and "2048x2048 q4_0 B = 128 (11.7 against 10.8 us)" in never, never
+    assert "576x576" not in never and never.rstrip(" |").endswith("short")
