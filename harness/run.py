@@ -90,14 +90,13 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
         raise ConfigError(f"engine.gemm={e.gemm!r}; choose triton or cublas")
     if e.weights not in ("dequant", "packed"):
         raise ConfigError(f"engine.weights={e.weights!r}; choose dequant or packed")
+    from kernels.int4_dispatch import POLICIES
+
+    if e.int4 not in POLICIES:   # refused with dense weights too: a misspelled policy must not pass unnoticed
+        raise ConfigError(f"engine.int4={e.int4!r}; choose one of {POLICIES}")
     if e.weights == "packed" and backend != "triton":
         raise ConfigError("engine.weights=packed runs on the triton backend (the torch reference model reads dense "
                           "weights); use engine.weights=dequant with engine.backend=torch")
-    if e.weights == "packed":
-        from kernels.int4_dispatch import POLICIES
-
-        if e.int4 not in POLICIES:
-            raise ConfigError(f"engine.int4={e.int4!r}; choose one of {POLICIES}")
     if e.threads > 0:
         torch.set_num_threads(e.threads)
     return dev, dtype, backend

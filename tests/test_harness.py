@@ -222,6 +222,19 @@ def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_p
         run_job(cfg, tmp_path / "out")
 
 
+def test_misspelled_int4_policy_is_refused_whatever_the_weights(tmp_path):
+    """engine.int4 names the packed projections' kernel policy; with dense weights it does nothing, yet a typo there
+    is refused (before the model loads) rather than run as if it had been accepted."""
+    from engine.errors import ConfigError
+    from harness.run import resolve_engine
+
+    for weights in ("dequant", "packed"):
+        cfg = cfg_of(*tiny(tmp_path, "engine.int4=invariantt", f"engine.weights={weights}"))
+        with pytest.raises(ConfigError, match="engine.int4='invariantt'"):
+            resolve_engine(cfg.engine)
+    assert resolve_engine(cfg_of(*tiny(tmp_path, "engine.int4=fastest")).engine)[0].type in ("cpu", "cuda")
+
+
 @pytest.mark.parametrize("override, msg", [("sampling.temperature=-1", "0 for greedy"),
                                             ("sampling.top_p=0", r"\(0, 1\]"), ("sampling.top_k=-5", "whole vocabulary")])
 def test_bad_sampling_is_refused_before_loading(tmp_path, monkeypatch, override, msg):
