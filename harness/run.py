@@ -97,9 +97,29 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
     if e.weights == "packed" and backend != "triton":
         raise ConfigError("engine.weights=packed runs on the triton backend (the torch reference model reads dense "
                           "weights); use engine.weights=dequant with engine.backend=torch")
+    if e.threads < 0:
+        raise ConfigError(f"engine.threads={e.threads}; 0 leaves torch's default, or give a positive thread count")
     if e.threads > 0:
         torch.set_num_threads(e.threads)
     return dev, dtype, backend
+
+
+def check_kv_cache(kvc, backend: str) -> None:
+    """The KV-cache settings a job would otherwise trip over after the model has loaded (or divide by zero on)."""
+    if kvc.layout not in ("contiguous", "paged"):
+        raise ConfigError(f"kv_cache.layout={kvc.layout!r}; choose contiguous or paged")
+    if kvc.block_size < 1:
+        raise ConfigError(f"kv_cache.block_size={kvc.block_size}; a block holds at least one position")
+    bs = kvc.block_size
+    if kvc.layout == "paged" and backend == "triton" and (bs < 16 or bs & (bs - 1)):
+        raise ConfigError(f"kv_cache.block_size={bs}: the Triton paged attention reads blocks of a power of two >= 16 "
+                          "positions; use 16, 32, 64, ...")
+    if kvc.num_blocks != 0 and kvc.num_blocks < 2:
+        raise ConfigError(f"kv_cache.num_blocks={kvc.num_blocks}; 0 sizes the pool from the slots and ctx, else give at "
+                          "least 2 (block 0 is the scratch block)")
+    if kvc.pool_vs_peak < 0:
+        raise ConfigError(f"kv_cache.pool_vs_peak={kvc.pool_vs_peak}; 0 (off) or a positive multiple of the peak "
+                          "block demand")
 
 
 _IN_MEMORY: dict = {}  # the last in-memory synthetic model built, reused by the next job of a sweep
@@ -243,6 +263,7 @@ def run_job(cfg, out_dir: Path) -> float:
         raise ConfigError(f"scheduler.token_budget={cfg.scheduler.token_budget}: a step runs at most {BUCKETS[-1]} rows "
                           f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
     sampling = sampling_params(cfg)
+    check_kv_cache(cfg.kv_cache, resolve_engine(cfg.engine)[2])
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)

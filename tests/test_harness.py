@@ -222,6 +222,42 @@ def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_p
         run_job(cfg, tmp_path / "out")
 
 
+@pytest.mark.parametrize("overrides, msg", [
+    (["scheduler=continuous", "workload.num_requests=2", "kv_cache.layout=paged", "kv_cache.block_size=0"],
+     "block_size=0"),
+    (["scheduler=continuous", "workload.num_requests=2", "kv_cache.layout=pagd"], "layout='pagd'"),
+    (["scheduler=continuous", "workload.num_requests=2", "kv_cache.layout=paged", "kv_cache.num_blocks=1"],
+     "num_blocks=1.*scratch"),
+    (["scheduler=continuous", "workload.num_requests=2", "kv_cache.layout=paged", "kv_cache.pool_vs_peak=-2"],
+     "pool_vs_peak=-2"),
+    (["engine.threads=-3"], "engine.threads=-3")])
+def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypatch, overrides, msg):
+    """Before, a paged block size of 0 divided by zero, one block raised a bare ValueError after the model loaded, and a
+    negative pool multiple or thread count ran as if they were 0."""
+    from engine.errors import ConfigError
+    from harness import run
+
+    monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the settings were checked"))
+    with pytest.raises(ConfigError, match=msg):
+        run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
+
+
+def test_paged_block_size_for_the_triton_kernels():
+    """The Triton paged attention reads power-of-two blocks of 16+ positions; the torch reference takes any size."""
+    from types import SimpleNamespace
+
+    from engine.errors import ConfigError
+    from harness.run import check_kv_cache
+
+    kv = lambda bs: SimpleNamespace(layout="paged", block_size=bs, num_blocks=0, pool_vs_peak=0.0)  # noqa: E731
+    for bs in (4, 24, 8):
+        with pytest.raises(ConfigError, match="power of two >= 16"):
+            check_kv_cache(kv(bs), "triton")
+        check_kv_cache(kv(bs), "torch")
+    check_kv_cache(kv(32), "triton")
+    check_kv_cache(SimpleNamespace(layout="contiguous", block_size=4, num_blocks=0, pool_vs_peak=0.0), "triton")
+
+
 def test_misspelled_int4_policy_is_refused_whatever_the_weights(tmp_path):
     """engine.int4 names the packed projections' kernel policy; with dense weights it does nothing, yet a typo there
     is refused (before the model loads) rather than run as if it had been accepted."""
