@@ -262,6 +262,11 @@ def run_job(cfg, out_dir: Path) -> float:
     if cfg.scheduler.prefill == "chunked" and cfg.scheduler.mode != "static" and cfg.scheduler.token_budget > BUCKETS[-1]:
         raise ConfigError(f"scheduler.token_budget={cfg.scheduler.token_budget}: a step runs at most {BUCKETS[-1]} rows "
                           f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
+    if not 0 <= w.min_new_tokens <= w.max_new_tokens:
+        raise ConfigError(f"workload.min_new_tokens={w.min_new_tokens} with max_new_tokens={w.max_new_tokens}: a serving "
+                          "request's length is drawn from [min, max]; give 0 (every request max) or 1..max_new_tokens")
+    if w.num_requests < 0:
+        raise ConfigError(f"workload.num_requests={w.num_requests}; 0 (a static batch) or a positive request count")
     sampling = sampling_params(cfg)
     check_kv_cache(cfg.kv_cache, resolve_engine(cfg.engine)[2])
     built = build(cfg)

@@ -92,7 +92,6 @@ class WorkloadCfg:
     prompt: str = MISSING
     chat: bool = True  # render through the model's chat template
     synthetic_prompt_len: int = 22  # token count for models without a tokenizer (the seed's length)
-    shared_prefix_len: int = 0
     num_requests: int = 0  # serving workloads: requests drawn from the prompt (0 = static batch of B copies)
     min_new_tokens: int = 0  # serving: each request's max-gen uniform in [min_new_tokens, max_new_tokens]
     seed: int = 0

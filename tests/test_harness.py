@@ -230,7 +230,9 @@ def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_p
      "num_blocks=1.*scratch"),
     (["scheduler=continuous", "workload.num_requests=2", "kv_cache.layout=paged", "kv_cache.pool_vs_peak=-2"],
      "pool_vs_peak=-2"),
-    (["engine.threads=-3"], "engine.threads=-3")])
+    (["engine.threads=-3"], "engine.threads=-3"),
+    (["scheduler=continuous", "workload.num_requests=2", "workload.min_new_tokens=100"], "min_new_tokens=100"),
+    (["workload.num_requests=-1"], "num_requests=-1")])
 def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypatch, overrides, msg):
     """Before, a paged block size of 0 divided by zero, one block raised a bare ValueError after the model loaded, and a
     negative pool multiple or thread count ran as if they were 0."""
@@ -240,6 +242,13 @@ def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypat
     monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the settings were checked"))
     with pytest.raises(ConfigError, match=msg):
         run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
+
+
+def test_workload_has_no_shared_prefix_len_key():
+    """Every request of a serving job is the same prompt, so the shared prefix is the whole prompt (pinned mode pins its
+    block-aligned part); a shared_prefix_len key that changed nothing is gone, and setting it is a composition error."""
+    with pytest.raises(ConfigCompositionException, match="shared_prefix_len"):
+        cfg_of("workload.shared_prefix_len=16")
 
 
 def test_paged_block_size_for_the_triton_kernels():
