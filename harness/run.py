@@ -241,7 +241,31 @@ def sampling_params(cfg) -> SamplingParams:
     return SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
 
 
+def check_micro(cfg) -> None:
+    """A micro-benchmark's sizes, before any device is touched (a zero or negative size would fail inside a kernel,
+    or time nothing)."""
+    m = cfg.micro
+    if cfg.job == "int4_gemm":
+        if not m.batches or any(int(b) < 1 for b in m.batches):
+            raise ConfigError(f"micro.batches={list(m.batches)}; give one or more batch sizes >= 1")
+        return
+    if cfg.batch.size < 1:
+        raise ConfigError(f"batch.size={cfg.batch.size}; need at least one row")
+    dims = {"n": m.n, "k": m.k, "n_heads": m.n_heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "ctx": m.ctx,
+            "gdn_k_heads": m.gdn_k_heads, "gdn_v_heads": m.gdn_v_heads, "gdn_dim": m.gdn_dim}
+    bad = {k: v for k, v in dims.items() if v < 1}
+    if bad:
+        raise ConfigError(f"micro.{', micro.'.join(f'{k}={v}' for k, v in bad.items())}: sizes must be >= 1")
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(f"micro.n_heads={m.n_heads} is not a multiple of micro.kv_heads={m.kv_heads} (grouped-query "
+                          "attention shares each KV head among a whole number of query heads)")
+    if m.gdn_v_heads % m.gdn_k_heads:
+        raise ConfigError(f"micro.gdn_v_heads={m.gdn_v_heads} is not a multiple of micro.gdn_k_heads={m.gdn_k_heads}")
+
+
 def run_job(cfg, out_dir: Path) -> float:
+    if cfg.job != "decode":
+        check_micro(cfg)
     if cfg.job == "int4_gemm":  # one job, one recorded run per (shape, format, B)
         from harness.int4_bench import run_int4_gemm
 

@@ -244,6 +244,20 @@ def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypat
         run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
 
 
+@pytest.mark.parametrize("overrides, msg", [
+    (["job=int4_gemm", "micro.batches=[1,0]"], r"micro.batches=\[1, 0\]"),
+    (["job=decode_attention", "micro.kv_heads=5"], "multiple of micro.kv_heads=5"),
+    (["job=gdn_step", "micro.gdn_dim=0"], "micro.gdn_dim=0"),
+    (["job=gdn_step", "micro.gdn_v_heads=40", "micro.gdn_k_heads=16"], "gdn_v_heads=40"),
+    (["job=projection_crossover", "batch.size=0"], "batch.size=0")])
+def test_bad_micro_sizes_are_refused_before_the_device(tmp_path, overrides, msg):
+    """Checked before the jobs' own CUDA check, so a CPU machine sees the same refusal as the GPU would."""
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=msg):
+        run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
+
+
 def test_workload_has_no_shared_prefix_len_key():
     """Every request of a serving job is the same prompt, so the shared prefix is the whole prompt (pinned mode pins its
     block-aligned part); a shared_prefix_len key that changed nothing is gone, and setting it is a composition error."""
