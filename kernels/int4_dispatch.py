@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         import pandas as pd
 
+        if not os.path.isfile(args.csv):
+            ap.error(f"--csv {args.csv}: no such file (experiments/int4_gemm/runs.csv holds the recorded rows)")
         df = pd.read_csv(args.csv, dtype=str)
     else:
         from harness.report import runs_from_store

@@ -220,6 +220,9 @@ def test_table_entries_from_recorded_runs(tmp_path, capsys):
     assert disp.main(["--csv", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "(5120, 17408, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda'" in printed
+    with pytest.raises(SystemExit) as e:                   # a missing file: an argparse error naming it, exit 2
+        disp.main(["--csv", str(tmp_path / "missing.csv")])
+    assert e.value.code == 2 and "missing.csv: no such file" in capsys.readouterr().err
 
 
 def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
