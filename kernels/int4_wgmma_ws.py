@@ -130,9 +130,9 @@ X_IN_GEMM_MAX_BT = 8
 FRESH_MIN_BT = 128
 # the consumers on mma.sync (CMMA; config "MMA") in batch tiles of up to MMA_MAX_BT sequences, two consumer warpgroups
 # of two m64 tiles (MMA_CWG: each x fragment then feeds two tiles' mmas); wgmma above. The same bits either way (the
-# same products and k16 order per element; equal on the H200 at every shape and B probed). H200 probe at f960f0c,
-# us per call (int4_gemm's method: one CUDA graph over rotated weights), wgmma consumers (four warpgroups) / mma.sync
-# (two) / mma.sync (four), B = 1: 34816x5120 Q4_K 42.6 / 40.2 / 42.5, 16384x5120 21.8 / 20.7 / 21.7, 5120x17408 23.7
+# same products and k16 order per element; equal on the H200 at every shape and B probed). H200 probe of d3b9c93's
+# source, us per call (int4_gemm's method: one CUDA graph over rotated weights), wgmma consumers (four warpgroups) /
+# mma.sync (two) / mma.sync (four), B = 1: 34816x5120 Q4_K 42.6 / 40.2 / 42.5, 16384x5120 21.8 / 20.7 / 21.7, 5120x17408 23.7
 # / 22.6 / 24.1, 5120x6144 10.0 / 9.5 / 10.0, 14336x5120 21.5 / 20.1 / 21.6, Q4_0 5120x17408 21.9 / 20.8 / 19.6,
 # 17408x5120 28.9 / 27.1 / 26.9; B = 8: 34816x5120 43.1 / 41.1 / 42.8, 16384x5120 22.6 / 23.1 / 22.3, 5120x17408
 # 26.0 / 27.2 / 25.0, 14336x5120 21.9 / 21.4 / 22.3, Q4_0 17408x5120 29.6 / 27.2 / 27.5. From 16 sequences mma.sync
