@@ -132,13 +132,13 @@ FRESH_MIN_BT = 128
 # of two m64 tiles (MMA_CWG: each x fragment then feeds two tiles' mmas); wgmma above. The same bits either way (the
 # same products and k16 order per element; equal on the H200 at every shape and B probed). H200 probe of d3b9c93's
 # source, us per call (int4_gemm's method: one CUDA graph over rotated weights), wgmma consumers (four warpgroups) /
-# mma.sync (two) / mma.sync (four), B = 1: 34816x5120 Q4_K 42.6 / 40.2 / 42.5, 16384x5120 21.8 / 20.7 / 21.7, 5120x17408 23.7
-# / 22.6 / 24.1, 5120x6144 10.0 / 9.5 / 10.0, 14336x5120 21.5 / 20.1 / 21.6, Q4_0 5120x17408 21.9 / 20.8 / 19.6,
-# 17408x5120 28.9 / 27.1 / 26.9; B = 8: 34816x5120 43.1 / 41.1 / 42.8, 16384x5120 22.6 / 23.1 / 22.3, 5120x17408
-# 26.0 / 27.2 / 25.0, 14336x5120 21.9 / 21.4 / 22.3, Q4_0 17408x5120 29.6 / 27.2 / 27.5. From 16 sequences mma.sync
-# loses, more the more sequences (B = 32: 52.6 / 54.7 / 58.5 on 34816x5120; B = 128: 89.4 / 149.8 / 337.2): the tensor
-# work per sequence is what grows, and wgmma does it at a higher rate. The ring's depth is not what limits these
-# tiles: 8 or 10 stages (227 KB) against 4 (99 KB) moved no B = 1 or 8 time by more than ~1 us either way.
+# mma.sync (two) / mma.sync (four), B = 1: 34816x5120 Q4_K 42.6 / 40.2 / 42.5, 16384x5120 21.8 / 20.7 / 21.7, 5120x17408
+# 23.7 / 22.6 / 24.1, 5120x6144 10.0 / 9.5 / 10.0, 14336x5120 21.5 / 20.1 / 21.6, Q4_0 5120x17408 21.9 / 20.8 / 19.6,
+# 17408x5120 28.9 / 27.1 / 26.9; B = 8: 34816x5120 43.1 / 41.1 / 42.8, 16384x5120 22.6 / 23.1 / 22.3, 5120x17408 26.0 /
+# 27.2 / 25.0, 14336x5120 21.9 / 21.4 / 22.3, Q4_0 17408x5120 29.6 / 27.2 / 27.5. From 16 sequences mma.sync loses, more
+# the more sequences (B = 32: 52.6 / 54.7 / 58.5 on 34816x5120; B = 128: 89.4 / 149.8 / 337.2): the tensor work per
+# sequence is what grows, and wgmma does it at a higher rate. The ring's depth is not what limits these tiles: 8 or 10
+# stages (227 KB) against 4 (99 KB) moved no B = 1 or 8 time by more than ~1 us either way.
 MMA_MAX_BT = 8
 MMA_CWG = 2
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
