@@ -16,13 +16,13 @@ from engine.errors import ConfigError
 from engine.gguf_loader import load_gguf
 from engine.kv_cache import ContiguousKVCache
 from engine.models import build_model
-from engine.runner import BUCKETS
 from engine.sampler import SamplingParams
 from engine.state_pool import HybridCache
 from engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits, run_static
 from engine.tokenizer import Tokenizer
 from engine.verify import verify_greedy, verify_sampled
 from harness import tracking
+from harness.checks import check_decode, check_micro
 from harness.roofline import copy_bandwidth, decode_floor_bytes, hybrid_floor_bytes, weight_bytes_per_step
 from harness.synth import resolve_gguf
 from harness.workload import prompt_ids, workload_digest
@@ -102,24 +102,6 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
     if e.threads > 0:
         torch.set_num_threads(e.threads)
     return dev, dtype, backend
-
-
-def check_kv_cache(kvc, backend: str) -> None:
-    """The KV-cache settings a job would otherwise trip over after the model has loaded (or divide by zero on)."""
-    if kvc.layout not in ("contiguous", "paged"):
-        raise ConfigError(f"kv_cache.layout={kvc.layout!r}; choose contiguous or paged")
-    if kvc.block_size < 1:
-        raise ConfigError(f"kv_cache.block_size={kvc.block_size}; a block holds at least one position")
-    bs = kvc.block_size
-    if kvc.layout == "paged" and backend == "triton" and (bs < 16 or bs & (bs - 1)):
-        raise ConfigError(f"kv_cache.block_size={bs}: the Triton paged attention reads blocks of a power of two >= 16 "
-                          "positions; use 16, 32, 64, ...")
-    if kvc.num_blocks != 0 and kvc.num_blocks < 2:
-        raise ConfigError(f"kv_cache.num_blocks={kvc.num_blocks}; 0 sizes the pool from the slots and ctx, else give at "
-                          "least 2 (block 0 is the scratch block)")
-    if kvc.pool_vs_peak < 0:
-        raise ConfigError(f"kv_cache.pool_vs_peak={kvc.pool_vs_peak}; 0 (off) or a positive multiple of the peak "
-                          "block demand")
 
 
 _IN_MEMORY: dict = {}  # the last in-memory synthetic model built, reused by the next job of a sweep
@@ -241,28 +223,6 @@ def sampling_params(cfg) -> SamplingParams:
     return SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)
 
 
-def check_micro(cfg) -> None:
-    """A micro-benchmark's sizes, before any device is touched (a zero or negative size would fail inside a kernel,
-    or time nothing)."""
-    m = cfg.micro
-    if cfg.job == "int4_gemm":
-        if not m.batches or any(int(b) < 1 for b in m.batches):
-            raise ConfigError(f"micro.batches={list(m.batches)}; give one or more batch sizes >= 1")
-        return
-    if cfg.batch.size < 1:
-        raise ConfigError(f"batch.size={cfg.batch.size}; need at least one row")
-    dims = {"n": m.n, "k": m.k, "n_heads": m.n_heads, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "ctx": m.ctx,
-            "gdn_k_heads": m.gdn_k_heads, "gdn_v_heads": m.gdn_v_heads, "gdn_dim": m.gdn_dim}
-    bad = {k: v for k, v in dims.items() if v < 1}
-    if bad:
-        raise ConfigError(f"micro.{', micro.'.join(f'{k}={v}' for k, v in bad.items())}: sizes must be >= 1")
-    if m.n_heads % m.kv_heads:
-        raise ConfigError(f"micro.n_heads={m.n_heads} is not a multiple of micro.kv_heads={m.kv_heads} (grouped-query "
-                          "attention shares each KV head among a whole number of query heads)")
-    if m.gdn_v_heads % m.gdn_k_heads:
-        raise ConfigError(f"micro.gdn_v_heads={m.gdn_v_heads} is not a multiple of micro.gdn_k_heads={m.gdn_k_heads}")
-
-
 def run_job(cfg, out_dir: Path) -> float:
     if cfg.job != "decode":
         check_micro(cfg)
@@ -277,22 +237,8 @@ def run_job(cfg, out_dir: Path) -> float:
             raise ConfigError(f"job={cfg.job!r}; choose decode or one of {sorted(MICRO)}")
         return run_micro(cfg, out_dir)
     w, B = cfg.workload, cfg.batch.size
-    if B < 1:
-        raise ConfigError(f"batch.size={B}; need at least one slot")
-    if cfg.scheduler.mode not in ("static", "wave", "continuous"):
-        raise ConfigError(f"scheduler.mode={cfg.scheduler.mode!r}; choose static, wave or continuous")
-    if cfg.scheduler.mode == "static" and cfg.kv_cache.layout != "contiguous":
-        raise ConfigError("static batching uses the contiguous KV layout; paged KV serves scheduler.mode=wave|continuous")
-    if cfg.scheduler.prefill == "chunked" and cfg.scheduler.mode != "static" and cfg.scheduler.token_budget > BUCKETS[-1]:
-        raise ConfigError(f"scheduler.token_budget={cfg.scheduler.token_budget}: a step runs at most {BUCKETS[-1]} rows "
-                          f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
-    if not 0 <= w.min_new_tokens <= w.max_new_tokens:
-        raise ConfigError(f"workload.min_new_tokens={w.min_new_tokens} with max_new_tokens={w.max_new_tokens}: a serving "
-                          "request's length is drawn from [min, max]; give 0 (every request max) or 1..max_new_tokens")
-    if w.num_requests < 0:
-        raise ConfigError(f"workload.num_requests={w.num_requests}; 0 (a static batch) or a positive request count")
+    check_decode(cfg, resolve_engine(cfg.engine)[2])
     sampling = sampling_params(cfg)
-    check_kv_cache(cfg.kv_cache, resolve_engine(cfg.engine)[2])
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)

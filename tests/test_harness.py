@@ -270,7 +270,7 @@ def test_paged_block_size_for_the_triton_kernels():
     from types import SimpleNamespace
 
     from engine.errors import ConfigError
-    from harness.run import check_kv_cache
+    from harness.checks import check_kv_cache
 
     kv = lambda bs: SimpleNamespace(layout="paged", block_size=bs, num_blocks=0, pool_vs_peak=0.0)  # noqa: E731
     for bs in (4, 24, 8):
