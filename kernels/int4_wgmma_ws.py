@@ -138,7 +138,8 @@ FRESH_MIN_BT = 128
 # 27.2 / 25.0, 14336x5120 21.9 / 21.4 / 22.3, Q4_0 17408x5120 29.6 / 27.2 / 27.5. From 16 sequences mma.sync loses, more
 # the more sequences (B = 32: 52.6 / 54.7 / 58.5 on 34816x5120; B = 128: 89.4 / 149.8 / 337.2): the tensor work per
 # sequence is what grows, and wgmma does it at a higher rate. The ring's depth is not what limits these tiles: 8 or 10
-# stages (227 KB) against 4 (99 KB) moved no B = 1 or 8 time by more than ~1 us either way.
+# stages (227 KB) against 4 (99 KB) moved the B = 1 and 8 times of the eight shapes by -1.3..+1.7 us, in no consistent
+# direction (5120x12288 Q4_0 B = 8: 18.3 us with 4 stages, 19.4 with 8, 20.0 with 10; 34816x5120 B = 8: 44.4 / 43.1).
 MMA_MAX_BT = 8
 MMA_CWG = 2
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
