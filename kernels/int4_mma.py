@@ -134,6 +134,12 @@ FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in F
 # B = 1 / 8: 5120x17408 Q4_K 22.4 / 27.3 us against 23.7 / 28.8, 5120x6144 11.7 / 14.1 against 12.9 / 14.9, 16384x5120
 # 23.6 / 27.3 against 24.0 / 28.3, 14336x5120 20.0 / 25.8 against 20.3 / 26.5; within noise or slower on 34816x5120 Q4_K
 # and the Q4_0 shapes.
+# Re-swept at d75e6e9 (H200, cold weights, partials deferred as in the step, late release as in an engine of 1), B = 1:
+# RT 2/4/8 x MT 1/2 x MINB 3/4 x 5-6 splits per shape; the entries below were within 0.25 us of the best on 34816x5120
+# (36.6 us), 16384x5120 (19.1), 5120x17408 (19.4) and 5120x6144 (9.0), and 14336x5120 gained 0.6 us with 8 splits
+# (16.6 against 17.2; not taken: 16 calls a step). B = 16 / 32 (RT16 4/8/16 x U16 1/2 x MINB16 1-3 x MT16 1/2, the
+# same splits): the best shape beat these entries by up to 16% (17408x5120 Q4_0 B = 16: 28.4 against 33.8 us) but
+# never the kernel the dispatch picks there (27.3, cuda_wgmma_x2).
 MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (34816, 5120, "q4_k"): {"MT": 2, "RT": 4, "U": 2, "MINB": 3, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   B = 16 / 32: 61.2 / 83.2 us against 59.8 / 87.3 with 32 warps of one tile (59.5 / 88.9 against 61.8 / 94.6

@@ -33,7 +33,13 @@ chains of one GEMM gain at 1-32 sequences (5120x17408 Q4_0, B = 1: 18.25 / 18.07
 wgmma on the small shapes (4096x4096 B = 32 11.07 / 12.74). In the graphed steps, where a GEMM is followed by a norm
 or a gate rather than another GEMM, less is left: the 27B hybrid B = 1 6.79 / 6.75 ms, B = 8 8.39 / 8.37, B = 32
 11.42-11.60 / 11.48 (noise), B = 128 26.67-26.81 / 26.66-26.78; Llama-3.2-1B Q4_0 packed B = 1 0.570 / 0.566,
-B = 32 0.938 / 0.952, B = 128 1.35 / 1.45. So the release is on up to 8 sequences.
+B = 32 0.938 / 0.952, B = 128 1.35 / 1.45. So the release is on up to 8 sequences. Releasing from the tensor-core
+mma kernels (kernels/int4_mma.py) at every batch while the others keep the limit was tried too (H200 probe at d75e6e9,
+int4_gemm's method, us per call without / with): it pays at 16 sequences (960x576 Q4_1 4.4 / 3.6, 3072x576 5.5 / 4.5,
+4096x4096 Q4_0 10.7 / 9.3) but is mixed above (B = 32: 576x576 6.0 / 4.7, 2048x2048 7.6 / 8.5, 3072x576 6.4 / 6.9;
+B = 128: 576x1536 9.1 / 8.1, 960x576 6.4 / 6.9), and so are the steps (switch_ab, one process, ms per step:
+SmolLM2-135M shapes Q4_1 B = 32 0.954 / 0.973, B = 128 1.359 / 1.304; Llama-3.2-1B Q4_0 0.942 / 0.950 and 1.371 /
+1.369): not kept.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
