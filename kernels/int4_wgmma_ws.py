@@ -51,7 +51,10 @@ bulk copies (3-5% on 34816x5120, none on 5120x17408); the stage index stepped in
 stages instead of 8 (the same). Scales stored ready-made would not help either: Q4_1, whose 16-bit scale and offset per
 group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B = 1: 28.9 / 46.0 us against 27.4 /
 44.6; Q4_0, without offsets, 25.9 / 41.3). Tried at e8d971c without gain: the consumers reading the next quad's
-fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B. Every
+fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B.
+Tried at ea25c3b without gain: two or three words' wgmma groups left in flight instead of one (apply_quad_wg's wait;
+the same bits): the 27B's four Q4_K shapes and two Q4_0 at B = 16 / 32 / 64 / 128 moved -1.1..+2.1 us (34816x5120
+B = 32: 52.6 / 52.8 / 53.2 us with one / two / three), so the wgmma round trip is not what the consumers wait on. Every
 split-K build of 16+ sequences zeroes its accumulators inside the consumers' K loop, and ptxas then serializes every
 wgmma of the kernel (its warning C7515, found compiling the source offline with nvcc: each wgmma waits for the one
 before). In batch tiles of FRESH_MIN_BT (128: more than 64 sequences) a segment's first quad writes the accumulators
