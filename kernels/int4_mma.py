@@ -139,7 +139,12 @@ FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in F
 # (36.6 us), 16384x5120 (19.1), 5120x17408 (19.4) and 5120x6144 (9.0), and 14336x5120 gained 0.6 us with 8 splits
 # (16.6 against 17.2; not taken: 16 calls a step). B = 16 / 32 (RT16 4/8/16 x U16 1/2 x MINB16 1-3 x MT16 1/2, the
 # same splits): the best shape beat these entries by up to 16% (17408x5120 Q4_0 B = 16: 28.4 against 33.8 us) but
-# never the kernel the dispatch picks there (27.3, cuda_wgmma_x2).
+# never the kernel the dispatch picks there (27.3, cuda_wgmma_x2). Why B = 1 is where it is (ncu at eb9811c, clocks
+# locked by ncu, cold weights): 34816x5120 issues 0.61 instructions per scheduler per cycle with 3.5 active warps
+# (124 registers: 4 blocks per SM, 25% theoretical occupancy), 5120x17408 0.67 with 6.8 (64 registers, 50%); DRAM at
+# 42-46% of peak. More warps do not help: MINB 5 / 6 / 8 (fewer registers, the same splits and bits) were 0.3-2.3 us
+# slower on all five 27B shapes (34816x5120 U1 MINB6 39.0 against 36.7), so the kernel is bound by the instructions
+# it issues per weight, and a faster B = 1 needs fewer of them.
 MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (34816, 5120, "q4_k"): {"MT": 2, "RT": 4, "U": 2, "MINB": 3, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   B = 16 / 32: 61.2 / 83.2 us against 59.8 / 87.3 with 32 warps of one tile (59.5 / 88.9 against 61.8 / 94.6

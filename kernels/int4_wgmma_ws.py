@@ -54,7 +54,13 @@ group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B =
 fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B.
 Tried at ea25c3b without gain: two or three words' wgmma groups left in flight instead of one (apply_quad_wg's wait;
 the same bits): the 27B's four Q4_K shapes and two Q4_0 at B = 16 / 32 / 64 / 128 moved -1.1..+2.1 us (34816x5120
-B = 32: 52.6 / 52.8 / 53.2 us with one / two / three), so the wgmma round trip is not what the consumers wait on. Every
+B = 32: 52.6 / 52.8 / 53.2 us with one / two / three), so the wgmma round trip is not what the consumers wait on.
+What the time follows instead (ncu at eb9811c, clocks locked by ncu, 34816x5120 Q4_K, one launch each): B = 8 (mma.sync
+consumers) 18.6 M instructions in 56.7 us, B = 32 22.3 M in 67.0 us, B = 128 26.4 M in 113.0 us; 0.48 / 0.50 / 0.37
+issued per scheduler per cycle, half the cycles with no eligible warp; stalls per issued instruction: long scoreboard
+1.9 / 1.6 / 2.0, fixed-latency waits 0.8 / 1.1 / 1.4, warpgroup barriers 0.1 / 0.2 / 3.5. From 8 to 32 sequences the
+time grows as the instruction count does (+18% / +20%) at the same issue rate: at 32 the kernel is bound by what its
+consumers issue, not by the tensor pipe or by DRAM (34-39% of peak); at 128 the warpgroup-aligned waits join in. Every
 split-K build of 16+ sequences zeroes its accumulators inside the consumers' K loop, and ptxas then serializes every
 wgmma of the kernel (its warning C7515, found compiling the source offline with nvcc: each wgmma waits for the one
 before). In batch tiles of FRESH_MIN_BT (128: more than 64 sequences) a segment's first quad writes the accumulators
