@@ -60,7 +60,12 @@ consumers) 18.6 M instructions in 56.7 us, B = 32 22.3 M in 67.0 us, B = 128 26.
 issued per scheduler per cycle, half the cycles with no eligible warp; stalls per issued instruction: long scoreboard
 1.9 / 1.6 / 2.0, fixed-latency waits 0.8 / 1.1 / 1.4, warpgroup barriers 0.1 / 0.2 / 3.5. From 8 to 32 sequences the
 time grows as the instruction count does (+18% / +20%) at the same issue rate: at 32 the kernel is bound by what its
-consumers issue, not by the tensor pipe or by DRAM (34-39% of peak); at 128 the warpgroup-aligned waits join in. Every
+consumers issue, not by the tensor pipe or by DRAM (34-39% of peak); at 128 the warpgroup-aligned waits join in.
+Where a consumer's cycles go at B = 32 (ncu source counters, the same launch, 5,444 stall samples; per consumer warp and
+quad 64 HFMA2, 36 LOP3 and 27 SHF make the A fragments, 8 HGMMA): the full barrier's try-wait loop 15% (data not yet in
+its stage, although the ring holds 8), the HGMMAs 15%, the dequantizing HFMA2 / LOP3 / SHF 27%, integer and uniform
+address arithmetic (IMAD, UIADD3, LEA, VIADD, USHF, ULEA, ...) ~15%. The shifts would go with fp16 activations (a
+nibble at bits 4-7 fits fp16's mantissa, not bf16's): ~16 of the ~256 instructions per consumer warp and quad. Every
 split-K build of 16+ sequences zeroes its accumulators inside the consumers' K loop, and ptxas then serializes every
 wgmma of the kernel (its warning C7515, found compiling the source offline with nvcc: each wgmma waits for the one
 before). In batch tiles of FRESH_MIN_BT (128: more than 64 sequences) a segment's first quad writes the accumulators
