@@ -273,8 +273,13 @@ INT4_LARGE = ("5120x17408", "17408x5120", "5120x12288")
 
 
 def int4_gemm_standing(df: pd.DataFrame) -> str:
-    """The targets' table from the recorded rows (the fastest variant that verified, as the table's "fastest")."""
+    """The targets' table from the recorded rows (the fastest variant that verified, as the table's "fastest"); where
+    a shape and B were recorded more than once, the newest row (start_time) stands."""
+    if "start_time" in df:
+        df = df.sort_values("start_time", kind="stable")
     shape = num(df, "params.micro.n").astype("Int64").astype(str) + "x" + num(df, "params.micro.k").astype("Int64").astype(str)
+    newest = ~pd.DataFrame({"s": shape, "f": df["params.micro.fmt"], "b": df["params.batch.size"]}).duplicated(keep="last")
+    df, shape = df[newest], shape[newest]
     fmt, B = df["params.micro.fmt"], num(df, "params.batch.size")
     best = _tag(df, "tags.int4_best")
     rows = []

@@ -360,6 +360,9 @@ def test_int4_report_opens_with_the_targets_from_the_rows():
                        row(5120, 12288, "q4_0", 16, vs=2.7),
                        row(2048, 2048, "q4_0", 128, fold=11.7, ws=9.0, ws_ok=0.0, deq=10.8),
                        row(576, 576, "q4_1", 64, fold=6.0, ws=5.0, deq=5.8)])
+    df["start_time"] = "2026-11-30 12:00:00"
+    older = pd.DataFrame([row(5120, 17408, "q4_0", 1, tbps=2.0, vs=2.0, fold=28.0)]).assign(start_time="2026-11-29")
+    df = pd.concat([df, older], ignore_index=True)     # recorded earlier, listed last: the newer row stands
     md, _ = report.TABLES["int4_gemm"](df)
     standing = md.split("### Every recorded row")[0]
     lines = {l.split("|")[1].strip()[:8]: l for l in standing.splitlines() if l.startswith("| ")}
