@@ -85,8 +85,17 @@ X_IN_GEMM, in batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences: no staging la
 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's barrier after a
 proxy fence, while thread 0 copies only weights and never waits for the kernel before. It gives int4_wgmma's bits
 (the emulator and the GPU tests). Where it pays (27B hybrid steps, figures at the switch below): at 8 sequences,
-8.27 -> 8.20 ms; at 16 the step is 1% slower (9.28 -> 9.39), at 32 and 128 far slower. Not tried yet: fewer
-instructions per dequantized pair or per quad's addressing.
+8.27 -> 8.20 ms; at 16 the step is 1% slower (9.28 -> 9.39), at 32 and 128 far slower.
+Fewer instructions per quad would buy less than the ncu reading above suggests. H200 probe at a9f9205 (int4_gemm's
+method, outputs wrong; the consumer loop compiled offline with nvcc 13.0 and counted with cuobjdump: 226 instructions
+a quad at 32 sequences): Q4_K's scale arithmetic replaced by four PRMTs (201 a quad), the dequantizing shifts removed
+(202), both (177, -22%): 34816x5120 B = 16 45.6 / 46.1 / 44.1 / 42.6 us, B = 32 52.4 / 50.9 / 50.0 / 48.1, B = 128
+90.0 / 88.1 / 89.6 / 86.9; 5120x17408 B = 32 29.4 / 28.6 / 28.7 / 27.7; 16384x5120 B = 32 27.6 / 27.2 / 26.3 / 26.3.
+A fifth of the loop's instructions buys 5-8%. Per call, against K (34816xK and 5120xK Q4_K at 16 / 32 / 128
+sequences, 512 to 17408 columns), the time is a fixed part plus ~2.5-2.8 TB/s at 16-32 sequences (~1.6 at 128), the
+fixed part ~9 / 12 / 26 us on 34816 rows; much of it at 128 sequences was the stream-K epilogue (int4_wgmma's
+sk_combine, see there): with every store and partial removed (outputs wrong) 34816x5120 at B = 128 took 68.2 us
+against 90.6, at B = 32 47.1 against 51.6.
 """
 from __future__ import annotations
 
@@ -169,6 +178,8 @@ __device__ __forceinline__ void pdl_trigger() {
 // stream-K's combine (int4_wgmma's sk_combine) among the consumers only: the producer never meets them
 #define SK_SYNC() consumer_sync()
 #define SK_LEADER (threadIdx.x == 128)
+#define SK_CTID ((int)threadIdx.x - 128)
+#define SK_NCT (32 * RT)                /* the consumer warpgroups (RT / 4 = CWG) */
 #ifndef ONEPASS_HOST_EMU
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" :: "n"(128 * CWG) : "memory"); }
 // CMMA: four 8 x 8 matrices of 16-bit values from shared memory, lane l naming row l & 7 of matrix l >> 3; register m

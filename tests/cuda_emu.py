@@ -203,6 +203,9 @@ static inline int atomicAdd(int* p, int v) { const int o = *p; *p = o + v; retur
 static inline int atomicExch(int* p, int v) { const int o = *p; *p = v; return o; }
 static inline void __threadfence() {}
 static inline float __ldcg(const float* p) { return *p; }
+static inline float4 __ldcg(const float4* p) { return *p; }
+static inline void __stcg(float4* p, float4 v) { *p = v; }
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 template <int NN>
 static inline void wgmma_rs(float (&d)[NN], const unsigned (&a)[4], unsigned long long desc, int add) {
     const int tid = threadIdx.x & 127, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -317,7 +320,8 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """One launch of int4_mma's or int4_wgmma's source (its defines, then the emulator's shims, then the body) with
     the arguments run_packed gives it; split-K partials added in split order (int4_cuda's reduce kernel's order).
-    Stream-K (cfg["workers"]): the workspace and zeroed flags too, which the kernel must leave zero. shape, dtype:
+    Stream-K (cfg["workers"]): the workspace (a guard past its planned size must stay untouched) and zeroed flags
+    too, which the kernel must leave zero. shape, dtype:
     x's [M, K] and dtype where x is a staged image rather than the matrix."""
     from engine.quant_pack import GROUP
 
@@ -331,7 +335,8 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
     lib = _lib(h + "\n" + SHIM + SHIM_MMA + shims + f"#define KERNEL {kernel}\n#ifndef SK\n#define SK 0\n#endif\n"
                + body + LAUNCH_MMA)
     y = torch.zeros((S, M, N) if o32 else (M, N), dtype=torch.float32 if o32 else dtype)
-    ws = torch.full((max(1, cfg.get("workspace_floats", 0)),), float("nan"))
+    n_ws = max(1, cfg.get("workspace_floats", 0))
+    ws = torch.full((2 * n_ws + 4096,), float("nan"))     # past n_ws: a guard the kernel must leave untouched
     flags = torch.zeros(max(1, cfg.get("flag_ints", 0)), dtype=torch.int32)
     ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
     rc = lib.launch_mma(*ints(cfg["grid"], cfg["block"]), _ptr(x.view(torch.int16)), _ptr(pw.qweight),
@@ -341,6 +346,7 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
                         ctypes.c_uint(seed), _ptr(ws), _ptr(flags))
     assert rc == 0, f"{kernel}: the host's smem_bytes gives {cfg['smem']} B, the kernel's SMEM_TOTAL differs"
     assert not flags.any(), f"{kernel}: stream-K flags left set: {flags.nonzero().flatten().tolist()}"
+    assert ws[n_ws:].isnan().all(), f"{kernel}: wrote past the {n_ws} workspace floats its plan reserves"
     if not o32:
         return y
     acc = y[0].clone()
