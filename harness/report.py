@@ -401,8 +401,10 @@ def hybrid_27b_standing(d: pd.DataFrame) -> str:
         return "No packed Q4 rows (engine.weights=packed, the invariant int4 kernels) recorded yet."
     d["column"] = d["mode"] + d["state"].map(lambda v: ", bf16 state" if v == "bfloat16" else ", fp32 state"
                                              ).where(d["mode"] == "static", "")
-    d = d.sort_values("_start").groupby(["column", "B"]).last().reset_index()
-    cell = [f"{v:,.0f}" + ("" if ok == "✓" else " ✗") for v, ok in zip(d["aggregate tok/s"], d["verified"])]
+    # the newest row whole (groupby().last() would take each column's last non-null value, mixing rows)
+    d = d.sort_values("_start", kind="stable").drop_duplicates(["column", "B"], keep="last")
+    cell = [("—" if pd.isna(v) else f"{v:,.0f}") + ("" if ok == "✓" else " ✗")
+            for v, ok in zip(d["aggregate tok/s"], d["verified"])]
     t = d.assign(cell=cell).pivot(index="B", columns="column", values="cell").fillna("—")
     order = [c for c in ("static, fp32 state", "static, bf16 state", "continuous", "continuous, chunked") if c in t]
     t = t[order + [c for c in t if c not in order]]

@@ -340,6 +340,11 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
     line8 = next(l for l in standing.splitlines() if l.startswith("|   8 "))
     assert "993" in line8 and "%" not in line8, line8          # no target at B = 8
     assert "75%" in next(l for l in standing.splitlines() if l.startswith("|   1 "))
+    # the newest row stands whole: a newer run without a throughput does not borrow the older run's
+    df = pd.concat([df, pd.DataFrame([row(7, 8, float("nan"), ok=0.0, t=3)])], ignore_index=True)
+    standing = report.TABLES["hybrid_27b"](df)[0].split("### Every recorded row")[0]
+    line8 = next(l for l in standing.splitlines() if l.startswith("|   8 "))
+    assert "— ✗" in line8 and "993" not in line8, line8
 
 
 def test_int4_report_opens_with_the_targets_from_the_rows():
