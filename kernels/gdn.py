@@ -70,6 +70,18 @@ from kernels.triton_compat import tl, triton
 # call at B = 1 / 32 / 128: 128 -> 1.9 / 6.6 / 19.0, 256 -> 2.3 / 7.0 / 19.8, 1024 -> 3.3 / 7.3 / 20.4 (the earlier
 # 2-D [channels, taps] kernel with register selects: 3.2 / 16.0 / 57.4)
 CONV_BLOCK_C = 128
+
+# Captured in a CUDA graph, the GDN step reads its slot's state before its PDL wait (kernels/pdl.py), so an
+# early-launched kernel's first wave streams state while the conv ring before it still runs; q, k, v and the gates,
+# which the kernels before write, are read after the wait as always. The exception to PDL's contract is safe there: a
+# graph is one step, in which each layer's GDN step runs once; the state it reads was written by the same layer's
+# step in an earlier graph launch or by the pool's reset (torch, outside the graph), both complete before the graph
+# starts; runs, slots and positions are step inputs, written before the graph's first kernel too. Eager calls (one
+# forward after another, nothing but PDL's chain between them) read the state after the wait. It pays at one run
+# only: H200, 27B hybrid Q4_K, graphed steps (switch_ab, one process, the same tokens), ms per step after / before the
+# wait: B = 1 6.559-6.587 / 6.601-6.609, B = 8 8.011-8.021 / 7.973-7.984, B = 32 11.607-11.611 / 11.479-11.520 (the
+# early kernel's blocks, resident and waiting, slow the conv ring under them once there are many).
+STATE_BEFORE_WAIT_MAX_RUNS = 1
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 
 
@@ -277,17 +289,38 @@ def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tenso
 
 
 @triton.jit
+def _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
+                HAS_POS: tl.constexpr):
+    """Slot `slot`'s [BK, BV] fp32 tile of head h's state, columns vb * BV on; zeros for a run at position 0 (a new
+    sequence: the pool's old contents are not read) and for an empty run (slot -1)."""
+    kk = tl.arange(0, BK)
+    vv = vb * BV + tl.arange(0, BV)
+    sm = (kk < DK)[:, None] & (vv < DV)[None, :] & ((tl.zeros([BK, BV], tl.int64) + slot) >= 0)
+    if HAS_POS:
+        sm = sm & (tl.load(pos_ptr + r0 + tl.zeros([BK, BV], tl.int64), mask=sm, other=0) != 0)
+    sp_ptrs = s_ptr + ((tl.maximum(slot, 0) * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
+    return tl.load(sp_ptrs, mask=sm, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr, pos_ptr, run_ptr,
                      T, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                      stride_ar, stride_br, stride_or, stride_oh,
                      HV, DK, DV, scale, eps,
                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
-                     HAS_POS: tl.constexpr, RAGGED: tl.constexpr = False, PDL: tl.constexpr = False):
-    pdl.enter(PDL)  # kernels/pdl.py
+                     HAS_POS: tl.constexpr, RAGGED: tl.constexpr = False, STATE_EARLY: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
+    # STATE_EARLY: the run, its slot and its slot's state are read before the PDL wait (STATE_BEFORE_WAIT_MAX_RUNS: why
+    # that is safe); the q / k / v / gate inputs, which the kernel before writes, only after it
+    if STATE_EARLY:
+        r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
+        S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS)
+    pdl.enter(PDL)  # kernels/pdl.py
+    if not STATE_EARLY:
+        r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
     if slot >= 0:
         hk = h // GROUP
         kk = tl.arange(0, BK)
@@ -298,11 +331,8 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
         A = tl.load(A_ptr + h).to(tl.float32)
         dt = tl.load(dt_ptr + h).to(tl.float32)
         sp_ptrs = s_ptr + ((slot * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
-        if HAS_POS:  # a run at position 0 starts a sequence: zero state, the pool's old contents not read
-            sm_old = sm & ((tl.zeros([BK, BV], tl.int32) + tl.load(pos_ptr + r0)) != 0)
-        else:
-            sm_old = sm
-        S = tl.load(sp_ptrs, mask=sm_old, other=0.0).to(tl.float32)  # [BK, BV], read once
+        if not STATE_EARLY:
+            S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS)
         for t in range(0, T):
             r = r0 + t
             q = tl.load(q_ptr + r * stride_qr + hk * stride_qh + kk, mask=km, other=0.0).to(tl.float32)
@@ -327,7 +357,7 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
 def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor | None = None, seq_len: int = 1,
                     out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int = 4,
-                    runs: torch.Tensor | None = None) -> torch.Tensor:
+                    runs: torch.Tensor | None = None, state_early: bool | None = None) -> torch.Tensor:
     R, hk, dk = q.shape
     _, hv, dv = v.shape
     assert k.shape == q.shape and hv % hk == 0
@@ -343,14 +373,16 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
     if R == 0:
         return out
     BV = min(block_v or default_block_v(hv, dv), _next_pow2(dv))
+    if state_early is None:     # inside a CUDA graph's capture, up to STATE_BEFORE_WAIT_MAX_RUNS runs
+        state_early = (n_runs <= STATE_BEFORE_WAIT_MAX_RUNS and v.is_cuda and torch.cuda.is_current_stream_capturing())
     grid = (n_runs, hv, triton.cdiv(dv, BV))
     _gdn_step_kernel[grid](q, k, v, a, b, A, dt_bias, state, out, slots, positions if positions is not None else slots,
                            runs if runs is not None else slots, seq_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            a.stride(0), b.stride(0), out.stride(0), out.stride(1),
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
-                           HAS_POS=positions is not None, RAGGED=runs is not None, num_warps=num_warps,
-                           **pdl.triton_opts(q.device))
+                           HAS_POS=positions is not None, RAGGED=runs is not None, STATE_EARLY=bool(state_early),
+                           num_warps=num_warps, **pdl.triton_opts(q.device))
     return out
 
 

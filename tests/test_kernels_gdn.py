@@ -340,6 +340,35 @@ def test_ragged_runs_match_token_by_token():
                                  runs=torch.tensor(bad, dtype=torch.int32, device=DEV))
 
 
+@needs_kernel
+def test_state_read_before_the_wait_keeps_the_bits():
+    """The graphed form reads each run's state before its PDL wait (kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS):
+    with ragged runs, a run at position 0 over a NaN-filled slot, an empty run and a padding row, it writes the same
+    output and state bits as the eager order, and both agree with the reference."""
+    hk, hv, dk, dv = 2, 6, 16, 16
+    c = _gdn_case(90, 5, hk, hv, dk, dv)
+    slots = _slots([3, 3, 0, 0, -1])                   # runs: slot 3 at 4..5, slot 0 from position 0, a padding row
+    pos = torch.tensor([4, 5, 0, 1, 0], dtype=torch.long, device=DEV)
+    runs = torch.tensor([0, 2, 4, 5, 5], dtype=torch.int32, device=DEV)
+    c["state"][0] = float("nan")                       # a fresh run must not read its slot's leftovers
+    outs, states = [], []
+    for early in (False, True):
+        st = c["state"].clone()
+        o = torch.full((5, hv, dv), float("nan"), device=DEV)
+        gdn_step_triton(*_gdn_args(c, st), slots, pos, out=o, runs=runs, state_early=early)
+        outs.append(o)
+        states.append(st)
+    assert _bitwise(outs[0], outs[1]), _msg("output: state read before / after the wait differ")
+    assert _bitwise(states[0], states[1]), _msg("state: read before / after the wait differ")
+    st_ref = c["state"].clone()
+    live = {n: (t[:4] if n in ("q", "k", "v", "a", "b") else t) for n, t in c.items()}
+    ref = gdn_step_ref(*_gdn_args(live, st_ref), slots[:4], pos[:4], runs=runs[:3])
+    _close(outs[1][:4], ref, "gdn o, state read before the wait")
+    assert torch.isnan(outs[1][4]).all(), _msg("the padding row's output was written")
+    _close(states[1][[0, 3]], st_ref[[0, 3]], "gdn state, state read before the wait")
+    _untouched(states[1], c["state"], [0, 3], "gdn state (state read before the wait)")
+
+
 # ------------------------------------------------------------------------------------------------
 # CPU-only: the kernel tests above, in a child process under the Triton interpreter
 
