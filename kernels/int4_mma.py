@@ -167,6 +167,12 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (14336, 5120, "q4_k"): {"SPLIT_K": 6, "MINB": 4},
     #   20.6 / 26.8 / 31.8 / 45.4 us against 21.4 / 28.3 / 33.7 / 49.0 (S = 5); MINB below
     (248320, 5120, "q4_k"): {"MT": 2, "U": 1, "MINB": 3},   # B = 1 / 8: 242.9 / 283.4 against 242.9 / 373.6 (same split)
+    (576, 576, "q4_1"): {"RT16": 4},
+    #   SmolLM2's output projection in 64-row blocks from 16 sequences (the same 5 splits). H200 probe at 4ed6ace, us
+    #   per call with the split's reduce / deferred, B = 32 / 64 / 128: 4.5 / 4.6 / 5.3 and 3.3 / 3.2 / 3.9 against
+    #   5.4 / 5.5 / 5.6 and 4.2 / 4.2 / 4.3 (dequantize + cuBLAS 5.7). SmolLM2's other shapes lose somewhere with
+    #   smaller blocks (960x576 at B = 128: 6.3 against 5.8; 3072x576 and 576x1536 at 64 and 128), and one split
+    #   (no reduce) is slower on all four (576x576 at B = 128: 8.6 us at best).
 }
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 MAX_WARPS = 32            # warps per block (1024 threads)
