@@ -22,8 +22,11 @@ B = 128 69,737 / 71,165 / 69,111 / 62,277; the 27B hybrid Q4_K B = 1 126.8 / 130
 steps, ms per step with the early trigger / without, the same tokens): the hybrid gains at 64 (bf16 state 14.48-14.67 /
 14.98-15.27, fp32 state 16.21 / 16.59-16.90) and little at 128 (26.23-26.28 / 26.44-26.49); Llama-3.2-1B does not:
 Q4_0 packed B = 64 1.090-1.093 / 1.092-1.097 (even), B = 128 1.432-1.438 / 1.359-1.363; with bf16 weights, whose
-Triton GEMM triggers too, B = 64 1.372-1.375 / 1.202-1.206 and B = 128 1.572-1.574 / 1.420-1.421. So the limit stays
-at 32 for every model.
+Triton GEMM triggers too, B = 64 1.372-1.375 / 1.202-1.206 and B = 128 1.572-1.574 / 1.420-1.421. So the limit is
+per architecture (EARLY_MAX_BATCH_BY_ARCH): 32 for the dense decoders, 128 for the hybrid (qwen35), whose steps at
+3b81d32 again gain from it (H200, 27B Q4_K, switch_ab on kernels.pdl._early, one process, the same tokens, ms per
+step without / with: B = 64 16.579-16.609 / 15.943-15.967, B = 128 24.923-24.969 / 24.569-24.578). Above 128 (not
+measured) every model triggers late.
 Late release (engines of up to RELEASE_MAX_BATCH sequences): a CUDA GEMM block releases its dependents
 (pdl_release: griddepcontrol.launch_dependents) once its last weight load is issued, and the split-K reduce at entry,
 so the next kernel launches during the GEMM's tail instead of after it; the source is compiled once per setting
@@ -90,6 +93,7 @@ def enabled(device: torch.device | None = None) -> bool:
 
 
 EARLY_MAX_BATCH = 32   # the largest engine batch whose Triton kernels trigger early (measured at 1, 8, 32; 128 lost)
+EARLY_MAX_BATCH_BY_ARCH = {"qwen35": 128}   # architectures measured otherwise (module docstring)
 _early = False
 
 
@@ -114,11 +118,16 @@ def gemm_release() -> bool:
     return _release
 
 
-def configure(on: bool, batch: int) -> None:
-    """An engine's setting: PDL on or off (engine.pdl), the early trigger from its batch (EARLY_MAX_BATCH), the
-    GEMMs' late release from it too (RELEASE_MAX_BATCH)."""
+def early_max_batch(arch: str | None = None) -> int:
+    """The largest engine batch whose Triton kernels trigger early, for a model of this GGUF architecture."""
+    return EARLY_MAX_BATCH_BY_ARCH.get(arch, EARLY_MAX_BATCH)
+
+
+def configure(on: bool, batch: int, arch: str | None = None) -> None:
+    """An engine's setting: PDL on or off (engine.pdl), the early trigger from its batch and the model's
+    architecture (early_max_batch), the GEMMs' late release from its batch too (RELEASE_MAX_BATCH)."""
     set_enabled(on)
-    set_early(batch <= EARLY_MAX_BATCH)
+    set_early(batch <= early_max_batch(arch))
     set_gemm_release(batch <= RELEASE_MAX_BATCH)
 
 

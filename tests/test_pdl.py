@@ -158,7 +158,8 @@ def test_ws_staging_triggers_its_gemm_and_the_gemm_releases_late():
 
 
 def test_engine_setting_and_early_trigger(monkeypatch):
-    """configure() follows engine.pdl and the engine's batch: the early trigger up to EARLY_MAX_BATCH."""
+    """configure() follows engine.pdl, the engine's batch and the model's architecture: the early trigger up to
+    EARLY_MAX_BATCH, or the architecture's own limit (EARLY_MAX_BATCH_BY_ARCH)."""
     monkeypatch.setattr(pdl, "supported", lambda index: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     dev = torch.device("cuda", 0)
@@ -171,6 +172,15 @@ def test_engine_setting_and_early_trigger(monkeypatch):
         assert not pdl.gemm_release()
         pdl.configure(True, pdl.EARLY_MAX_BATCH + 1)
         assert pdl.mode(dev) == 1 and pdl.triton_opts(dev) == {"PDL": 1, "launch_pdl": True}
+        # the hybrid (qwen35) triggers early up to its own, measured limit; the dense decoders keep the default
+        hybrid = pdl.early_max_batch("qwen35")
+        assert hybrid > pdl.EARLY_MAX_BATCH and pdl.early_max_batch("llama") == pdl.EARLY_MAX_BATCH
+        pdl.configure(True, hybrid, "qwen35")
+        assert pdl.mode(dev) == 2
+        pdl.configure(True, hybrid, "llama")
+        assert pdl.mode(dev) == 1
+        pdl.configure(True, hybrid + 1, "qwen35")
+        assert pdl.mode(dev) == 1
         pdl.configure(False, 1)
         assert pdl.mode(dev) == 0 and pdl.triton_opts(dev) == {}
     finally:
