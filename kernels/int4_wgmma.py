@@ -229,7 +229,11 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][4 * NB], void*
 }
 // a warp whose rows and sequences all lie inside y (every full tile) stores without a test per element: the tests
 // made ptxas branch around each store (a BSSY / BSYNC pair per element, ~3,200 instructions a thread at 128
-// sequences)
+// sequences). The element-wise stores fill half a sector each (8 lanes, 16 bytes of one sequence), yet whole
+// sectors do not pay: a probe at 4ed6ace that handed each lane four consecutive rows of one sequence through three
+// shuffles per 8 sequences (8-byte stores, every sector whole; the same bits) was slower, 34816x5120 Q4_K ws B = 32
+// 51.6-51.8 -> 53.0-53.3 us, B = 128 82.7-83.3 -> 87.7-88.7 (H200, int4_gemm's method): what the final stores cost
+// is the epilogue's instructions, not the memory system's sectors.
 __device__ __forceinline__ void store_acc(const float (&acc)[MT][4 * NB], void* __restrict__ y, i64 off, int sym,
                                           int M, int N, int n0, int m0)
 {
@@ -251,6 +255,10 @@ __device__ __forceinline__ void store_acc(const float (&acc)[MT][4 * NB], void* 
 // old / new: 34816x5120 Q4_K B = 32 52.7 / 51.5, B = 64 64.1 / 61.5, B = 128 89.9 / 83.3; 17408x5120 Q4_0 B = 128
 // 50.4 / 45.7; the split-K shapes (no partial exchange) unchanged. What is left at 34816x5120 B = 128 (outputs wrong):
 // without the final bf16 stores 75.6 us, without them and the partials 68.2, without the fence ~0.5 us less.
+// The ticket costs little: a probe at 4ed6ace with fixed roles (a tile's tail block always writes, its head block
+// always waits; safe only with every block resident) gained 0.1-0.9 us a call on 34816x5120 and 17408x5120 (B = 16
+// to 128; the LM head within its noise) and 0.1-0.2% of the 27B hybrid's step at B = 32 and 128, so the ticket's
+// symmetric form stays.
 #ifndef SK_SYNC
 #define SK_SYNC() __syncthreads()
 #define SK_LEADER (threadIdx.x == 0)
