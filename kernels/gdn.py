@@ -80,7 +80,9 @@ CONV_BLOCK_C = 128
 # forward after another, nothing but PDL's chain between them) read the state after the wait. It pays at one run
 # only: H200, 27B hybrid Q4_K, graphed steps (switch_ab, one process, the same tokens), ms per step after / before the
 # wait: B = 1 6.559-6.587 / 6.601-6.609, B = 8 8.011-8.021 / 7.973-7.984, B = 32 11.607-11.611 / 11.479-11.520 (the
-# early kernel's blocks, resident and waiting, slow the conv ring under them once there are many).
+# early kernel's blocks, resident and waiting, slow the conv ring under them once there are many); again at 5acc4d6,
+# where the hybrid's Triton kernels trigger early up to 128 sequences: B = 64 16.059-16.066 / 15.922-15.927, B = 128
+# 24.721-24.734 / 24.444-24.529.
 STATE_BEFORE_WAIT_MAX_RUNS = 1
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 

@@ -26,7 +26,8 @@ Triton GEMM triggers too, B = 64 1.372-1.375 / 1.202-1.206 and B = 128 1.572-1.5
 per architecture (EARLY_MAX_BATCH_BY_ARCH): 32 for the dense decoders, 128 for the hybrid (qwen35), whose steps at
 3b81d32 again gain from it (H200, 27B Q4_K, switch_ab on kernels.pdl._early, one process, the same tokens, ms per
 step without / with: B = 64 16.579-16.609 / 15.943-15.967, B = 128 24.923-24.969 / 24.569-24.578). Above 128 (not
-measured) every model triggers late.
+measured) every model triggers late. The CUDA GEMMs' late release (below) on top of it lost there (5acc4d6, the same
+method, ms per step without / with: B = 64 15.922-15.927 / 16.041-16.059, B = 128 24.444-24.529 / 24.645-24.674).
 Late release (engines of up to RELEASE_MAX_BATCH sequences): a CUDA GEMM block releases its dependents
 (pdl_release: griddepcontrol.launch_dependents) once its last weight load is issued, and the split-K reduce at entry,
 so the next kernel launches during the GEMM's tail instead of after it; the source is compiled once per setting
