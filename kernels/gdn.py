@@ -68,7 +68,11 @@ from kernels.triton_compat import tl, triton
 
 # channels per conv-ring program, one per lane: H200, one 27B GDN layer (10240 channels, 4 taps, fp32 ring), us per
 # call at B = 1 / 32 / 128: 128 -> 1.9 / 6.6 / 19.0, 256 -> 2.3 / 7.0 / 19.8, 1024 -> 3.3 / 7.3 / 20.4 (the earlier
-# 2-D [channels, taps] kernel with register selects: 3.2 / 16.0 / 57.4)
+# 2-D [channels, taps] kernel with register selects: 3.2 / 16.0 / 57.4). Not kept either (H200 probe at 7781a6e, 27B
+# hybrid graphed steps, switch_ab, ms a step two passes / one): a decode row's conv in one pass, its loaded taps
+# stored as the new ring instead of the ring reloaded and x's split-K partials summed again after the barrier: B = 1
+# 6.581-6.592 / 6.577-6.579, B = 32 11.477-11.554 / 11.413-11.433, B = 128 24.468-24.616 / 24.527-24.540 (within
+# spread), and one of its GPU checks against the two-pass form's bits failed (not pursued).
 CONV_BLOCK_C = 128
 
 # Captured in a CUDA graph, the GDN step reads its slot's state before its PDL wait (kernels/pdl.py), so an

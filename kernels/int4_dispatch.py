@@ -97,12 +97,13 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # kernel's accumulators written by each segment's first quad in tiles of 128); with the ws kernel staging x itself
 # in batch tiles of up to 8 (X_IN_GEMM_MAX_BT), at e0b4557, and again with its consumers on mma.sync in those tiles
 # (MMA_MAX_BT), at d3b9c93: the issue's five Q4_0 at B = 1, 2, 4, 8, the six Q4_K shapes, Llama's four others and
-# SmolLM2's four at B = 1, 8; picked with CHAIN_US):
+# SmolLM2's four at B = 1, 8; SmolLM2's four at every B again at 3b81d32 (576x576 in the folded kernel's 64-row
+# blocks: its fastest pick from 32 sequences on is now that kernel, not dequantize + cuBLAS); picked with CHAIN_US):
 # the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
 # the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
 MEASURED: dict[tuple[int, int, str], dict] = {
-    (576, 576, 'q4_1'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'cuda_mma_fold'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'dequant_cublas', 64: 'dequant_cublas', 128: 'dequant_cublas'},
+    (576, 576, 'q4_1'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'cuda_mma_fold'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'cuda_mma_fold'},
     (576, 1536, 'q4_1'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'cuda_mma_fold'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'dequant_cublas'},
     (960, 576, 'q4_1'): {'invariant': 'cuda_mma_fold', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'cuda_mma_fold', 128: 'cuda_mma_fold'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'dequant_cublas', 64: 'dequant_cublas', 128: 'dequant_cublas'},
     (2048, 2048, 'q4_0'): {'invariant': 'cuda_wgmma_ws_t128', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'triton'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold', 64: 'triton', 128: 'dequant_cublas'},
