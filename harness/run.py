@@ -116,8 +116,6 @@ def build(cfg) -> Built:
     dev, dtype, backend = resolve_engine(cfg.engine)
     if cfg.kv_cache.state_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"kv_cache.state_dtype={cfg.kv_cache.state_dtype!r}; choose float32 or bfloat16")
-    # read at each launch / capture, so this job's steppers follow it; set again once the architecture is known
-    pdl.configure(bool(cfg.engine.pdl), cfg.batch.size)
     packed = cfg.engine.weights == "packed"
     if packed:
         from kernels.int4_dispatch import set_policy
@@ -128,7 +126,7 @@ def build(cfg) -> Built:
     if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:  # a sweep's next job: same weights, no regeneration
         b = _IN_MEMORY["built"]
         b.state_dtype = DTYPES[cfg.kv_cache.state_dtype]
-        pdl.configure(bool(cfg.engine.pdl), cfg.batch.size, b.cfg.arch)
+        pdl.configure(bool(cfg.engine.pdl), cfg.batch.size, b.cfg.arch)   # as below: before any stepper is made
         return b
     _IN_MEMORY.clear()  # free the previous model before making another
     t0 = time.perf_counter()
@@ -143,6 +141,8 @@ def build(cfg) -> Built:
         tokenizer = Tokenizer.from_gguf(gguf_path)
     if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
         mcfg = _with_scaling(mcfg)  # the file keeps only rope_freqs; the peer wants the parameters
+    # PDL, its early trigger (per architecture) and the GEMMs' release, read at each launch / capture: this job's
+    # steppers, all made after this, follow it
     pdl.configure(bool(cfg.engine.pdl), cfg.batch.size, mcfg.arch)
     if mcfg.arch == "qwen35":
         from engine.state_pool import check_hybrid_serving
