@@ -2,8 +2,8 @@
 
 For every shape N x K of ``micro.shapes`` (weights [N, K], the issue's notation), format of ``micro.fmts``
 and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro.fmt / batch.size) with:
-  <variant>_us      time per call of triton / cuda / cuda_mma / cuda_mma_fold / cuda_wgmma / cuda_wgmma_x2 /
-                    cuda_wgmma_ws / cuda_wgmma_ws_t128 / dequant_cublas
+  <variant>_us      time per call of triton / cuda / cuda_mma / cuda_mma_fold / cuda_mma_fold_lat / cuda_wgmma /
+                    cuda_wgmma_x2 / cuda_wgmma_ws / cuda_wgmma_ws_t128 / dequant_cublas
                     (kernels/int4_dispatch.py) and bf16
                     (torch.matmul on the dequantized weight in bf16), each inside one CUDA graph of many calls
                     over rotating copies of the weight (>= 256 MB in all, so every call streams from HBM, not
@@ -41,7 +41,8 @@ ROTATE_BYTES = 256 << 20       # weight copies per timed graph: at least this ma
 CALLS_PER_GRAPH = 48
 REPLAYS = 5
 # exact weights: 1e-2; weights rounded to bf16 first (triton's FOLD, cuda_mma_fold, cuda_wgmma, dequant, bf16): 3e-2
-TOL = {"triton": 3e-2, "cuda": 1e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "cuda_wgmma": 3e-2, "cuda_wgmma_x2": 3e-2,
+TOL = {"triton": 3e-2, "cuda": 1e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "cuda_mma_fold_lat": 3e-2,
+       "cuda_wgmma": 3e-2, "cuda_wgmma_x2": 3e-2,
        "cuda_wgmma_ws": 3e-2, "cuda_wgmma_ws_t128": 3e-2, "dequant_cublas": 3e-2, "bf16": 3e-2}
 _QT = {v: k for k, v in FORMATS.items()}
 _SCALE_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q8_0": [0]}
@@ -208,7 +209,8 @@ def _print(N, K, fmt, B, m, tags) -> None:
     us = lambda v: f"{m[v + '_us']:.1f}" if v + "_us" in m else "-"  # noqa: E731
     print(f"[verify] int4_gemm {N}x{K} {fmt} B={B}: {str(bool(m['verify_ok'])).lower()}")
     print(f"[perf] int4_gemm {N}x{K} {fmt} B={B}: triton {us('triton')} us, cuda {us('cuda')} us, cuda_mma "
-          f"{us('cuda_mma')} us, fold {us('cuda_mma_fold')} us, wgmma {us('cuda_wgmma')} us, wgmma x2 {us('cuda_wgmma_x2')} us, "
+          f"{us('cuda_mma')} us, fold {us('cuda_mma_fold')} us, fold lat {us('cuda_mma_fold_lat')} us, wgmma "
+          f"{us('cuda_wgmma')} us, wgmma x2 {us('cuda_wgmma_x2')} us, "
           f"wgmma ws {us('cuda_wgmma_ws')} us, ws t128 {us('cuda_wgmma_ws_t128')} us, dequant+cuBLAS "
           f"{us('dequant_cublas')} us, bf16 cuBLAS {us('bf16')} us; pick {tags['int4_pick']} "
           f"{m.get('effective_tbps', float('nan')):.2f} TB/s, {m.get('speedup_vs_bf16', float('nan')):.2f}x bf16; "

@@ -238,6 +238,7 @@ def int4_gemm(df: pd.DataFrame):
         "CUDA (us)": _opt(df, "metrics.cuda_us"),
         "CUDA mma (us)": _opt(df, "metrics.cuda_mma_us"),
         "mma folded (us)": _opt(df, "metrics.cuda_mma_fold_us"),
+        "folded lat (us)": _opt(df, "metrics.cuda_mma_fold_lat_us"),
         "wgmma (us)": _opt(df, "metrics.cuda_wgmma_us"),
         "wgmma x2 (us)": _opt(df, "metrics.cuda_wgmma_x2_us"),
         "wgmma ws (us)": _opt(df, "metrics.cuda_wgmma_ws_us"),
@@ -254,7 +255,7 @@ def int4_gemm(df: pd.DataFrame):
     d["_n"] = num(df, "params.micro.n")
     d["_k"] = num(df, "params.micro.k")
     d = d.sort_values(["format", "_n", "_k", "B"], ascending=[True, False, True, True]).drop(columns=["_n", "_k"])
-    times = (".1f",) * 10                          # Triton .. bf16 cuBLAS
+    times = (".1f",) * 11                          # Triton .. bf16 cuBLAS
     md = d.to_markdown(index=False, floatfmt=("", "", ".0f") + times + ("", ".2f", ".2f", "", "", ""))
     return _standing(int4_gemm_standing(df), md.replace("nan", "—")), None
 

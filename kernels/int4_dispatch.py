@@ -7,6 +7,9 @@ shape among six variants:
                     Q4_1 / Q4_K; NVRTC like "cuda"), batch-invariant
   "cuda_mma_fold"   the same kernel's folded form: group scales folded into bf16 / fp16 weights
                     (engine.quant_pack.unpack_folded), one fp32 accumulation across K; batch-invariant
+  "cuda_mma_fold_lat"  the folded form's latency launch (int4_mma.latency_config): the fewest splits, every quad
+                    of a split in flight, batch tiles of up to 16, for small weights at many sequences; its own
+                    split, so its own bits; batch-invariant
   "cuda_wgmma"      kernels/int4_wgmma.py: the folded weights on sm_90's wgmma, batch tiles of up to 128
                     (NVRTC through torch, sm_90a only); batch-invariant
   "cuda_wgmma_x2"   the same kernel with two blocks per SM below 128 sequences and splits sized for them
@@ -25,7 +28,7 @@ shape among six variants:
 
 Policies (``set_policy`` / ``engine.int4``):
   "invariant" (default): one variant per (N, K, fmt) for every M, so B greedy streams stay bit-exact with
-              the single stream (the seed's verify); only "triton", "cuda" and the two mma forms qualify. Given the
+              the single stream (the seed's verify); every variant but "dequant_cublas" qualifies. Given the
               engine's batch (``set_policy(..., max_batch=B)``, as harness/run.py does with batch.size), the
               pick is the fastest batch-invariant variant at B ("invariant_at"; the next measured B up):
               still one kernel per shape for every M the engine runs (its prefill rows included), so its
@@ -33,8 +36,8 @@ Policies (``set_policy`` / ``engine.int4``):
               as engine.gemm=cublas engines do.
   "fastest":  per (N, K, fmt, B bucket), any variant; like engine.gemm=cublas, B streams may then differ
               from the single stream in the last bits.
-  "triton" | "cuda" | "cuda_mma" | "cuda_mma_fold" | "cuda_wgmma" | "cuda_wgmma_x2" | "cuda_wgmma_ws" |
-  "cuda_wgmma_ws_t128" | "dequant_cublas": force one variant
+  "triton" | "cuda" | "cuda_mma" | "cuda_mma_fold" | "cuda_mma_fold_lat" | "cuda_wgmma" | "cuda_wgmma_x2" |
+  "cuda_wgmma_ws" | "cuda_wgmma_ws_t128" | "dequant_cublas": force one variant
               (benchmarks, tests).
               ``ONEPASS_INT4_VARIANT``
               does the same from the environment.
@@ -66,12 +69,12 @@ from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _expand, w4a16_linear, w4a
 from kernels import pdl
 from kernels.triton_compat import tl, triton
 
-VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2", "cuda_wgmma_ws",
-            "cuda_wgmma_ws_t128", "dequant_cublas")
+VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma", "cuda_wgmma_x2",
+            "cuda_wgmma_ws", "cuda_wgmma_ws_t128", "dequant_cublas")
 INVARIANT_VARIANTS = VARIANTS[:-1]
 WGMMA_CONFIGS = {"cuda_wgmma": None, "cuda_wgmma_x2": int4_wgmma.X2}
 WS_CONFIGS = {"cuda_wgmma_ws": None, "cuda_wgmma_ws_t128": int4_wgmma_ws.T128}
-MMA_VARIANTS = ("cuda_mma", "cuda_mma_fold")
+MMA_VARIANTS = ("cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat")
 POLICIES = ("invariant", "fastest") + VARIANTS
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
 
@@ -305,11 +308,13 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
         int4_cuda.reserve_workspace(device, shapes, max_rows)
     if int4_mma.available():
         int4_mma.reserve_workspace(device, shapes, max_rows)
+        int4_mma.reserve_workspace(device, shapes, max_rows, latency=True)
     if int4_wgmma.available():
         for config in WGMMA_CONFIGS.values():
             int4_wgmma.reserve_workspace(device, shapes, max_rows, config)
-        for config in WS_CONFIGS.values():
-            int4_wgmma_ws.reserve_workspace(device, shapes, max_rows, config)
+        for v in WS_CONFIGS:
+            for shape in shapes:
+                int4_wgmma_ws.reserve_workspace(device, [shape], max_rows, ws_variant_config(v, *shape))
     if _policy in ("fastest", "dequant_cublas"):
         _DENSE.get(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()),
                    dtype, max(n * k for n, k, _ in shapes))
@@ -329,14 +334,23 @@ def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tens
     if v == "cuda":
         return int4_cuda.w4a16_cuda(x, pw, out, defer=defer)
     if v in MMA_VARIANTS:
-        return int4_mma.w4a16_mma(x, pw, out, fold=v == "cuda_mma_fold", defer=defer)
+        return int4_mma.w4a16_mma(x, pw, out, fold=v != "cuda_mma", latency=v == "cuda_mma_fold_lat", defer=defer)
     if v in WGMMA_CONFIGS:
         return int4_wgmma.w4a16_wgmma(x, pw, out, config=WGMMA_CONFIGS[v], defer=defer)
     if v in WS_CONFIGS:
-        return int4_wgmma_ws.w4a16_wgmma_ws(x, pw, out, config=WS_CONFIGS[v], defer=defer)
+        return int4_wgmma_ws.w4a16_wgmma_ws(x, pw, out, config=ws_variant_config(v, pw.N, pw.K, pw.fmt), defer=defer)
     if v == "dequant_cublas":
         return dequant_matmul(x, pw, out)
     return w4a16_linear(x, pw, out, defer=defer)
+
+
+def ws_variant_config(variant: str, N: int, K: int, fmt: str) -> dict | None:
+    """The ws kernel's config for one of WS_CONFIGS' variants on (N, K, fmt): the variant's, then for the 128-row
+    tiles int4_wgmma_ws.MEASURED_T128's entry (a split of its own there)."""
+    base = WS_CONFIGS[variant]
+    if variant == "cuda_wgmma_ws_t128" and (N, K, fmt) in int4_wgmma_ws.MEASURED_T128:
+        return {**base, **int4_wgmma_ws.MEASURED_T128[(N, K, fmt)]}
+    return base
 
 
 def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, defer: bool = False):

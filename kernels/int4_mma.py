@@ -108,7 +108,7 @@ RT16, U16 = 16, 4
 MINB16 = 1          # tiles of 16+: blocks per SM the registers must allow (1: what the compiler takes)
 TARGET_BLOCKS = 4 * NUM_SMS
 MAX_SPLIT = 32
-CONFIG_KEYS = ("RT", "P", "U", "MINB", "MT", "RT16", "U16", "MINB16", "MT16", "SPLIT_K", "TARGET_BLOCKS")
+CONFIG_KEYS = ("RT", "P", "U", "MINB", "MT", "RT16", "U16", "MINB16", "MT16", "BTMAX", "SPLIT_K", "TARGET_BLOCKS")
 MT_CHOICES = (1, 2, 4)  # the folded form's row tiles per warp (MT, MT16): tiles sharing each x fragment
 MEASURED: dict[tuple[int, int, str], dict] = {
     (17408, 5120, "q4_0"): {"RT": 8, "SPLIT_K": 5},            # 21.1 / 22.7 / 24.1 vs 21.3 / 23.1 / 23.9
@@ -174,6 +174,35 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     #   smaller blocks (960x576 at B = 128: 6.3 against 5.8; 3072x576 and 576x1536 at 64 and 128), and one split
     #   (no reduce) is slower on all four (576x576 at B = 128: 8.6 us at best).
 }
+# The latency launch of the folded form (the dispatch's "cuda_mma_fold_lat"): for shapes of a few microseconds at 32 to
+# 128 sequences, where the default launch's many splits (TARGET_BLOCKS blocks at one batch tile) leave a second launch
+# adding S x M x N fp32 partials, and its 32-sequence tiles one warp a long chain of mmas. Here the fewest splits that
+# keep a split within GMAX groups (one for K <= 1024), a ring deep enough for every quad of a split to be in flight
+# from the start (U, U16: a split of K = 576 is 5 quads), and batch tiles of at most BTMAX = 16 sequences (twice the
+# warps, each weight dequantized once per tile: cheap where the weight is small and stays in L2). Its own split, so
+# its own bits; batch-invariant like the default launch (the split comes from (N, K, fmt) alone).
+# H200 probe at b66e7ff (int4_gemm's method: graphed calls over rotated weights, PDL on; us at B = 32 / 64 / 128,
+# against dequantize + cuBLAS in the same process): 960x576 Q4_1 4.71 / 4.82 / 5.35 (4.85 / 5.82 / 5.88), 576x576
+# 4.63 / 4.64 / 4.64 (5.71 / 5.74 / 5.78), 3072x576 5.52 / 6.02 / 8.58 (6.69 / 6.78 / 6.96), 576x1536 in 3 splits 6.53 /
+# 6.47 / 7.09 (7.23 / 7.30 / 7.41), 2048x2048 Q4_0 in 4 splits 6.89 at B = 32 (9.95). Slower than the default launch at
+# B = 1 and 8 on every one of these shapes (576x576: 2.85 / 3.13 us against 2.46 / 2.57): a variant of its own, not a
+# replacement. Not enough at 128 sequences where the weight is larger (3072x576 8.2 us at best against 7.0,
+# 2048x2048 13.8 against 10.6: from there the wgmma kernels' tiles of 128 sequences do better).
+LATENCY = {"RT": 4, "U": 4, "MINB": 1, "MT": 1, "RT16": 8, "U16": 4, "MINB16": 1, "MT16": 1, "BTMAX": 16}
+MEASURED_LAT: dict[tuple[int, int, str], dict] = {
+    (960, 576, "q4_1"): {"RT16": 4},        # B = 32 / 64 / 128: 4.71 / 4.82 / 5.35 us against 4.96 / 5.18 / 5.16 (RT16 8)
+    (576, 576, "q4_1"): {"RT16": 4},        # 4.63 / 4.64 / 4.64 against 5.07 / 5.08 / 5.07
+    (576, 1536, "q4_1"): {"SPLIT_K": 3},    # 6.53 / 6.47 / 7.09 against 7.14 / 7.31 / 7.55 with 2 splits
+    (2048, 2048, "q4_0"): {"SPLIT_K": 4},   # B = 32 / 64: 6.89 / 9.22 against 8.83 / 9.61 with 2 splits
+    (3072, 2048, "q4_0"): {"SPLIT_K": 4},   # 9.11 / 11.71 against 10.37 / 14.13
+}
+
+
+def latency_config(N: int, K: int, fmt: str) -> dict:
+    """The latency launch's config for (N, K, fmt): LATENCY, the fewest splits, then MEASURED_LAT's entry."""
+    return {**LATENCY, "SPLIT_K": max(1, _cdiv(K // GROUP, GMAX)), **MEASURED_LAT.get((N, K, fmt), {})}
+
+
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 MAX_WARPS = 32            # warps per block (1024 threads)
 
@@ -794,16 +823,17 @@ def shape_config(N: int, K: int, fmt: str, config: dict | None = None, fold: boo
               else (MEASURED.get((N, K, fmt)), config))
     out = int4_cuda.layered_config("int4_mma", (N, K, fmt), {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16,
                                                              "MINB": 1, "MINB16": MINB16, "MT": 1, "MT16": 1,
-                                                             "TARGET_BLOCKS": TARGET_BLOCKS}, layers, CONFIG_KEYS)
+                                                             "BTMAX": BT_CHOICES[-1], "TARGET_BLOCKS": TARGET_BLOCKS},
+                                     layers, CONFIG_KEYS)
     named = (MEASURED.get((N, K, fmt)), MEASURED_FOLD.get((N, K, fmt)) if fold else None, config)
     if not any("RT16" in (layer or {}) for layer in named):
         out["RT16"] = max(1, min(out["RT16"], 16 // out["P"]))       # a default within 16 warps
     if (not all(1 <= out[r] * out["P"] <= MAX_WARPS and 1 <= out[u] <= 16 for r, u in (("RT", "U"), ("RT16", "U16")))
             or min(out.values()) < 1 or out["MT"] not in MT_CHOICES or out["MT16"] not in MT_CHOICES
-            or (not fold and (out["MT"], out["MT16"]) != (1, 1))):
+            or (not fold and (out["MT"], out["MT16"]) != (1, 1)) or out["BTMAX"] not in BT_CHOICES):
         raise ValueError(f"int4_mma: config {out} for {(N, K, fmt)}: need 1 <= RT * P <= {MAX_WARPS}, 1 <= U <= 16 (and "
-                         f"RT16, U16 alike), MT and MT16 in {MT_CHOICES} (other than 1: folded form only), positive "
-                         f"values")
+                         f"RT16, U16 alike), MT and MT16 in {MT_CHOICES} (other than 1: folded form only), BTMAX in "
+                         f"{BT_CHOICES}, positive values")
     return out
 
 
@@ -832,9 +862,10 @@ def _split(G: int, n_nt: int, target: int | None, split_k: int | None) -> tuple[
 
 
 def batch_tile(M: int, fmt: str, c: dict, fold: bool = False) -> int:
-    """The smallest of BT_CHOICES holding M, the largest above (more tiles over the grid), halved while a block
-    would not fit in SMEM_LIMIT. Bit-neutral: an mma's columns are independent."""
-    bt = next((b for b in BT_CHOICES if M <= b), BT_CHOICES[-1])
+    """The smallest of BT_CHOICES holding M, the largest up to BTMAX above (more tiles over the grid), halved while
+    a block would not fit in SMEM_LIMIT. Bit-neutral: an mma's columns are independent."""
+    choices = [b for b in BT_CHOICES if b <= c.get("BTMAX", BT_CHOICES[-1])]
+    bt = next((b for b in choices if M <= b), choices[-1])
     while bt > 8 and smem_bytes(fmt, bt, c["RT16"], c["P"], fold, c["MT16"] if fold else 1) > SMEM_LIMIT:
         bt //= 2
     return bt
@@ -863,19 +894,28 @@ def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None, fol
             "smem": smem_bytes(fmt, bt, rt, c["P"], fold, mt), "workspace_floats": S * M * N if S > 1 else 0}
 
 
-def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
-    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt)."""
-    int4_cuda.reserve_splits(device, [s for s in shapes if supports(s[2])], max_rows,
-                             lambda M, N, K, fmt: mma_config(M, N, K, fmt, config))
+def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None,
+                      latency: bool = False) -> None:
+    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt); latency:
+    for the latency launch's splits (config on top, as in w4a16_mma)."""
+    int4_cuda.reserve_splits(
+        device, [s for s in shapes if supports(s[2])], max_rows,
+        lambda M, N, K, fmt: (mma_config(M, N, K, fmt, {**latency_config(N, K, fmt), **(config or {})}, fold=True)
+                              if latency else mma_config(M, N, K, fmt, config)))
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
-              config: dict | None = None, fold: bool = False, defer: bool = False):
+              config: dict | None = None, fold: bool = False, defer: bool = False, latency: bool = False):
     """y = x @ w^T for a packed Q4_0 / Q4_1 / Q4_K weight on tensor cores (module docstring). x [M, K] bf16 /
     fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None. fold: the folded form,
-    y = x @ unpack_folded(w, x.dtype)^T. defer: split-K partials returned unreduced (int4_cuda.run_packed)."""
+    y = x @ unpack_folded(w, x.dtype)^T. latency: the folded form's latency launch (latency_config, its own split;
+    config layered on top). defer: split-K partials returned unreduced (int4_cuda.run_packed)."""
     if isinstance(pw, PackedWeight) and not supports(pw.fmt):
         raise ValueError(f"w4a16_mma: format {pw.fmt} not supported (only {FORMATS}); use the Triton or CUDA-core kernel")
+    if latency:
+        if not fold:
+            raise ValueError("w4a16_mma: the latency launch is the folded form's (fold=True)")
+        config = {**latency_config(pw.N, pw.K, pw.fmt), **(config or {})}
     return int4_cuda.run_packed(
         "w4a16_mma", x, pw, out,
         plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config, fold),
@@ -886,5 +926,5 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
         words_per_pair=4, defer=defer)
 
 
-__all__ = ["w4a16_mma", "available", "supports", "mma_config", "shape_config", "reserve_workspace", "MMA_SOURCE",
-           "source", "MEASURED", "FORMATS"]
+__all__ = ["w4a16_mma", "available", "supports", "mma_config", "shape_config", "latency_config", "reserve_workspace",
+           "MMA_SOURCE", "source", "MEASURED", "FORMATS"]

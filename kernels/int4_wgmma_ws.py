@@ -136,6 +136,12 @@ DEFAULT_CWG = 4
 # 15.7 / 18.0 (15.8 / 21.3), 4096x4096 16.0 / 18.9 (15.9 / 22.3); slower on 5120x17408 (42.6 / 51.8 against 36.0 /
 # 49.6), on the stream-K shapes and below 64 sequences (two consumer warpgroups hide less latency than four).
 T128 = {"MT": 1, "CWG": 2}
+# per shape, on top of T128 (int4_dispatch.ws_variant_config): H200 probe at b66e7ff of its split on the small shapes
+# where no int4 kernel matched dequantize + cuBLAS at 128 sequences (int4_gemm's method, one process), us at B = 64 /
+# 128: 2048x2048 Q4_0 in 6 splits 8.61 / 10.13 against 9.53 / 11.11 with the default 4 (dequantize + cuBLAS 10.08 /
+# 10.66). 3072x2048 stayed slower at 128 whatever the split (12.34 at best against 11.74), as did 3072x576 Q4_1 (8.71
+# against 6.89) and 576x1536 (8.63 against 7.50), with x staged in the GEMM or not.
+MEASURED_T128: dict[tuple[int, int, str], dict] = {(2048, 2048, "q4_0"): {"SPLIT_K": 6}}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
 # x staged inside the GEMM by the producer warpgroup's warps 1-3 (loaded from x, put in the ring's order and stored
@@ -679,4 +685,4 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
 
 
 __all__ = ["w4a16_wgmma_ws", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",
-           "source", "stage_bytes", "DEFAULTS", "T128", "WS_KERNEL"]
+           "source", "stage_bytes", "DEFAULTS", "T128", "MEASURED_T128", "WS_KERNEL"]

@@ -118,8 +118,8 @@ def test_record_merge_replaces_only_the_rerun_rows():
 def test_int4_gemm_table_rounds_every_time_and_ratio():
     """Each numeric column of the int4_gemm table gets its own format (times to 0.1 us, TB/s and ratios to 0.01):
     no raw float reaches the markdown."""
-    variants = ["triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2", "cuda_wgmma_ws",
-                "cuda_wgmma_ws_t128", "dequant_cublas", "bf16"]
+    variants = ["triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma", "cuda_wgmma_x2",
+                "cuda_wgmma_ws", "cuda_wgmma_ws_t128", "dequant_cublas", "bf16"]
     row = {"params.micro.n": "5120", "params.micro.k": "17408", "params.micro.fmt": "q4_0", "params.batch.size": "1",
            "metrics.effective_tbps": 2.778180152025168, "metrics.speedup_vs_bf16": 2.751486782197134,
            "metrics.verify_ok": 1.0, "metrics.pdl": 3.0, "tags.int4_pick": "cuda_mma_fold", "tags.int4_best": "cuda_mma_fold"}

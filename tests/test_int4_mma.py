@@ -237,6 +237,70 @@ def test_mma_fold_strided_and_graph_capture(seed):
                                   weights=folded_weights)
 
 
+# --------------------------------------------------------------------------------------------------
+# the folded form's latency launch (latency=True, the dispatch's cuda_mma_fold_lat)
+
+def _lat_plan(M, N, K, fmt, config=None):
+    return int4_mma.mma_config(M, N, K, fmt, {**int4_mma.latency_config(N, K, fmt), **(config or {})}, fold=True)
+
+
+def test_latency_launch_shape():
+    """The fewest splits (MEASURED_LAT aside), the same at every M (so the same bits), batch tiles of at most BTMAX,
+    every quad of a split in flight where a split has at most U16 quads; only the folded form has it."""
+    for N, K, fmt in [(960, 576, "q4_1"), (3072, 576, "q4_1"), (576, 1536, "q4_1"), (2048, 2048, "q4_0"),
+                      (5120, 17408, "q4_k"), (40, 1088, "q4_0")]:
+        G = K // 32
+        want_s = int4_mma.MEASURED_LAT.get((N, K, fmt), {}).get("SPLIT_K", -(-G // int4_mma.GMAX))
+        plans = [_lat_plan(m, N, K, fmt) for m in (1, 8, 9, 16, 17, 32, 128, 300)]
+        assert {(c["SPLIT_K"], c["groups_per_split"]) for c in plans} == {(plans[0]["SPLIT_K"],
+                                                                           plans[0]["groups_per_split"])}
+        assert plans[0]["SPLIT_K"] == want_s and plans[0]["groups_per_split"] <= int4_mma.GMAX
+        assert max(c["BT"] for c in plans) == int4_mma.LATENCY["BTMAX"] == 16
+        assert _lat_plan(128, N, K, fmt)["n_bt"] == 8
+    big = _lat_plan(64, 960, 576, "q4_1")
+    assert big["U"] * 4 >= big["groups_per_split"] - 4          # K = 576: 5 quads, 4 in flight from the start
+    assert _lat_plan(1, 40, 1088, "q4_0")["SPLIT_K"] < _fold_plan(1, 40, 1088, "q4_0")["SPLIT_K"]
+    assert int4_mma.mma_config(40, 64, 1024, "q4_0", {"BTMAX": 8})["BT"] == 8
+    with pytest.raises(ValueError, match="BTMAX"):
+        int4_mma.mma_config(4, 64, 1024, "q4_0", {"BTMAX": 12})
+    pw, _ = _weight("q4_0", 16, 64, 0, device="cpu")
+    with pytest.raises(ValueError, match="fold"):
+        int4_mma.w4a16_mma(torch.zeros(1, 64, dtype=torch.bfloat16), pw, latency=True)
+
+
+@pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
+@pytest.mark.parametrize("case", [(40, 1088, "q4_1", (3, 17, 40), None),     # 2 splits of 5 quads, 4 in flight
+                                  (72, 768, "q4_k", (1, 9, 33), {"RT16": 2}),   # one split of 6 quads, rows past N
+                                  (24, 160, "q4_0", (2, 20), {"U": 1, "U16": 1})],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_latency_source_emulated_matches_folded_ref(seed, case):
+    """The latency launch on the CPU: against x @ unpack_folded(w)^T, rows bitwise independent of M (batch tiles
+    of 16: one, two and three tiles)."""
+    N, K, fmt, Ms, cfg = case
+    emulated_matches_ref(
+        lambda x, pw, out32=False, config=None: cuda_emu.w4a16_mma_emulated(
+            x, pw, out32=out32, config={**int4_mma.latency_config(N, K, fmt), **(config or {})}, fold=True),
+        _lat_plan, seed, N, K, fmt, Ms, cfg, weights=folded_weights)
+
+
+@pytest.mark.gpu
+@needs_mma
+@pytest.mark.parametrize("case", ODD[:4] + [(960, 576, "q4_1"), (576, 1536, "q4_1"), (2048, 2048, "q4_0"),
+                                            (3072, 576, "q4_1"), (5120, 4096, "q4_k")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_fold_latency_matches_folded_ref(seed, case):
+    gpu_matches_ref(functools.partial(int4_mma.w4a16_mma, fold=True, latency=True), _lat_plan, "cuda_mma_fold_lat",
+                    seed, *case, weights=folded_weights)
+
+
+@pytest.mark.gpu
+@needs_mma
+@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (960, 576, "q4_1"), (2048, 2048, "q4_0")],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_mma_fold_latency_batch_invariant_fp32(seed, case):
+    gpu_rows_independent_of_m(functools.partial(int4_mma.w4a16_mma, fold=True, latency=True), seed, *case)
+
+
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
 @pytest.mark.parametrize("fold", [False, True])
 def test_block_order_does_not_matter(seed, fold):

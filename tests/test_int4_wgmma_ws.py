@@ -186,6 +186,28 @@ def test_ws_matches_folded_ref_and_wgmma_bits(seed, case):
 
 @pytest.mark.gpu
 @needs_wg
+@pytest.mark.parametrize("shape", sorted(ws.MEASURED_T128), ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+def test_t128_measured_split_matches_ref_and_wgmma_bits(seed, shape):
+    """The dispatch's 128-row tiles with a split of their own (MEASURED_T128): the folded reference at B = 1..256,
+    bitwise int4_wgmma's kernel for that split, and rows independent of M."""
+    from kernels import int4_dispatch as disp
+
+    N, K, fmt = shape
+    cfg = disp.ws_variant_config("cuda_wgmma_ws_t128", N, K, fmt)
+    assert cfg["SPLIT_K"] == ws.MEASURED_T128[shape]["SPLIT_K"] and cfg["MT"] == ws.T128["MT"]
+    fn = functools.partial(ws.w4a16_wgmma_ws, config=cfg)
+    gpu_matches_ref(fn, lambda M, N, K, fmt: ws.ws_config(M, N, K, fmt, cfg), "cuda_wgmma_ws_t128", seed, *shape,
+                    weights=folded_weights)
+    gpu_rows_independent_of_m(fn, seed, *shape)
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cuda")
+    for M in (1, 64, 128):
+        x = _x(seed + M, M, K, xs, device="cuda")
+        want = int4_wgmma.w4a16_wgmma(x, pw, torch.empty(M, N, device="cuda"), config=ws.wg_equivalent(cfg))
+        assert torch.equal(disp.run_variant("cuda_wgmma_ws_t128", x, pw, torch.empty(M, N, device="cuda")), want), M
+
+
+@pytest.mark.gpu
+@needs_wg
 @pytest.mark.parametrize("config", [None, {"STAGES": 2}, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}, {"SPLIT_K": 3},
                                     {"CWG": 4}, {"CWG": 4, "TARGET_BLOCKS": 5, "SK_HALVE": 0}, ws.T128,
                                     {"MMA": 1}, {"MMA": 1, "CWG": 4}, {"MMA": 1, "CWG": 4, "TARGET_BLOCKS": 5,

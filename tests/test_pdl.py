@@ -301,8 +301,8 @@ def test_gpu_dense_hybrid_same_tokens_with_pdl(ggufs, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_wgmma", "cuda_wgmma_x2",
-                                    "cuda_wgmma_ws", "cuda_wgmma_ws_t128"])
+@pytest.mark.parametrize("policy", ["triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma",
+                                    "cuda_wgmma_x2", "cuda_wgmma_ws", "cuda_wgmma_ws_t128"])
 @pytest.mark.parametrize("B", [1, 16])
 def test_gpu_packed_hybrid_same_tokens_with_pdl(packed_file, policy, B):
     runs = _on_off(lambda: _packed_run(packed_file, B, policy))
