@@ -187,7 +187,11 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
 # 6.47 / 7.09 (7.23 / 7.30 / 7.41), 2048x2048 Q4_0 in 4 splits 6.89 at B = 32 (9.95). Slower than the default launch at
 # B = 1 and 8 on every one of these shapes (576x576: 2.85 / 3.13 us against 2.46 / 2.57): a variant of its own, not a
 # replacement. Not enough at 128 sequences where the weight is larger (3072x576 8.2 us at best against 7.0,
-# 2048x2048 13.8 against 10.6: from there the wgmma kernels' tiles of 128 sequences do better).
+# 2048x2048 13.8 against 10.6: from there the wgmma kernels' tiles of 128 sequences do better; 3072x576 again at
+# 660af4f with two row tiles per warp, 16 or 32 rows of blocks, rings of 2 or 4: 7.80 us at best against 6.96).
+# Nor does a split of its own help the large shapes at 16 sequences (the issue's B = 16 target): H200 probe at
+# 660af4f, 1 / 2 / 3 times the fewest splits x RT16 4-16 x MT16 1-2 x U16 1-4 x MINB16 1-2 in batch tiles of 16, best
+# 32.6 / 30.2 / 20.7 us on 17408x5120 / 5120x17408 / 5120x12288 Q4_0 against cuda_wgmma_x2's 29.1 / 26.1 / 20.1.
 LATENCY = {"RT": 4, "U": 4, "MINB": 1, "MT": 1, "RT16": 8, "U16": 4, "MINB16": 1, "MT16": 1, "BTMAX": 16}
 MEASURED_LAT: dict[tuple[int, int, str], dict] = {
     (960, 576, "q4_1"): {"RT16": 4},        # B = 32 / 64 / 128: 4.71 / 4.82 / 5.35 us against 4.96 / 5.18 / 5.16 (RT16 8)
