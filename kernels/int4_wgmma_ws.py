@@ -141,7 +141,9 @@ T128 = {"MT": 1, "CWG": 2}
 # 128: 2048x2048 Q4_0 in 6 splits 8.61 / 10.13 against 9.53 / 11.11 with the default 4 (dequantize + cuBLAS 10.08 /
 # 10.66). 3072x2048 stayed slower at 128 whatever the split (12.34 at best against 11.74), as did 3072x576 Q4_1 (8.71
 # against 6.89) and 576x1536 (8.63 against 7.50), with x staged in the GEMM or not.
-MEASURED_T128: dict[tuple[int, int, str], dict] = {(2048, 2048, "q4_0"): {"SPLIT_K": 6}, (3072, 2048, "q4_0"): {"SPLIT_K": 5}}
+# 3072x2048 in 5 splits (120 blocks, against 96 with 4) at b15442a, one process: 6.46 / 8.74 / 9.91 / 12.18 us at B = 8 /
+# 32 / 64 / 128 against 6.48 / 8.69 / 9.91 / 12.20 with 4 (6: 13.88 at 128; dequantize + cuBLAS 11.63): not kept.
+MEASURED_T128: dict[tuple[int, int, str], dict] = {(2048, 2048, "q4_0"): {"SPLIT_K": 6}}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
 # x staged inside the GEMM by the producer warpgroup's warps 1-3 (loaded from x, put in the ring's order and stored
