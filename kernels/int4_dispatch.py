@@ -7,8 +7,8 @@ shape among six variants:
                     Q4_1 / Q4_K; NVRTC like "cuda"), batch-invariant
   "cuda_mma_fold"   the same kernel's folded form: group scales folded into bf16 / fp16 weights
                     (engine.quant_pack.unpack_folded), one fp32 accumulation across K; batch-invariant
-  "cuda_mma_fold_lat"  the folded form's latency launch (int4_mma.latency_config): the fewest splits, every quad
-                    of a split in flight, batch tiles of up to 16, for small weights at many sequences; its own
+  "cuda_mma_fold_lat"  the folded form's latency launch (int4_mma.latency_config): the fewest splits, a ring of
+                    4 quads in flight per warp, batch tiles of up to 16, for small weights at many sequences; its own
                     split, so its own bits; batch-invariant
   "cuda_wgmma"      kernels/int4_wgmma.py: the folded weights on sm_90's wgmma, batch tiles of up to 128
                     (NVRTC through torch, sm_90a only); batch-invariant

@@ -177,8 +177,8 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
 # The latency launch of the folded form (the dispatch's "cuda_mma_fold_lat"): for shapes of a few microseconds at 32 to
 # 128 sequences, where the default launch's many splits (TARGET_BLOCKS blocks at one batch tile) leave a second launch
 # adding S x M x N fp32 partials, and its 32-sequence tiles one warp a long chain of mmas. Here the fewest splits that
-# keep a split within GMAX groups (one for K <= 1024), a ring deep enough for every quad of a split to be in flight
-# from the start (U, U16: a split of K = 576 is 5 quads), and batch tiles of at most BTMAX = 16 sequences (twice the
+# keep a split within GMAX groups (one for K <= 1024), a ring of 4 quads in flight per warp from the start (U, U16:
+# a split of K = 576 is 5 quads, of 576x1536's 3 splits 4), and batch tiles of at most BTMAX = 16 sequences (twice the
 # warps, each weight dequantized once per tile: cheap where the weight is small and stays in L2). Its own split, so
 # its own bits; batch-invariant like the default launch (the split comes from (N, K, fmt) alone).
 # H200 probe at b66e7ff (int4_gemm's method: graphed calls over rotated weights, PDL on; us at B = 32 / 64 / 128,

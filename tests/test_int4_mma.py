@@ -246,7 +246,7 @@ def _lat_plan(M, N, K, fmt, config=None):
 
 def test_latency_launch_shape():
     """The fewest splits (MEASURED_LAT aside), the same at every M (so the same bits), batch tiles of at most BTMAX,
-    every quad of a split in flight where a split has at most U16 quads; only the folded form has it."""
+    a ring of U16 quads (all but one of K = 576's five); only the folded form has it."""
     for N, K, fmt in [(960, 576, "q4_1"), (3072, 576, "q4_1"), (576, 1536, "q4_1"), (2048, 2048, "q4_0"),
                       (5120, 17408, "q4_k"), (40, 1088, "q4_0")]:
         G = K // 32
