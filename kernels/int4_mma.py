@@ -465,6 +465,12 @@ struct QSlot {                 // one quad's loads for the lane's group: rows (g
     uint4 wa[MT], wb[MT];
     u32 ra[MT][NRAW], rb[MT][NRAW];
 };
+// Where a quad's instructions go (nvcc 13.0 offline, sm_90, at 660af4f; the B = 1 launches of MEASURED_FOLD): the
+// loop over one quad of 5120x17408 Q4_0 (MT 2: 16 words) issues 315, of them LOP3 64, HFMA2 64, HMUL2 64 and SHF 49
+// (the nibbles: 77%), HMMA 16, LDG 8, LDS 4, and ~30 of address arithmetic (64-bit products and shifts per load);
+// 34816x5120 Q4_K 753. Keeping each lane's record index as a running 32-bit count (one wide multiply-add per load)
+// cut that to 312 and 729, and raised 5120x17408 Q4_K from 405 to 411 (constants reloaded under its register cap):
+// 1-3% at most of an issue-bound loop, not kept.
 struct QCursor {               // the lane's next group; in tile m row b is db[m] rows after row a (8, or fewer past N)
     const uint4* w;
     const u16 *s, *m, *u;
