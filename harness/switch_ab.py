@@ -12,6 +12,11 @@ to MLflow; a change that wins is then recorded by the experiment itself.
 
 After each change the touched module's functools caches are cleared (compiled-kernel caches keyed without the
 switch), and every switch is restored to its original value at the end.
+
+A value written @PATH is the attribute's literal value as assigned at the top level of the Python file PATH, e.g.
+an earlier revision of the module (`git show REV:kernels/int4_dispatch.py > old.py`, then
+`--switch kernels.int4_dispatch.MEASURED=@old.py,@kernels/int4_dispatch.py` compares two dispatch tables); such a
+value is printed by its path.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class Switch:
     module: object
     values: list
     original: object
+    labels: list | None = None     # how each value is printed (its @PATH where it came from a file)
 
     def set(self, value) -> None:
         setattr(self.owner, self.attr, value)
@@ -54,6 +60,32 @@ def _value(text: str):
         return text            # a bare word: a string value
 
 
+def value_from_file(path: str, attr: str):
+    """The literal value assigned to attr at the top level of the Python file path (the last assignment)."""
+    try:
+        tree = ast.parse(open(path).read(), filename=path)
+    except OSError as e:
+        raise ConfigError(f"--switch value @{path}: cannot read it ({e.strerror})") from None
+    except SyntaxError as e:
+        raise ConfigError(f"--switch value @{path}: not a Python file ({e.msg}, line {e.lineno})") from None
+    found = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == attr for t in targets):
+            found = node.value
+    if found is None:
+        raise ConfigError(f"--switch value @{path}: no top-level assignment to {attr!r} there")
+    try:
+        return ast.literal_eval(found)
+    except ValueError:
+        raise ConfigError(f"--switch value @{path}: {attr} is not a literal there (line {found.lineno})") from None
+
+
 def parse_switch(spec: str) -> Switch:
     """'pkg.module.Attr[.attr]=v1,v2,...' -> Switch. The longest importable prefix is the module; the rest is an
     attribute chain ending at the switch."""
@@ -61,7 +93,9 @@ def parse_switch(spec: str) -> Switch:
     parts = path.split(".")
     if not eq or len(parts) < 2:
         raise ConfigError(f"--switch {spec!r}: write MODULE.ATTR=V1,V2 (e.g. kernels.int4_wgmma_ws.X_IN_GEMM_MAX_BT=8,0)")
-    vals = [_value(v.strip()) for v in values.split(",") if v.strip()]
+    texts = [v.strip() for v in values.split(",") if v.strip()]
+    vals = [value_from_file(t[1:], parts[-1]) if t.startswith("@") else _value(t) for t in texts]
+    labels = [t if t.startswith("@") else None for t in texts]
     if len(vals) < 2:
         raise ConfigError(f"--switch {spec!r}: give at least two values to compare, the baseline first")
     for cut in range(len(parts) - 1, 0, -1):
@@ -77,12 +111,15 @@ def parse_switch(spec: str) -> Switch:
         if not hasattr(owner, parts[-1]):
             raise ConfigError(f"--switch {spec!r}: {'.'.join(parts[:-1])} has no attribute {parts[-1]!r}; a switch "
                               "must already exist (a typo would otherwise time the baseline twice)")
-        return Switch(path, owner, parts[-1], module, vals, getattr(owner, parts[-1]))
+        return Switch(path, owner, parts[-1], module, vals, getattr(owner, parts[-1]), labels)
     raise ConfigError(f"--switch {spec!r}: no importable module in {path!r}")
 
 
 def variant_name(switches: list[Switch], combo: tuple) -> str:
-    return ", ".join(f"{s.attr}={v!r}" for s, v in zip(switches, combo))
+    def label(s: Switch, v) -> str:
+        at = next((lab for lab, x in zip(s.labels or [], s.values) if x is v and lab), None)
+        return at or repr(v)
+    return ", ".join(f"{s.attr}={label(s, v)}" for s, v in zip(switches, combo))
 
 
 def run_ab(overrides: list[str], switches: list[Switch], batches: list[int], tokens: int = 32, reps: int = 2,

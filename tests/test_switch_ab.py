@@ -16,6 +16,27 @@ def test_parse_switch_finds_the_module_and_the_attribute_chain():
     assert t.values == [8, 0, 16] and t.module.__name__ == "kernels.int4_wgmma_ws"
 
 
+def test_values_from_files_are_literals_and_print_by_path(tmp_path):
+    """@PATH: the attribute's top-level literal in a Python file (an earlier revision of the module), printed by
+    its path; the module's own file gives its current value."""
+    from kernels import int4_dispatch
+
+    old = tmp_path / "old_dispatch.py"
+    old.write_text("X = 1\nMEASURED: dict = {(8, 8, 'q4_0'): {'invariant': 'triton'}}\nMEASURED = {(64, 64, 'q4_0'): {}}\n")
+    s = switch_ab.parse_switch(f"kernels.int4_dispatch.MEASURED=@{old},@kernels/int4_dispatch.py")
+    assert s.values[0] == {(64, 64, "q4_0"): {}}                 # the last top-level assignment
+    assert s.values[1] == int4_dispatch.MEASURED and s.values[1] is not int4_dispatch.MEASURED
+    assert switch_ab.variant_name([s], (s.values[0],)) == f"MEASURED=@{old}"
+    (tmp_path / "bad.py").write_text("MEASURED = dict(a=1)\n")
+    (tmp_path / "broken.py").write_text("MEASURED = {\n")
+    for spec, msg in [(f"@{tmp_path}/nope.py", "cannot read"), (f"@{tmp_path}/bad.py", "not a literal"),
+                      (f"@{tmp_path}/broken.py", "not a Python file")]:
+        with pytest.raises(ConfigError, match=msg):
+            switch_ab.parse_switch(f"kernels.int4_dispatch.MEASURED={spec},@{old}")
+    with pytest.raises(ConfigError, match="no top-level assignment to 'CHAIN_US'"):
+        switch_ab.parse_switch(f"kernels.int4_dispatch.CHAIN_US=@{old},@{old}")
+
+
 @pytest.mark.parametrize("spec, msg", [
     ("kernels.int4_wgmma_ws.X_IN_GEMM_MAX_BT", "MODULE.ATTR=V1,V2"),
     ("kernels.int4_wgmma_ws.X_IN_GEMM_MAX_BT=8", "at least two values"),
