@@ -145,26 +145,26 @@ def run_ab(overrides: list[str], switches: list[Switch], batches: list[int], tok
             ids = prompt_ids(cfg.workload, built.tokenizer, built.cfg.vocab_size)
             sampling = sampling_params(cfg)
             ctx, prefill = cfg.kv_cache.ctx, cfg.scheduler.prefill
-            times: dict[tuple, list[float]] = {c: [] for c in combos}
-            tokens_of: dict[tuple, list] = {}
+            times: list[list[float]] = [[] for _ in combos]     # by combo index: values may be unhashable
+            tokens_of: dict[int, list] = {}
             for _ in range(reps):
-                for combo in combos:
+                for i, combo in enumerate(combos):
                     for s, v in zip(switches, combo):
                         s.set(v)
                     stepper, kv = built.stepper(B, sampling, ctx, max_len=len(ids) + tokens)
                     run_static(stepper, [ids] * B, 2, (), prefill, ctx)        # compile / capture outside the timing
                     r = run_static(stepper, [ids] * B, tokens, (), prefill, ctx)
-                    times[combo].append(statistics.median(r.step_s) * 1e3)
-                    tokens_of.setdefault(combo, r.outputs)
+                    times[i].append(statistics.median(r.step_s) * 1e3)
+                    tokens_of.setdefault(i, r.outputs)
                     del stepper, kv, r
                     gc.collect()
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
-            base = min(times[combos[0]])
-            for combo in combos:
-                best = min(times[combo])
-                row = {"B": B, "variant": variant_name(switches, combo), "best_ms": best, "ms": times[combo],
-                       "vs_baseline": best / base, "same_tokens": tokens_of[combo] == tokens_of[combos[0]]}
+            base = min(times[0])
+            for i, combo in enumerate(combos):
+                best = min(times[i])
+                row = {"B": B, "variant": variant_name(switches, combo), "best_ms": best, "ms": times[i],
+                       "vs_baseline": best / base, "same_tokens": tokens_of[i] == tokens_of[0]}
                 rows.append(row)
                 out(f"[ab] B={B} {row['variant']}: p50 {best:.3f} ms/step ({' / '.join(f'{t:.3f}' for t in row['ms'])})"
                     f", {row['vs_baseline']:.3f}x baseline, same tokens as baseline: {str(row['same_tokens']).lower()}")

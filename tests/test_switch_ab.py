@@ -84,3 +84,16 @@ def test_ab_runs_every_variant_flags_changed_tokens_and_restores(tmp_path, monke
     assert [r["same_tokens"] for r in rows] == [True, False, True, False] * 2
     assert rows[0]["vs_baseline"] == 1.0 and len(lines) == 8
     assert Projection.concurrent is True and knob.shift == 0
+
+
+def test_ab_takes_unhashable_values(tmp_path, monkeypatch):
+    """Values read from files are tables (dicts): the A/B keys its variants by position, not by value."""
+    knob = types.ModuleType("ab_test_table")
+    knob.TABLE = {"a": 1}
+    monkeypatch.setitem(sys.modules, "ab_test_table", knob)
+    src = tmp_path / "tables.py"
+    src.write_text("TABLE = {'a': 2}\n")
+    s = switch_ab.parse_switch(f"ab_test_table.TABLE={{'a': 1}},@{src}")
+    rows = switch_ab.run_ab(["model=tiny-qwen35", "engine=cpu", f"tracking.uri=sqlite:///{tmp_path}/m.db"], [s], [1],
+                            tokens=3, reps=1, out=lambda _: None)
+    assert [r["variant"] for r in rows] == ["TABLE={'a': 1}", f"TABLE=@{src}"] and knob.TABLE == {"a": 1}
