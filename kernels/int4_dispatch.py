@@ -74,6 +74,7 @@ VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", 
 INVARIANT_VARIANTS = VARIANTS[:-1]
 WGMMA_CONFIGS = {"cuda_wgmma": None, "cuda_wgmma_x2": int4_wgmma.X2}
 WS_CONFIGS = {"cuda_wgmma_ws": None, "cuda_wgmma_ws_t128": int4_wgmma_ws.T128}
+WS_MEASURED = {"cuda_wgmma_ws_t128": int4_wgmma_ws.MEASURED_T128}   # per-shape entries on top of a variant's config
 MMA_VARIANTS = ("cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat")
 POLICIES = ("invariant", "fastest") + VARIANTS
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
@@ -348,12 +349,10 @@ def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tens
 
 
 def ws_variant_config(variant: str, N: int, K: int, fmt: str) -> dict | None:
-    """The ws kernel's config for one of WS_CONFIGS' variants on (N, K, fmt): the variant's, then for the 128-row
-    tiles int4_wgmma_ws.MEASURED_T128's entry (a split of its own there)."""
-    base = WS_CONFIGS[variant]
-    if variant == "cuda_wgmma_ws_t128" and (N, K, fmt) in int4_wgmma_ws.MEASURED_T128:
-        return {**base, **int4_wgmma_ws.MEASURED_T128[(N, K, fmt)]}
-    return base
+    """The ws kernel's config for one of WS_CONFIGS' variants on (N, K, fmt): the variant's, then its WS_MEASURED
+    entry for the shape (e.g. a split of its own)."""
+    entry = WS_MEASURED.get(variant, {}).get((N, K, fmt))
+    return {**(WS_CONFIGS[variant] or {}), **entry} if entry else WS_CONFIGS[variant]
 
 
 def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, defer: bool = False):
