@@ -72,6 +72,21 @@ shared memory (2-6 quads ahead, each lane reading back its own records, scales k
 same bits) were 15-35% slower than the register ring at every hybrid shape (34816x5120 Q4_K, B = 16 / 32: 80.1 /
 96.7 us with 2 quads, 85.5 / 103.6 with 4, against 61.1 / 83.0).
 
+Where B = 1's time goes, and three launch forms that did not pay (H200 probes at 4060f6f, int4_gemm's method, the folded
+form's shapes of MEASURED_FOLD, us per call). Over 5120 x K Q4_0 (K = 2048 / 4096 / 8192 / 17408) the calls fit ~4.0
+TB/s of streaming plus ~3.3 us with the split-K partials left to the next kernel (4.78 / 6.42 / 9.16 / 15.81 us), ~3.6
+TB/s plus ~4.0 us with the reduce launch (5.65 / 7.80 / 10.30 / 18.05): the loop streams near the copy ceiling, the
+shortfall is per call. Of 5120x17408's 18.05 the reduce launch is 2.2 us and x's staging 1.5 (14.33 without it,
+outputs wrong), the PDL wait 0.25. (1) L2 prefetches of each lane's records and scales 1-6 quads ahead of its loads,
+per lane or as one bulk request per group: slower everywhere, 5120x17408 Q4_0 20.0-24.2 against 18.0, 34816x5120 Q4_K
+44.1-50.3 against 37.3. (2) A block's warps taking 2-8 row tiles in a row (x staged once, the loads running on across
+the tiles; the same bits): slower at B = 1 on every shape (5120x17408 Q4_0 21.6 with two against 18.1, 34816x5120
+Q4_K 38.8 with three against 37.2: fewer blocks, fewer loads in flight); at B = 8 it paid on 34816x5120 (44.7 against
+59.1) where the dispatch runs ws (41.5). (3) A row tile's splits as one thread block cluster adding their partials in
+split order through distributed shared memory (the reduce launch's bits, no workspace): slower at B = 1 (17408x5120
+Q4_0 24.2 against 18.6 with the reduce and 17.0 deferred, 34816x5120 Q4_K 46.7 against 37.4, 16384x5120 29.2 against
+20.2), faster only at B = 8 on 34816x5120 (52.1 against 61.3).
+
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
 independent; the row tiles per block, the ring depth and the register budget (RT / U, RT16 / U16 / MINB16 for
@@ -327,9 +342,23 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], const
 #endif
 
 // nibbles s and s + 4 of w as a packed pair of exact integers (q4_0: q - 8)
+#if X_F16
+// fp16's 10-bit mantissa also holds a nibble at bits 4-7 of a half (its unit then 16, taken off by the fma's 1/16):
+// one shift per word (w >> 8, shared by s = 2, 3) instead of bf16's three; the same integers, so the same bits.
+// H200 probe at 4060f6f (int4_gemm's method, fp16 x, the folded form, us at B = 1 this / three shifts): 5120x17408
+// Q4_0 18.01 / 18.20, 34816x5120 Q4_K 36.77 / 37.93, 5120x17408 Q4_K 20.31 / 20.80 (SASS per quad: 285 / 315, 692 / 753)
+#define SIXTEENTH2 0x2C002C00u
+#define NEGOFF_HI (FMT == 0 ? 0xD480D480u : 0xD400D400u)   /* -(64 + 8), -64 */
+__device__ __forceinline__ u32 nib_pair(u32 w, int s) {
+    const u32 v = s >= 2 ? w >> 8 : w;
+    return (s & 1) ? fma2(and_or(v, 0x00F000F0u, MAGIC), SIXTEENTH2, NEGOFF_HI)
+                   : fma2(and_or(v, 0x000F000Fu, MAGIC), ONE2, NEGOFF);
+}
+#else
 __device__ __forceinline__ u32 nib_pair(u32 w, int s) {
     return fma2(and_or(s == 0 ? w : w >> (4 * s), 0x000F000Fu, MAGIC), ONE2, NEGOFF);
 }
+#endif
 
 struct Slot {                  // one group's loads for the lane's two rows (g, g + 8)
     u32 wa, wb;                // word t of each row's record
