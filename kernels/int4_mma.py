@@ -85,7 +85,13 @@ Q4_K 38.8 with three against 37.2: fewer blocks, fewer loads in flight); at B = 
 59.1) where the dispatch runs ws (41.5). (3) A row tile's splits as one thread block cluster adding their partials in
 split order through distributed shared memory (the reduce launch's bits, no workspace): slower at B = 1 (17408x5120
 Q4_0 24.2 against 18.6 with the reduce and 17.0 deferred, 34816x5120 Q4_K 46.7 against 37.4, 16384x5120 29.2 against
-20.2), faster only at B = 8 on 34816x5120 (52.1 against 61.3).
+20.2), faster only at B = 8 on 34816x5120 (52.1 against 61.3). (4) Each warp's first quad dequantized before the PDL
+wait into shared memory (4 KB per warp and row tile; its ring slot refilled at once, so one more quad loads before the
+wait), with MINB 2-6 to hold the registers: slower or even everywhere (5120x17408 Q4_0 18.8 against 18.1 at best,
+17408x5120 19.5 against 19.1, 34816x5120 Q4_K 39.9 against 37.8). Nor does the reduce launch shrink with its loads:
+every split of a chunk of 32 loaded before the first add (instead of eight at a time) made the calls 0.4-1.3 us
+slower on all 14 shapes probed (5120x17408 Q4_0 B = 1: 19.02 against 18.02; deferred 15.88): what it costs is its
+place in the chain.
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
@@ -176,9 +182,15 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     #   deferred, against 23.4 / 21.4 with RT 8 (U 1..4, MINB 2..4, MT 1, P 2 and other splits were slower)
     (17408, 5120, "q4_0"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
     #   19.7 / 23.7 / 37.1 / 48.5 us against 21.7 / 31.5 / 34.4 / 50.8
-    (5120, 17408, "q4_0"): {"MT": 2, "RT": 4, "U": 1, "MINB": 3, "SPLIT_K": 20},
+    (5120, 17408, "q4_0"): {"MT": 2, "RT": 8, "U": 1, "MINB": 1, "SPLIT_K": 20},
     #   B = 1 / 8: 20.1 / 26.6 us against 21.1 / 25.9; then 20 splits of 28 groups against 17 of 32: 19.9 / 26.1 /
-    #   32.1 / 45.3 us at B = 1 / 8 / 16 / 32 against 20.2 / 27.2 / 32.3 / 47.5
+    #   32.1 / 45.3 us at B = 1 / 8 / 16 / 32 against 20.2 / 27.2 / 32.3 / 47.5. Then 8-warp blocks with the registers
+    #   left to the compiler (the same split and MT, so the same bits), H200 probe at f893f08 of RT 2-16 x MINB 1-6 x U
+    #   1-2 (int4_gemm's method, with the reduce): 17.53 / 20.16 us at B = 1 / 8 against 18.02 / 23.68 (RT 4, MINB 3)
+    (5120, 12288, "q4_0"): {"RT": 16, "U": 2, "SPLIT_K": 12},
+    #   the same probe: 16-warp blocks, 14.51 / 16.24 us at B = 1 / 8 against 14.56 / 18.38 with 8 (the split named)
+    (4096, 4096, "q4_0"): {"RT": 16, "U": 1, "SPLIT_K": 16},
+    #   the same probe: 16-warp blocks, one quad in flight, 6.70 / 7.42 us against 7.38 / 8.09 (RT 8, U 2; split named)
     (14336, 5120, "q4_k"): {"SPLIT_K": 6, "MINB": 4},
     #   20.6 / 26.8 / 31.8 / 45.4 us against 21.4 / 28.3 / 33.7 / 49.0 (S = 5); MINB below
     (248320, 5120, "q4_k"): {"MT": 2, "U": 1, "MINB": 3},   # B = 1 / 8: 242.9 / 283.4 against 242.9 / 373.6 (same split)
