@@ -187,8 +187,11 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     #   32.1 / 45.3 us at B = 1 / 8 / 16 / 32 against 20.2 / 27.2 / 32.3 / 47.5. Then 8-warp blocks with the registers
     #   left to the compiler (the same split and MT, so the same bits), H200 probe at f893f08 of RT 2-16 x MINB 1-6 x U
     #   1-2 (int4_gemm's method, with the reduce): 17.53 / 20.16 us at B = 1 / 8 against 18.02 / 23.68 (RT 4, MINB 3)
-    (5120, 12288, "q4_0"): {"RT": 16, "U": 2, "SPLIT_K": 12},
-    #   the same probe: 16-warp blocks, 14.51 / 16.24 us at B = 1 / 8 against 14.56 / 18.38 with 8 (the split named)
+    (5120, 12288, "q4_0"): {"MT": 2, "RT": 8, "U": 2, "MINB": 3, "SPLIT_K": 20},
+    #   the same probe: 16-warp blocks, 14.51 / 16.24 us at B = 1 / 8 against 14.56 / 18.38 with 8 (the split named);
+    #   then a split of its own (its own bits), H200 probe at bc51bf2 of 5-6 splits x MT 1-2 x RT 4-16 x MINB 1 / 3 x
+    #   U 1-2 on the three large Q4_0 shapes: 20 splits, two row tiles per warp, 13.87 / 15.50 us against 14.63 /
+    #   16.22 (12 splits, RT 16); 17408x5120 and 5120x17408 had nothing better than their entries
     (4096, 4096, "q4_0"): {"RT": 16, "U": 1, "SPLIT_K": 16},
     #   the same probe: 16-warp blocks, one quad in flight, 6.70 / 7.42 us against 7.38 / 8.09 (RT 8, U 2; split named)
     (14336, 5120, "q4_k"): {"SPLIT_K": 6, "MINB": 4},
