@@ -336,16 +336,16 @@ INPUT_ORDER = ".input_order"
 
 
 def keeps_packed(cfg: ModelConfig, name: str, qtype: Any) -> bool:
-    """Whether keep_quantized leaves this tensor packed: a projection (or an untied output.weight) stored as
-    Q4_0 / Q4_1 / Q4_K / Q8_0. llama / qwen3: attn_q/k/v/output, ffn_gate/up/down. qwen35 (trunk and MTP
-    blocks): the same plus the GDN attn_qkv, attn_gate and ssm_out; its V-head reorder becomes a row gather
-    (attn_qkv's V rows, attn_gate) or, for ssm_out's columns, a permutation of the GEMM's input (the loader
-    adds `blk.N.ssm_out.input_order`). The token embedding is a gather and stays dense."""
+    """Whether keep_quantized leaves this tensor packed: a projection, the token embedding or an untied
+    output.weight stored as Q4_0 / Q4_1 / Q4_K / Q8_0. llama / qwen3: attn_q/k/v/output, ffn_gate/up/down. qwen35
+    (trunk and MTP blocks): the same plus the GDN attn_qkv, attn_gate and ssm_out; its V-head reorder becomes a row
+    gather (attn_qkv's V rows, attn_gate) or, for ssm_out's columns, a permutation of the GEMM's input (the loader
+    adds `blk.N.ssm_out.input_order`). The embedding's gather decodes its rows on the fly (kernels/embedding.py)."""
     from engine.quant_pack import packable
 
     if cfg.arch not in SUPPORTED_ARCHS + HYBRID_ARCHS or not packable(qtype):
         return False
-    if name == "output.weight":
+    if name in ("output.weight", "token_embd.weight"):
         return True
     kinds = PACKABLE_PROJECTIONS + (GDN_PACKABLE_PROJECTIONS if cfg.arch == "qwen35" else ())
     return name.startswith("blk.") and name.split(".", 2)[-1] in kinds
@@ -364,9 +364,9 @@ def load_gguf(
     V-head rows (attn_qkv's V part, attn_gate). A packed qwen35 ssm_out, whose V-head reorder is a column
     permutation that packed blocks cannot take, keeps the file's column order and comes with
     `blk.N.ssm_out.input_order` (int64 [Hv*Dv], only when Hv != Hk): the GEMM's input x (model head order)
-    must be fed as x[:, input_order] (engine/fused_qwen35.py does it). A tied LM head whose token_embd is
-    packable is also added as a packed `output.weight` (the embedding gather keeps the dense table; the
-    logits GEMM, 20% of a 1B model's bytes, reads the packed one). Other tensors as before."""
+    must be fed as x[:, input_order] (engine/fused_qwen35.py does it). A packable token_embd stays packed too (the
+    gather decodes its rows), and when the LM head is tied to it, `output.weight` is the same PackedWeight (one copy:
+    the weights take ~ the file's bytes). Other tensors as before."""
     path = os.fspath(path)
     reader = _open(path)
     meta = read_metadata(reader)
@@ -385,10 +385,9 @@ def load_gguf(
             order = ssm_out_input_order(cfg, name)
             if order is not None:  # ssm_out's columns stay in the file's order: permute its input instead
                 weights[name.removesuffix(".weight") + INPUT_ORDER] = order.to(device)
+            if name == "token_embd.weight" and cfg.tie_embeddings:
+                weights["output.weight"] = weights[name]   # tied LM head: the same packed bytes
             continue
-        if keep_quantized and name == "token_embd.weight" and cfg.tie_embeddings and keeps_packed(cfg, "output.weight", t.tensor_type):
-            # tied LM head: the gather keeps a dense table, the head GEMM reads the packed bytes
-            weights["output.weight"] = _load_packed(cfg, "output.weight", raw, t.tensor_type, wanted[name])
         w = dequantize(raw, t.tensor_type, wanted[name])
         n_head = qk_heads(cfg, name)
         if n_head is not None:

@@ -175,10 +175,11 @@ def file_mb(path: Path) -> float:
 
 
 def weights_mb(weights: dict) -> float:
-    """MiB the loaded weights hold on the device (packed projections: their packed bytes)."""
+    """MiB the loaded weights hold on the device (packed projections: their packed bytes; a tensor under two names,
+    a tied LM head, once)."""
     from engine.fused_model import tensor_bytes
 
-    return sum(tensor_bytes(t) for t in weights.values()) / 2**20
+    return sum(tensor_bytes(t) for t in {id(t): t for t in weights.values()}.values()) / 2**20
 
 
 def _with_scaling(mcfg: ModelConfig) -> ModelConfig:

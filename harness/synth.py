@@ -131,13 +131,11 @@ class LazyWeights:
         return [(n, self[n]) for n in self.shapes]
 
     def packs(self, name: str) -> bool:
-        """Projections kept packed under engine.weights=packed (the 1-D tensors, conv taps, ssm_a/ssm_dt,
-        the tiny ssm_beta/ssm_alpha rows and the embedding gather stay dense, as a loader keeps them)."""
+        """Projections and the token embedding kept packed under engine.weights=packed (the 1-D tensors, conv taps,
+        ssm_a/ssm_dt and the tiny ssm_beta/ssm_alpha rows stay dense, as a loader keeps them)."""
         if self.packed_fmt is None or len(self.shapes[name]) != 2:
             return False
-        if name == "token_embd.weight" or name.endswith(("ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight")):
-            return False
-        return True
+        return not name.endswith(("ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight"))
 
     def make(self, name: str, device):
         import torch
@@ -148,7 +146,8 @@ class LazyWeights:
             g = torch.Generator(device=device).manual_seed(
                 (self.seed * 1_000_003 + int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)) % 2**63)
         if self.packs(name):
-            return _random_packed(shape, self.packed_fmt, shape[1] ** -0.5, device, g)
+            return _random_packed(shape, self.packed_fmt, 0.5 if name == "token_embd.weight" else shape[1] ** -0.5,
+                                  device, g)
         if name.endswith("ssm_a"):
             w = torch.rand(shape, device=device, generator=g).mul_(0.95).add_(0.05).neg_()
         else:

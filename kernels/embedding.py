@@ -1,11 +1,21 @@
-"""Token embedding: a row gather, out[r] = table[ids[r]]."""
+"""Token embedding: a row gather, out[r] = table[ids[r]]. The table is dense, or a PackedWeight kept as the GGUF
+stored it (Q4_0 / Q4_1 / Q4_K / Q8_0): then each gathered row is decoded on the fly, so the table holds the file's bytes
+on the device rather than a dequantized copy (for a 1B model's 128256 x 2048 table, 525 MB of bf16 against 74 of
+Q4_0). A packed row's values are unpack_ref's (q * s exact in fp32, then + c) rounded once to out's dtype: bitwise the
+dense table the loader would have made."""
 from __future__ import annotations
 
 import torch
 
+from engine.quant_pack import GROUP, PackedWeight, unpack_ref
 
-def embedding_ref(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """ids: [R] int (any device-compatible integer dtype); table: [V, D] -> [R, D] in table's dtype."""
+
+def embedding_ref(ids: torch.Tensor, table: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """ids: [R] int (any device-compatible integer dtype); table: [V, D] -> [R, D] in table's dtype; a PackedWeight
+    table -> ids.shape + (D,) float32 (its rows decoded)."""
+    if isinstance(table, PackedWeight):
+        rows = unpack_ref(table.select_rows(ids.reshape(-1)))
+        return rows.reshape(tuple(ids.shape) + (table.K,))
     return table[ids.long()]
 
 
@@ -30,9 +40,12 @@ def _embedding_kernel(ids_ptr, table_ptr, out_ptr, D, s_ids, s_table, s_out, BLO
     tl.store(out_ptr + row * s_out + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def embedding_triton(ids: torch.Tensor, table: torch.Tensor | PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """ids: [R] (or any shape, flattened to rows) int32/int64 on the table's device; table: [V, D] with a
-    contiguous last dim. Returns [R, D] (ids.shape + (D,) when ids has more dims), out's dtype."""
+    contiguous last dim, or a PackedWeight (embedding_packed_triton). Returns [R, D] (ids.shape + (D,) when ids has
+    more dims), out's dtype."""
+    if isinstance(table, PackedWeight):
+        return embedding_packed_triton(ids, table, out)
     if table.dim() != 2 or (table.stride(1) != 1 and table.shape[1] > 1):
         raise ValueError(f"table must be [V, D] with a contiguous last dim, got {tuple(table.shape)}")
     if ids.dtype not in (torch.int32, torch.int64):
@@ -54,4 +67,78 @@ def embedding_triton(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor |
     _embedding_kernel[(R, triton.cdiv(D, BLOCK))](flat, table, out2, D, flat.stride(0), table.stride(0), out2.stride(0),
                                                    BLOCK=BLOCK, num_warps=4 if BLOCK >= 512 else 1,
                                                    **pdl.triton_opts(flat.device))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton, packed table: grid (rows, blocks of BLOCK_G groups); each program reads its token's record of each group
+# (the packed layout is [G, V] records, so a row's groups lie V records apart) and its scales, and stores the group's
+# 32 values. A gather of B rows is B x K / 2 bytes of records: nothing next to the step's weight reads.
+
+from kernels.int4_gemm import FMT_CODE, _expand  # noqa: E402  (the packed layout's nibble order, shared)
+
+
+@triton.jit
+def _embedding_packed_kernel(ids_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, out_ptr, V, G, s_ids, s_out,
+                             FMT: tl.constexpr, BLOCK_G: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
+    WPG: tl.constexpr = 8 if FMT == 3 else 4
+    row = tl.program_id(0).to(tl.int64)
+    tok = tl.load(ids_ptr + row * s_ids).to(tl.int64)
+    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    ok = gs < G
+    g = tl.where(ok, gs, 0).to(tl.int64)
+    V64 = tl.cast(V, tl.int64)
+    w = tl.load(qw_ptr + (g * V64 + tok)[:, None] * WPG + tl.arange(0, WPG)[None, :])
+    q = _expand(w, FMT, BLOCK_G).to(tl.float32)                   # [BLOCK_G, 32] the groups' integers
+    if FMT == 0:
+        q = q - 8.0
+    if FMT == 2:       # q * (d * sc) - dmin * mn: both products exact in fp32, as unpack_ref's
+        d = tl.load(s_ptr + (g // 8) * V64 + tok).to(tl.float32)
+        sc = tl.load(sub_ptr + (g * V64 + tok) * 2).to(tl.float32)
+        mn = tl.load(sub_ptr + (g * V64 + tok) * 2 + 1).to(tl.float32)
+        dmin = tl.load(c_ptr + (g // 8) * V64 + tok).to(tl.float32)
+        val = (d * sc)[:, None] * q - (dmin * mn)[:, None]
+    elif FMT == 1:
+        val = tl.load(s_ptr + g * V64 + tok).to(tl.float32)[:, None] * q + tl.load(c_ptr + g * V64 + tok).to(tl.float32)[:, None]
+    else:
+        val = tl.load(s_ptr + g * V64 + tok).to(tl.float32)[:, None] * q
+    ptrs = out_ptr + row * s_out + g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    if UPCAST:   # interpreter: fp32 out (the caller rounds), its own bf16 cast truncates
+        tl.store(ptrs, val, mask=ok[:, None])
+    else:
+        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+_INTERPRETED_PACKED = type(_embedding_packed_kernel).__name__ == "InterpretedFunction"
+
+
+def embedding_packed_triton(ids: torch.Tensor, table: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ids: [R] (or any shape) int32/int64 on the table's device; table: a PackedWeight [V, D]. Returns ids.shape +
+    (D,) in out's dtype (float32 when out is None): the rows decoded, bitwise embedding_ref's rounded to that dtype."""
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
+    V, D = table.N, table.K
+    shape = tuple(ids.shape) + (D,)
+    flat = ids.reshape(-1) if ids.dim() != 1 else ids
+    R = flat.shape[0]
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=table.device)
+    if out.shape != shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != {shape}")
+    out2 = out.view(R, D) if out.dim() != 2 else out
+    if out2.stride(1) != 1 and D > 1:
+        raise ValueError("out must have a contiguous last dim")
+    if R == 0 or D == 0:
+        return out
+    G = D // GROUP
+    c = table.mins if table.mins is not None else table.scales
+    sub = table.sub if table.sub is not None else table.scales
+    tgt = out2 if not _INTERPRETED_PACKED or out2.dtype == torch.float32 else torch.empty((R, D), device=out.device)
+    BLOCK_G = min(32, triton.next_power_of_2(G))
+    _embedding_packed_kernel[(R, triton.cdiv(G, BLOCK_G))](
+        flat, table.qweight, table.scales, c, sub, tgt, V, G, flat.stride(0), tgt.stride(0), FMT=FMT_CODE[table.fmt],
+        BLOCK_G=BLOCK_G, UPCAST=_INTERPRETED_PACKED, num_warps=4 if BLOCK_G >= 16 else 1, **pdl.triton_opts(flat.device))
+    if tgt is not out2:
+        out2.copy_(tgt)
     return out

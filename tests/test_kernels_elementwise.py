@@ -250,6 +250,35 @@ def test_embedding(dtype, id_dtype):
     _exact(embedding_triton(ids.view(3, 3), table), embedding_ref(ids, table).view(3, 3, D), "2-D ids")
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "q8_0"])
+def test_embedding_packed_is_the_dense_table(fmt):
+    """A packed table's gather (the file's bytes kept, each row decoded on the fly): bitwise the rows of the dense
+    table the loader makes (unpack_ref rounded once to the model's dtype), fp32 rows when no out is given, any id
+    shape; bad ids' dtype and out shapes refused."""
+    from engine.quant_pack import unpack_ref
+    from harness.int4_bench import random_packed
+
+    g = _gen(51)
+    V, D = 37, 512
+    pw = random_packed(fmt, V, D, SEED % 1000, DEV)
+    dense32 = unpack_ref(pw)
+    ids = torch.randint(0, V, (9,), generator=g)
+    ids[:3] = torch.tensor([0, V - 1, 0])
+    ids = ids.to(DEV)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(9, D, dtype=dtype, device=DEV)
+        assert embedding_triton(ids, pw, out=out) is out
+        _exact(out, dense32.to(dtype)[ids.long()], f"{fmt} {dtype} rows")
+        _exact(out, embedding_ref(ids, pw).to(dtype), f"{fmt} {dtype} against the reference")
+    _exact(embedding_triton(ids.int(), pw), dense32[ids.long()], f"{fmt} fp32 rows")
+    _exact(embedding_triton(ids.view(3, 3), pw), dense32[ids.long()].view(3, 3, D), f"{fmt} 2-D ids")
+    with pytest.raises(ValueError, match="int32 or int64"):
+        embedding_triton(ids.float(), pw)
+    with pytest.raises(ValueError, match="out shape"):
+        embedding_triton(ids, pw, out=torch.empty(8, D, device=DEV))
+
+
 # ------------------------------------------------------------------------------------------------
 # RoPE + q/k norm + KV write
 
@@ -360,6 +389,33 @@ GPU_MODELS = {  # dim, n_heads, kv_heads, head_dim, ffn, vocab
     "qwen3.8-27b": (5120, 24, 4, 256, 17408, 248320),   # rows wider than ROW_MAX_D: the chunked norm
 }
 GPU_ROWS = [1, 128, 512]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128256, 2048, "q4_0"), (49152, 576, "q8_0"), (151936, 2560, "q4_1"),
+                                   (248320, 5120, "q4_k")], ids=lambda s: f"{s[0]}x{s[1]}-{s[2]}")
+@pytest.mark.parametrize("R", GPU_ROWS)
+def test_gpu_embedding_packed(shape, R):
+    """The packed gather at model vocabularies (ids across the whole table, repeats), bitwise the reference's rows
+    rounded to bf16, and inside a CUDA graph."""
+    from harness.int4_bench import random_packed
+
+    V, D, fmt = shape
+    pw = random_packed(fmt, V, D, 7, torch.device("cuda"))
+    g = _gen(200 + R)
+    ids = torch.randint(0, V, (R,), generator=g)
+    ids[: min(R, 3)] = torch.tensor([0, V - 1, 0])[: min(R, 3)]
+    ids = ids.cuda()
+    want = embedding_ref(ids, pw).to(torch.bfloat16)
+    out = torch.empty(R, D, dtype=torch.bfloat16, device="cuda")
+    _exact(embedding_triton(ids, pw, out=out), want, f"{shape} R={R}")
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        embedding_triton(ids, pw, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    _exact(out, want, f"{shape} R={R} graphed")
 
 
 @pytest.mark.gpu

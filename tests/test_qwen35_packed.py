@@ -72,7 +72,7 @@ def load(path, packed):
 
 def expected_packed(cfg: ModelConfig) -> set[str]:
     """Every projection keep_quantized packs in these files (all their matrices are packable types)."""
-    names = set() if cfg.tie_embeddings else {"output.weight"}
+    names = {"token_embd.weight"} | (set() if cfg.tie_embeddings else {"output.weight"})
     for name in cfg.tensor_shapes():
         if name.startswith("blk.") and name.split(".", 2)[2] in PACKABLE_PROJECTIONS + GDN_PACKABLE_PROJECTIONS:
             names.add(name)
@@ -84,8 +84,9 @@ def test_keeps_packed_names():
     for kind in PACKABLE_PROJECTIONS + GDN_PACKABLE_PROJECTIONS:
         assert keeps_packed(cfg, f"blk.0.{kind}", "q4_k")
     for name in ("blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.0.ssm_conv1d.weight", "blk.0.ssm_a",
-                 "blk.4.nextn.eh_proj.weight", "token_embd.weight", "blk.0.attn_norm.weight"):
+                 "blk.4.nextn.eh_proj.weight", "blk.0.attn_norm.weight"):
         assert not keeps_packed(cfg, name, "q4_k"), name
+    assert keeps_packed(cfg, "token_embd.weight", "q4_k") and not keeps_packed(cfg, "token_embd.weight", "bf16")
     assert keeps_packed(cfg, "output.weight", "q8_0") and not keeps_packed(cfg, "blk.0.attn_qkv.weight", "q6_k")
     llama = dataclasses.replace(CONFIGS["equal-heads"], arch="llama", qk_norm=False)
     assert not keeps_packed(llama, "blk.0.attn_qkv.weight", "q4_0")  # GDN names only for qwen35

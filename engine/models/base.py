@@ -1,5 +1,5 @@
-"""What every decoder holds: the token embedding, the final norm and the LM head (the embedding itself
-when the file has no output.weight), on one device in one dtype."""
+"""What every decoder holds: the token embedding (dense, or packed under keep_quantized), the final norm and the LM
+head (the embedding itself when the file has no output.weight), on one device in one dtype."""
 from __future__ import annotations
 
 import torch
@@ -17,4 +17,4 @@ class DecoderBase:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.out_norm.dtype   # the embedding may be packed (engine/gguf_loader.py keep_quantized)
