@@ -103,7 +103,7 @@ def _embedding_packed_kernel(ids_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, out_ptr, V,
         val = tl.load(s_ptr + g * V64 + tok).to(tl.float32)[:, None] * q + tl.load(c_ptr + g * V64 + tok).to(tl.float32)[:, None]
     else:
         val = tl.load(s_ptr + g * V64 + tok).to(tl.float32)[:, None] * q
-    ptrs = out_ptr + row * s_out + g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ptrs = out_ptr + row * s_out + g[:, None] * 32 + tl.arange(0, 32)[None, :]          # GROUP = 32 values
     if UPCAST:   # interpreter: fp32 out (the caller rounds), its own bf16 cast truncates
         tl.store(ptrs, val, mask=ok[:, None])
     else:
