@@ -25,6 +25,7 @@ def embedding_ref(ids: torch.Tensor, table: torch.Tensor | PackedWeight) -> torc
 # Ids must lie in [0, V): they are not checked (that would need a sync or a device assert).
 
 from kernels import pdl
+from kernels.int4_gemm import FMT_CODE, _expand      # the packed layout's format codes and nibble order
 from kernels.triton_compat import tl, triton
 
 
@@ -40,7 +41,8 @@ def _embedding_kernel(ids_ptr, table_ptr, out_ptr, D, s_ids, s_table, s_out, BLO
     tl.store(out_ptr + row * s_out + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def embedding_triton(ids: torch.Tensor, table: torch.Tensor | PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def embedding_triton(ids: torch.Tensor, table: torch.Tensor | PackedWeight,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """ids: [R] (or any shape, flattened to rows) int32/int64 on the table's device; table: [V, D] with a
     contiguous last dim, or a PackedWeight (embedding_packed_triton). Returns [R, D] (ids.shape + (D,) when ids has
     more dims), out's dtype."""
@@ -75,8 +77,6 @@ def embedding_triton(ids: torch.Tensor, table: torch.Tensor | PackedWeight, out:
 # (the packed layout is [G, V] records, so a row's groups lie V records apart) and its scales, and stores the group's
 # 32 values. A gather of B rows is B x K / 2 bytes of records: nothing next to the step's weight reads.
 
-from kernels.int4_gemm import FMT_CODE, _expand  # noqa: E402  (the packed layout's nibble order, shared)
-
 
 @triton.jit
 def _embedding_packed_kernel(ids_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, out_ptr, V, G, s_ids, s_out,
@@ -100,7 +100,9 @@ def _embedding_packed_kernel(ids_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, out_ptr, V,
         dmin = tl.load(c_ptr + (g // 8) * V64 + tok).to(tl.float32)
         val = (d * sc)[:, None] * q - (dmin * mn)[:, None]
     elif FMT == 1:
-        val = tl.load(s_ptr + g * V64 + tok).to(tl.float32)[:, None] * q + tl.load(c_ptr + g * V64 + tok).to(tl.float32)[:, None]
+        s = tl.load(s_ptr + g * V64 + tok).to(tl.float32)
+        m = tl.load(c_ptr + g * V64 + tok).to(tl.float32)
+        val = s[:, None] * q + m[:, None]
     else:
         val = tl.load(s_ptr + g * V64 + tok).to(tl.float32)[:, None] * q
     ptrs = out_ptr + row * s_out + g[:, None] * 32 + tl.arange(0, 32)[None, :]          # GROUP = 32 values
@@ -138,7 +140,8 @@ def embedding_packed_triton(ids: torch.Tensor, table: PackedWeight, out: torch.T
     BLOCK_G = min(32, triton.next_power_of_2(G))
     _embedding_packed_kernel[(R, triton.cdiv(G, BLOCK_G))](
         flat, table.qweight, table.scales, c, sub, tgt, V, G, flat.stride(0), tgt.stride(0), FMT=FMT_CODE[table.fmt],
-        BLOCK_G=BLOCK_G, UPCAST=_INTERPRETED_PACKED, num_warps=4 if BLOCK_G >= 16 else 1, **pdl.triton_opts(flat.device))
+        BLOCK_G=BLOCK_G, UPCAST=_INTERPRETED_PACKED, num_warps=4 if BLOCK_G >= 16 else 1,
+        **pdl.triton_opts(flat.device))
     if tgt is not out2:
         out2.copy_(tgt)
     return out
