@@ -950,12 +950,16 @@ def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None, fol
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None,
                       latency: bool = False) -> None:
-    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt); latency:
-    for the latency launch's splits (config on top, as in w4a16_mma)."""
-    int4_cuda.reserve_splits(
-        device, [s for s in shapes if supports(s[2])], max_rows,
-        lambda M, N, K, fmt: (mma_config(M, N, K, fmt, {**latency_config(N, K, fmt), **(config or {})}, fold=True)
-                              if latency else mma_config(M, N, K, fmt, config)))
+    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt): the exact and
+    the folded form's splits (a shape's folded split may be the larger, e.g. MEASURED_FOLD's 5120x12288); latency:
+    the latency launch's splits (config on top, as in w4a16_mma)."""
+    def plan(M, N, K, fmt):
+        if latency:
+            return mma_config(M, N, K, fmt, {**latency_config(N, K, fmt), **(config or {})}, fold=True)
+        return max((mma_config(M, N, K, fmt, config, fold=f) for f in (False, True)),
+                   key=lambda c: c["workspace_floats"])
+
+    int4_cuda.reserve_splits(device, [s for s in shapes if supports(s[2])], max_rows, plan)
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.quant_pack import unpack_folded, unpack_ref
-from kernels import int4_mma
+from kernels import int4_cuda, int4_mma
 from tests import cuda_emu
 from tests.test_int4_cuda import (ISSUE, emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
                                   gpu_strided_and_graph_capture)
@@ -196,7 +196,7 @@ def test_fold_row_tiles_per_warp_are_bit_neutral(seed, case):
         int4_mma.mma_config(4, N, K, fmt, {"MT": 3}, fold=True)
 
 
-def test_fold_launch_shapes():
+def test_fold_launch_shapes(monkeypatch):
     """The folded form takes FOLD_TILES / MEASURED_FOLD; its splits hold whole quads (4 groups), at most GMAX groups,
     from (N, K, fmt) alone, so the same at every M."""
     for N, K, fmt in [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 12288, "q4_0"), (40, 1088, "q4_0")]:
@@ -207,7 +207,11 @@ def test_fold_launch_shapes():
         assert _fold_plan(8, N, K, fmt)["U"] == want["U"]
         G, gps = K // 32, fold["groups_per_split"]
         assert gps % 4 == 0 and gps <= int4_mma.GMAX and (fold["SPLIT_K"] - 1) * gps < G <= fold["SPLIT_K"] * gps
-        assert fold["SPLIT_K"] <= exact["SPLIT_K"]                                          # workspace: no larger
+        seen = []                                                      # the reserved workspace holds either form's
+        monkeypatch.setattr(int4_cuda, "reserve_splits", lambda dev, shp, rows, plan: seen.append(
+            max(plan(rows, *s)["workspace_floats"] for s in shp)))
+        int4_mma.reserve_workspace("cpu", [(N, K, fmt)], 32)
+        assert seen == [max(fold["workspace_floats"], exact["workspace_floats"])]
         assert all((_fold_plan(m, N, K, fmt)["SPLIT_K"], _fold_plan(m, N, K, fmt)["groups_per_split"])
                    == (fold["SPLIT_K"], gps) for m in (1, 9, 200))
         assert fold["smem"] < exact["smem"] or fmt == "q4_0"                                  # no group sums of x
