@@ -25,7 +25,7 @@ def embedding_ref(ids: torch.Tensor, table: torch.Tensor | PackedWeight) -> torc
 # Ids must lie in [0, V): they are not checked (that would need a sync or a device assert).
 
 from kernels import pdl
-from kernels.int4_gemm import FMT_CODE, _expand      # the packed layout's format codes and nibble order
+from kernels.int4_gemm import FMT_CODE, _decode      # the packed layout's format codes and decode
 from kernels.triton_compat import tl, triton
 
 
@@ -41,6 +41,23 @@ def _embedding_kernel(ids_ptr, table_ptr, out_ptr, D, s_ids, s_table, s_out, BLO
     tl.store(out_ptr + row * s_out + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows_and_out(ids: torch.Tensor, D: int, dtype: torch.dtype, device, out: torch.Tensor | None):
+    """Both gathers' arguments: ids checked and flattened to rows (a view for contiguous ids: no copy); out checked
+    (ids.shape + (D,), a contiguous last dim) or allocated in dtype; returns (rows, out, out as [R, D])."""
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
+    shape = tuple(ids.shape) + (D,)
+    flat = ids.reshape(-1) if ids.dim() != 1 else ids
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    if out.shape != shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != {shape}")
+    out2 = out.view(flat.shape[0], D) if out.dim() != 2 else out
+    if out2.stride(1) != 1 and D > 1:
+        raise ValueError("out must have a contiguous last dim")
+    return flat, out, out2
+
+
 def embedding_triton(ids: torch.Tensor, table: torch.Tensor | PackedWeight,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """ids: [R] (or any shape, flattened to rows) int32/int64 on the table's device; table: [V, D] with a
@@ -50,19 +67,9 @@ def embedding_triton(ids: torch.Tensor, table: torch.Tensor | PackedWeight,
         return embedding_packed_triton(ids, table, out)
     if table.dim() != 2 or (table.stride(1) != 1 and table.shape[1] > 1):
         raise ValueError(f"table must be [V, D] with a contiguous last dim, got {tuple(table.shape)}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
     D = table.shape[1]
-    shape = tuple(ids.shape) + (D,)
-    flat = ids.reshape(-1) if ids.dim() != 1 else ids  # a view for contiguous ids: no copy
+    flat, out, out2 = _rows_and_out(ids, D, table.dtype, table.device, out)
     R = flat.shape[0]
-    if out is None:
-        out = torch.empty(shape, dtype=table.dtype, device=table.device)
-    if out.shape != shape:
-        raise ValueError(f"out shape {tuple(out.shape)} != {shape}")
-    out2 = out.view(R, D) if out.dim() != 2 else out
-    if out2.stride(1) != 1 and D > 1:
-        raise ValueError("out must have a contiguous last dim")
     if R == 0 or D == 0:
         return out
     BLOCK = min(1024, triton.next_power_of_2(D))
@@ -89,22 +96,9 @@ def _embedding_packed_kernel(ids_ptr, qw_ptr, s_ptr, c_ptr, sub_ptr, out_ptr, V,
     ok = gs < G
     g = tl.where(ok, gs, 0).to(tl.int64)
     V64 = tl.cast(V, tl.int64)
-    w = tl.load(qw_ptr + (g * V64 + tok)[:, None] * WPG + tl.arange(0, WPG)[None, :])
-    q = _expand(w, FMT, BLOCK_G).to(tl.float32)                   # [BLOCK_G, 32] the groups' integers
-    if FMT == 0:
-        q = q - 8.0
-    if FMT == 2:       # q * (d * sc) - dmin * mn: both products exact in fp32, as unpack_ref's
-        d = tl.load(s_ptr + (g // 8) * V64 + tok).to(tl.float32)
-        sc = tl.load(sub_ptr + (g * V64 + tok) * 2).to(tl.float32)
-        mn = tl.load(sub_ptr + (g * V64 + tok) * 2 + 1).to(tl.float32)
-        dmin = tl.load(c_ptr + (g // 8) * V64 + tok).to(tl.float32)
-        val = (d * sc)[:, None] * q - (dmin * mn)[:, None]
-    elif FMT == 1:
-        s = tl.load(s_ptr + g * V64 + tok).to(tl.float32)
-        m = tl.load(c_ptr + g * V64 + tok).to(tl.float32)
-        val = s[:, None] * q + m[:, None]
-    else:
-        val = tl.load(s_ptr + g * V64 + tok).to(tl.float32)[:, None] * q
+    off = g * V64 + tok
+    w = tl.load(qw_ptr + off[:, None] * WPG + tl.arange(0, WPG)[None, :])
+    val = _decode(w, off, (g // 8) * V64 + tok, s_ptr, c_ptr, sub_ptr, FMT, BLOCK_G)   # [BLOCK_G, 32]
     ptrs = out_ptr + row * s_out + g[:, None] * 32 + tl.arange(0, 32)[None, :]          # GROUP = 32 values
     if UPCAST:   # interpreter: fp32 out (the caller rounds), its own bf16 cast truncates
         tl.store(ptrs, val, mask=ok[:, None])
@@ -118,19 +112,9 @@ _INTERPRETED_PACKED = type(_embedding_packed_kernel).__name__ == "InterpretedFun
 def embedding_packed_triton(ids: torch.Tensor, table: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """ids: [R] (or any shape) int32/int64 on the table's device; table: a PackedWeight [V, D]. Returns ids.shape +
     (D,) in out's dtype (float32 when out is None): the rows decoded, bitwise embedding_ref's rounded to that dtype."""
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
     V, D = table.N, table.K
-    shape = tuple(ids.shape) + (D,)
-    flat = ids.reshape(-1) if ids.dim() != 1 else ids
+    flat, out, out2 = _rows_and_out(ids, D, torch.float32, table.device, out)
     R = flat.shape[0]
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=table.device)
-    if out.shape != shape:
-        raise ValueError(f"out shape {tuple(out.shape)} != {shape}")
-    out2 = out.view(R, D) if out.dim() != 2 else out
-    if out2.stride(1) != 1 and D > 1:
-        raise ValueError("out must have a contiguous last dim")
     if R == 0 or D == 0:
         return out
     G = D // GROUP

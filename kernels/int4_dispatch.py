@@ -65,7 +65,7 @@ import torch
 
 from engine.quant_pack import GROUP, PackedWeight
 from kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws
-from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _expand, w4a16_linear, w4a16_linear_ref
+from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _decode, w4a16_linear, w4a16_linear_ref
 from kernels import pdl
 from kernels.triton_compat import tl, triton
 
@@ -222,23 +222,9 @@ def _dequant_kernel(qw_ptr, s_ptr, c_ptr, sub_ptr, w_ptr, N, G, stride_wn,
     ok = rows < N
     r64 = tl.where(ok, rows, 0).to(tl.int64)
     N64 = tl.cast(N, tl.int64)
-    w = tl.load(qw_ptr + (g * N64 + r64)[:, None] * WPG + tl.arange(0, WPG)[None, :])
-    q = _expand(w, FMT, BLOCK_N).to(tl.float32)
-    if FMT == 0:
-        q = q - 8.0
-    if FMT == 2:
-        d = tl.load(s_ptr + (g // 8) * N64 + r64).to(tl.float32)
-        sc = tl.load(sub_ptr + (g * N64 + r64) * 2).to(tl.float32)
-        mn = tl.load(sub_ptr + (g * N64 + r64) * 2 + 1).to(tl.float32)
-        dmin = tl.load(c_ptr + (g // 8) * N64 + r64).to(tl.float32)
-        val = (d * sc)[:, None] * q - (dmin * mn)[:, None]
-    elif FMT == 1:
-        d = tl.load(s_ptr + g * N64 + r64).to(tl.float32)
-        m = tl.load(c_ptr + g * N64 + r64).to(tl.float32)
-        val = d[:, None] * q + m[:, None]
-    else:
-        d = tl.load(s_ptr + g * N64 + r64).to(tl.float32)
-        val = d[:, None] * q
+    off = g * N64 + r64
+    w = tl.load(qw_ptr + off[:, None] * WPG + tl.arange(0, WPG)[None, :])
+    val = _decode(w, off, (g // 8) * N64 + r64, s_ptr, c_ptr, sub_ptr, FMT, BLOCK_N)
     ptrs = w_ptr + r64[:, None] * stride_wn + g * 32 + tl.arange(0, 32)[None, :]
     if UPCAST:   # interpreter: keep fp32 (the caller casts), its own bf16 cast truncates
         tl.store(ptrs, val, mask=ok[:, None])

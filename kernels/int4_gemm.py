@@ -152,6 +152,30 @@ def _expand(w, FMT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr = 
         return tl.reshape(q, (BLOCK_N, GROUPS, 32))
 
 
+@triton.jit
+def _decode(w, off, soff, s_ptr, c_ptr, sub_ptr, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK records' words [BLOCK, W] -> their values [BLOCK, 32] in fp32, unpack_ref's arithmetic (q * s exact,
+    then + c): off [BLOCK] the records' (group, row) index g * N + n, soff the Q4_K super-block's (g // 8) * N + n.
+    The dequantize workspace (rows of one group) and the packed embedding gather (groups of one row) share it."""
+    q = _expand(w, FMT, BLOCK).to(tl.float32)
+    if FMT == 0:
+        q = q - 8.0
+    if FMT == 2:
+        d = tl.load(s_ptr + soff).to(tl.float32)
+        sc = tl.load(sub_ptr + off * 2).to(tl.float32)
+        mn = tl.load(sub_ptr + off * 2 + 1).to(tl.float32)
+        dmin = tl.load(c_ptr + soff).to(tl.float32)
+        val = (d * sc)[:, None] * q - (dmin * mn)[:, None]
+    elif FMT == 1:
+        d = tl.load(s_ptr + off).to(tl.float32)
+        m = tl.load(c_ptr + off).to(tl.float32)
+        val = d[:, None] * q + m[:, None]
+    else:
+        d = tl.load(s_ptr + off).to(tl.float32)
+        val = d[:, None] * q
+    return val
+
+
 def _nibble_asm_text(high: bool, f16: bool, sub8: bool) -> str:
     """PTX for one `tl.inline_asm_elementwise` call over packed bytes (pack=4: $2 holds 4 bytes, byte i =
     element i; $0 / $1 receive elements 0,1 / 2,3 as 16-bit pairs, element 0 in the low half). Element i
