@@ -4,7 +4,12 @@ A GDN layer keeps, per slot, no KV but two fixed-size tensors:
   ssm[j]  [slots, Hv, Dk, Dv]        the delta-rule state S (fp32 by default; bf16 optional), HF/FLA layout
                                      (V fastest), value heads in HF grouped order (v head h reads k head
                                      h // (Hv/Hk); the loader un-permutes llama.cpp's tiled order)
-  conv[j] [slots, conv_dim, K-1]     the last K-1 *pre-conv* qkv rows, oldest first (a shift ring)
+  conv[j] [slots, conv_dim, K-1]     the last K-1 *pre-conv* qkv rows, oldest first (a shift ring), in the
+                                     dtype the projection writes them in (HybridCache.create: the activations'), so
+                                     keeping them is exact; an fp32 ring beside bf16 activations held the same
+                                     values in twice the bytes (H200, 27B hybrid Q4_K graphed steps, switch_ab at
+                                     d2384f5, ms a step with a bf16 / fp32 ring, the same tokens: B = 32 11.380 /
+                                     11.483, B = 64 15.764 / 15.913, B = 128 24.286 / 24.575)
 where j indexes the GDN layers in order (`layers[j]` is the trunk layer index).
 
 The pool also counts the tokens each slot has absorbed, because a recurrence cannot skip or rewind:
@@ -110,10 +115,11 @@ class HybridCache:
     @classmethod
     def create(cls, cfg: ModelConfig, num_slots: int, ctx: int, dtype: torch.dtype, device: torch.device | str,
                state_dtype: torch.dtype = torch.float32) -> HybridCache:
+        """Contiguous KV and a state pool for `num_slots` slots; KV and the conv rings in the activations' dtype."""
         from engine.kv_cache import ContiguousKVCache
 
         kv = drop_recurrent_kv(ContiguousKVCache(cfg, num_slots, ctx, dtype, device), cfg)
-        return cls(kv, StatePool(cfg, num_slots, device, state_dtype))
+        return cls(kv, StatePool(cfg, num_slots, device, state_dtype, conv_dtype=dtype))
 
     @property
     def num_slots(self) -> int:

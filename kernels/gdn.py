@@ -72,7 +72,10 @@ from kernels.triton_compat import tl, triton
 # hybrid graphed steps, switch_ab, ms a step two passes / one): a decode row's conv in one pass, its loaded taps
 # stored as the new ring instead of the ring reloaded and x's split-K partials summed again after the barrier: B = 1
 # 6.581-6.592 / 6.577-6.579, B = 32 11.477-11.554 / 11.413-11.433, B = 128 24.468-24.616 / 24.527-24.540 (within
-# spread), and one of its GPU checks against the two-pass form's bits failed (not pursued).
+# spread), and one of its GPU checks against the two-pass form's bits failed (not pursued). Nor several runs per program
+# (the channel indices and conv weights shared by 2-8 runs; the same bits; H200 probe at d2384f5, switch_ab, ms a step
+# with 1 / 2 / 4 / 8 runs): B = 8 7.960 / 8.022 / 8.151 / 8.407, B = 32 11.427 / 11.415 / 11.512 / 11.718, B = 128
+# 24.278 / 24.278 / 24.289 / 24.316.
 CONV_BLOCK_C = 128
 
 # Captured in a CUDA graph, the GDN step reads its slot's state before its PDL wait (kernels/pdl.py), so an

@@ -31,7 +31,7 @@ from engine.gguf_writer import random_weights, write_gguf
 from engine.kv_cache import ContiguousKVCache
 from engine.models import build_model
 from engine.sampler import SamplingParams
-from engine.state_pool import HybridCache, StatePool
+from engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
 from engine.static_batch import generate_static
 from kernels.ops import get_ops
 
@@ -388,6 +388,21 @@ def test_state_pool_layout_and_bf16_option(tiny):
     run_chunks(model, kv16b, ids, 1)  # rounded after every token either way
     for x, y in zip(kv16.state.ssm, kv16b.state.ssm):
         assert (x.float() - y.float()).abs().max().item() <= 1e-2
+
+
+def test_conv_ring_in_activation_dtype_is_exact(tiny):
+    """HybridCache.create keeps the conv rings in the activations' dtype. They hold projection outputs, which are
+    already that dtype, so a bf16 model gives the same logits and ring contents as with fp32 rings."""
+    _, _, cfg, w, _, _ = tiny["3x-value-heads"]
+    wb = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in w.items()}
+    model = build_model(cfg, wb, get_ops("torch"))
+    narrow = HybridCache.create(cfg, 1, 64, torch.bfloat16, "cpu")
+    wide = HybridCache(drop_recurrent_kv(ContiguousKVCache(cfg, 1, 64, torch.bfloat16, "cpu"), cfg), StatePool(cfg, 1))
+    assert narrow.state.conv[0].dtype == torch.bfloat16 and wide.state.conv[0].dtype == torch.float32
+    ids = prompt(12, 13)
+    assert torch.equal(run_chunks(model, narrow, ids, 5), run_chunks(model, wide, ids, 5))
+    for x, y in zip(narrow.state.conv, wide.state.conv):
+        assert torch.equal(x.float(), y)
 
 
 # ---------------------------------------------------------------------------------------------------
