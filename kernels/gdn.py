@@ -401,7 +401,11 @@ def default_block_v(hv: int, dv: int) -> int:
     slot's last bits with B: on the H200 the 27B hybrid's B streams left the single stream at token 0.
     64 from an H200 sweep on one 27B layer (16 / 48 heads of 128, fp32 state, 4 warps): 210 us at B = 128
     against 248 with 32 columns, 56 against 62 at B = 32, within 0.3 us at B = 1 and 8; 16 columns or 8
-    warps were slower at every B."""
+    warps were slower at every B. A whole value head per program (128 columns), which a gated norm fused into the
+    step would need, costs more than the gated norm's launch saves (H200 probe at 391c5c9, 27B hybrid graphed steps,
+    switch_ab, ms a step with 64 / 128 columns at 4 warps: B = 1 6.563 / 6.647, B = 32 11.408 / 11.816, B = 128
+    24.268 / 25.051; with 8 warps 6.693 / 13.051 / 29.933), against the gated norm's whole cost, measured by skipping
+    it (outputs wrong): 0.04 / 0.10 / 0.37 ms a step."""
     return min(64, _next_pow2(dv))
 
 
