@@ -23,6 +23,13 @@ A projection whose GEMM splits K leaves its partials for the next kernel (the ou
 residual add + RMSNorm, gate|up's to SwiGLU, the GDN input projection's packed q|k|v|z to the conv ring and the
 gated norm: kernels/splitk.py), which adds them as the reduce would: same bits, one launch less.
 
+What the kernels between the GEMMs cost (H200 probe at d2384f5, 27B Q4_K graphed steps, switch_ab, each kernel
+skipped outright, outputs wrong; ms a step saved at B = 1 / 32 / 128): gated norm 0.04 / 0.10 / 0.37, conv ring
+0.06 / 0.27 / 1.02 (before its ring went to bf16), SwiGLU 0.05 / 0.06 / 0.28, sigmoid gate 0.03 / 0.03 / 0.04, all
+four 0.19 / 0.51 / 1.59, the 128 residual add + RMSNorms 0.23 / 0.13 / 0.54. Against steps of 6.56 / 11.45 / 24.54
+ms the rest is the GEMMs and, at 32 and 128, the GDN step's state traffic: removing every one of these kernels would
+still leave B = 32 and 128 short of 3,000 and 6,000 tok/s with fp32 state.
+
 Sequences start at position 0: a row (run) at position 0 makes the GDN kernels start its slot from zero
 state and zero conv history, inside the kernels (no host sync, graph-safe); the attention layers simply
 overwrite KV from position 0. So static batching and continuous refill need no reset call. Nothing here
@@ -104,7 +111,10 @@ class Projection:
     stream's GEMMs (kernels/gemm.py's split-K workspace) never meet another dense GEMM. Joining the side stream
     after the conv ring instead (beta|alpha are first read by the GDN step) gained nothing: H200 probe at 752171e,
     ms per step joined before / after the conv ring, B = 1 6.80-6.90 / 6.90, B = 8 8.40 / 8.44, B = 32 11.58-11.62 /
-    11.60-11.61, B = 128 26.18-26.25 / 26.21-26.29."""
+    11.60-11.61, B = 128 26.18-26.25 / 26.21-26.29. The side stream now hides them whole, so computing beta|alpha
+    anywhere else could not pay: H200 probe at d2384f5, switch_ab, ms a step as is / beta|alpha skipped outright
+    (outputs wrong) / on the main stream: B = 1 6.569 / 6.552 / 6.812, B = 32 11.471 / 11.448 / 11.974, B = 128
+    24.506 / 24.492 / 25.013."""
 
     concurrent = True   # class switch (probes compare with it off)
 
