@@ -91,11 +91,8 @@ wait), with MINB 2-6 to hold the registers: slower or even everywhere (5120x1740
 17408x5120 19.5 against 19.1, 34816x5120 Q4_K 39.9 against 37.8). Nor does the reduce launch shrink with its loads:
 every split of a chunk of 32 loaded before the first add (instead of eight at a time) made the calls 0.4-1.3 us
 slower on all 14 shapes probed (5120x17408 Q4_0 B = 1: 19.02 against 18.02; deferred 15.88): what it costs is its
-place in the chain. Nor is B = 1 bound by DRAM: a call whose weights sit in L2 takes as long as one streaming them
-from HBM (H200 probe at d2384f5, PDL on, partials deferred, us with one weight replayed / rotated copies: 5120x6144
-Q4_K 8.48 / 8.46, 16384x5120 Q4_K 18.07 / 18.51, 5120x17408 Q4_K 18.62 / 19.07, Q4_0 15.40 / 15.65). So prefetching
-the next GEMM's weights into L2 while the kernels between GEMMs run (HBM idle) does not pay either: the first 8-48 MB
-bulk-prefetched (cp.async.bulk.prefetch.L2) on a side stream under a 12 us kernel took 0-0.9 us off a call.
+place in the chain. Nor is B = 1 bound by DRAM: with its weights in L2 a call is as slow, so prefetching the next
+GEMM's weights into L2 does not pay (experiments/hybrid_27b/README.md has the probes).
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
