@@ -37,12 +37,24 @@ def _launched_kernels(tree):
 PRE_WAIT_READS = {("gdn.py", "_gdn_step_kernel"): ("STATE_EARLY", {"_run", "_load_state"})}
 
 
+def _index_arithmetic(stmt) -> bool:
+    """An assignment computed from program ids, names and constants only (no call but tl.program_id, no subscript or
+    attribute other than its own): it reads no memory."""
+    if not isinstance(stmt, ast.Assign):
+        return False
+    calls = [c for c in ast.walk(stmt.value) if isinstance(c, ast.Call)]
+    if any(ast.unparse(c.func) != "tl.program_id" for c in calls):
+        return False
+    attrs = [a for a in ast.walk(stmt.value) if isinstance(a, ast.Attribute)]
+    return len(attrs) == len(calls) and not any(isinstance(n, ast.Subscript) for n in ast.walk(stmt.value))
+
+
 def _after_pre_wait_reads(body: list, allowed: tuple, where: str) -> list:
-    """The statements from pdl.enter(PDL) on, once those before it are found to be program ids and one
-    `if <constexpr>:` block calling only the allowed helpers."""
+    """The statements from pdl.enter(PDL) on, once those before it are found to be program ids (and index arithmetic
+    on them) and one `if <constexpr>:` block calling only the allowed helpers."""
     flag, calls = allowed
     i = 0
-    while ast.unparse(body[i]).endswith(tuple(f"tl.program_id({d})" for d in range(3))):
+    while _index_arithmetic(body[i]):
         i += 1
     block = body[i]
     assert isinstance(block, ast.If) and ast.unparse(block.test) == flag and not block.orelse, \
