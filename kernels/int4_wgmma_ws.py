@@ -96,6 +96,18 @@ sequences, 512 to 17408 columns), the time is a fixed part plus ~2.5-2.8 TB/s at
 fixed part ~9 / 12 / 26 us on 34816 rows; much of it at 128 sequences was the stream-K epilogue (int4_wgmma's
 sk_combine, see there): with every store and partial removed (outputs wrong) 34816x5120 at B = 128 took 68.2 us
 against 90.6, at B = 32 47.1 against 51.6.
+That fixed part taken apart at 16 and 32 sequences (H200 probe at d060d5e, int4_gemm's method with PDL as an engine of
+B, the 27B's Q4_K shapes, us per call at B = 32): the call with its split-K reduce / the partials left to the next
+kernel / that without the staging launch (x's image staged once before, so the output is still right), and the GEMM
+alone fitted over K / 4, K / 2 and K as a fixed part plus a streaming rate:
+  - 16384x5120 (split 2): 26.86 / 24.09 / 23.42, fixed 5.7 us + 2.71 TB/s;
+  - 14336x5120 (split 2): 27.19 / 24.22 / 23.23, 5.4 + 2.35;
+  - 5120x17408 (split 6): 29.56 / 27.18 / 26.08, 6.2 + 2.57;
+  - 5120x6144 (split 6): 16.94 / 14.55 / 13.64, 4.8 + 2.12;
+  - 34816x5120 (stream-K over 132 blocks): 51.41 / 50.94 / 50.51, 10.5 + 2.58.
+  B = 16 within 10% of these (34816x5120 fixed 9.4 us). So per call the reduce launch is 2.4-3.0 us (a decode step
+  leaves the partials to the next kernel), x's staging launch 0.7-1.1 us, and the GEMM itself 4.5-6 us a call before
+  its first byte counts, twice that with stream-K. A 27B step at B = 32 makes 193 of these calls.
 """
 from __future__ import annotations
 
