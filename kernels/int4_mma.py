@@ -93,6 +93,12 @@ every split of a chunk of 32 loaded before the first add (instead of eight at a 
 slower on all 14 shapes probed (5120x17408 Q4_0 B = 1: 19.02 against 18.02; deferred 15.88): what it costs is its
 place in the chain. Nor is B = 1 bound by DRAM: with its weights in L2 a call is as slow, so prefetching the next
 GEMM's weights into L2 does not pay (experiments/hybrid_27b/README.md has the probes).
+Nor is it Q4_K's scale arithmetic: with each row's d, dmin and (sc, mn) still loaded but the packed scale and offset
+made by two PRMTs instead of the fp32 products rounded to bf16 (outputs wrong; 9-11% fewer instructions in the loop,
+nvcc 13.0 offline: 34816x5120 686 against 753 per two quads, 16384x5120 355 against 397), the 27B's projections at B = 1
+ran 0.6-3.4% faster (H200 probe at 3e918be, the partials deferred: 34816x5120 35.85 against 36.50 us, 16384x5120 18.39
+against 19.04, 5120x17408 18.87 against 19.06), the LM head 6.2% (216.9 against 231.1), B = 8 -0.6..+3.9%: about 2% of
+a B = 1 step at most, so a cheaper Q4_K scale layout was not built.
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
