@@ -98,7 +98,14 @@ made by two PRMTs instead of the fp32 products rounded to bf16 (outputs wrong; 9
 nvcc 13.0 offline: 34816x5120 686 against 753 per two quads, 16384x5120 355 against 397), the 27B's projections at B = 1
 ran 0.6-3.4% faster (H200 probe at 3e918be, the partials deferred: 34816x5120 35.85 against 36.50 us, 16384x5120 18.39
 against 19.04, 5120x17408 18.87 against 19.06), the LM head 6.2% (216.9 against 231.1), B = 8 -0.6..+3.9%: about 2% of
-a B = 1 step at most, so a cheaper Q4_K scale layout was not built.
+a B = 1 step at most. With its scale loads gone too (constants for d, dmin and (sc, mn); H200 probe at 6947bd9, the
+same method, us at B = 1 as is / without the d and dmin loads / without any scale load, and Q4_0 / Q4_1 in their
+default launches): 34816x5120 36.77 / 35.57 / 31.87 (Q4_0 33.49, Q4_1 37.20), 16384x5120 19.02 / 18.04 / 17.18 (18.73,
+20.63), 14336x5120 17.12 / 16.17 / 15.53, 5120x17408 19.04 / 18.05 / 17.37 (15.75 in Q4_0's measured launch), 5120x6144
+8.97 / 8.60 / 8.35; fitted over the five, 3.06 TB/s + 2.9 us a call as is, 3.63 TB/s + 3.5 us without the scales,
+Q4_0 3.33 TB/s + 3.2 us. So Q4_K's scales cost a B = 1 projection 5-13%, a third of it the two 16-bit d / dmin loads
+per row and quad; d and dmin in one 32-bit word (the same bytes) would touch every kernel that reads Q4_K, and ready-made
+16-bit scale and offset pairs would add 8% to the weights: neither was built, for at most ~8% of a B = 1 step.
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
