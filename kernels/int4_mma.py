@@ -105,7 +105,10 @@ default launches): 34816x5120 36.77 / 35.57 / 31.87 (Q4_0 33.49, Q4_1 37.20), 16
 8.97 / 8.60 / 8.35; fitted over the five, 3.06 TB/s + 2.9 us a call as is, 3.63 TB/s + 3.5 us without the scales,
 Q4_0 3.33 TB/s + 3.2 us. So Q4_K's scales cost a B = 1 projection 5-13%, a third of it the two 16-bit d / dmin loads
 per row and quad; d and dmin in one 32-bit word (the same bytes) would touch every kernel that reads Q4_K, and ready-made
-16-bit scale and offset pairs would add 8% to the weights: neither was built, for at most ~8% of a B = 1 step.
+16-bit scale and offset pairs would add 8% to the weights: neither was built, for at most ~8% of a B = 1 step. Nor
+d and dmin loaded once per super-block (two quads in a row; the second reusing the first's, behind a branch; the same
+bits): slower everywhere at B = 1 (H200 probe at 0345808: 34816x5120 43.66 against 36.38 us, 14336x5120 19.69
+against 16.96, 5120x17408 21.35 against 19.10) and at B = 8: the branch holds up the ring's loads.
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are
