@@ -44,14 +44,21 @@ Policies (``set_policy`` / ``engine.int4``):
 
 The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4_gemm
 (``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db [--all-sweeps]`` or ``--csv
-experiments/int4_gemm/runs.csv`` prints the entries to paste). Until a shape is measured the rule decides:
-  invariant: for an engine of at most 8 sequences "cuda_mma", of at most 32 "cuda_mma_fold", where they run
-             (Q4_0 / Q4_1 / Q4_K), else "triton" (the CUDA kernels serve one batch tile of <= 32 per weight
-             pass, so past that Triton's tensor-core tiles are the safe single choice);
-  fastest:   by M the same ("cuda_mma" to 8, "cuda_mma_fold" to 32), else "cuda" for M <= 4 (Q8_0), when
-             NVRTC is available; "dequant_cublas" for M > 256 (compute-bound GEMMs, batched prefill); else
-             "triton". (H200, the 27B hybrid's Q4_K 34816x5120 / 16384x5120 / 5120x6144 / 5120x17408 at
-             B = 32: cuda_mma_fold 83 / 41 / 20 / 43 us, cuda_mma 137 / 69 / 38 / 67, Triton 116 / 60 / 32 / 68.)
+experiments/int4_gemm/runs.csv`` prints the entries to paste). A format not measured on a shape takes the picks of
+the same shape in a sibling 4-bit format (SIBLINGS: Q4_0, Q4_1 and Q4_K run the same kernels, and which one wins
+follows the shape and B far more than the format: H200, the 27B hybrid's five Q4_0 shapes at 88473b9 against their
+Q4_K picks, the borrowed pick at most 13% slower than the fastest invariant kernel at B = 1 and 8 and the fastest
+itself from 16 sequences on, where the rule below was 1.4-2.5x slower). With neither, the rule decides (BIG: weights
+of at least 8 M values):
+  invariant: for an engine of at most 8 sequences "cuda_mma_fold" where it runs (Q4_0 / Q4_1 / Q4_K); else a BIG
+             Q4 weight on sm_90 "cuda_wgmma_ws"; else "cuda_mma_fold" to 32 sequences; else "triton";
+  fastest:   by M the same, with "cuda" for M <= 4 where cuda_mma does not run (Q8_0) and "dequant_cublas" for
+             M > 256 (compute-bound GEMMs, batched prefill).
+  Why (H200, the 146 rows of experiments/int4_gemm/runs.csv at 88473b9, each variant's time over the fastest
+  batch-invariant one, median / worst): at B = 1 cuda_mma_fold 1.00 / 1.23 against cuda_mma's 1.14 / 1.50, at B = 2..8
+  1.02 / 1.64 against 1.27 / 2.68; at 16..128 on BIG weights cuda_wgmma_ws 1.00 / 1.46 against Triton's 1.92 / 2.58
+  (cuda_mma_fold 1.42 / 1.90 at 16..32); on the small ones (SmolLM2's, Llama's 2048x2048 and 3072x2048) ws 1.81 /
+  3.11, where cuda_mma_fold at 16..32 (1.15 / 1.24) and Triton at 64..128 (1.30 / 1.80) are the safer choices.
 A variant that cannot run here (no CuPy / NVRTC, a format cuda_mma does not take, or the CPU) falls back to
 "triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
 """
@@ -78,6 +85,8 @@ WS_MEASURED = {"cuda_wgmma_ws_t128": int4_wgmma_ws.MEASURED_T128}   # per-shape 
 MMA_VARIANTS = ("cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat")
 POLICIES = ("invariant", "fastest") + VARIANTS
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket uses the last bucket's entry
+SIBLINGS = {"q4_0": ("q4_1", "q4_k"), "q4_1": ("q4_k", "q4_0"), "q4_k": ("q4_1", "q4_0")}   # borrowed picks, in order
+BIG = 1 << 23                      # weights the rule gives cuda_wgmma_ws (module docstring)
 
 # (N, K, fmt) -> {"invariant": variant, B bucket: variant, ...}, from the int4_gemm experiment on the H200
 # (python -m kernels.int4_dispatch prints these lines from a recorded run). Empty until measured.
@@ -106,7 +115,9 @@ B_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)     # M above the last bucket use
 # latency launch (cuda_mma_fold_lat) and the 128-row ws tiles' split of 6 on 2048x2048, at 6974d28: SmolLM2's four and
 # Llama's 2048x2048 and 3072x2048 at B = 1, 8, 32, 64, 128 (17408x5120 Q4_0's picks now follow its rows recorded at
 # 05d290d and after: its ws and ws t128 times are within 0.1 us of each other); with the folded kernel in 8- and
-# 16-warp blocks on 5120x17408 / 5120x12288 / 4096x4096 Q4_0, at 42117a0: those three at every B; picked with CHAIN_US):
+# 16-warp blocks on 5120x17408 / 5120x12288 / 4096x4096 Q4_0, at 42117a0: those three at every B; the 27B hybrid's
+# other four projections and its LM head in Q4_0 (34816x5120, 16384x5120, 14336x5120, 5120x6144, 248320x5120) at
+# B = 1, 8, 16, 32, 64, 128, at 88473b9; picked with CHAIN_US):
 # the fastest variant per B bucket; the one kernel per shape whose worst ratio to the fastest over B is
 # smallest (the "invariant" policy's pick, which keeps every row's arithmetic independent of B); and per B
 # the fastest batch-invariant kernel (the invariant pick of an engine built for B sequences).
@@ -119,16 +130,21 @@ MEASURED: dict[tuple[int, int, str], dict] = {
     (3072, 576, 'q4_1'): {'invariant': 'cuda_mma_fold_lat', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold_lat', 64: 'cuda_mma_fold_lat', 128: 'cuda_mma_fold_lat'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma_fold_lat', 64: 'cuda_mma_fold_lat', 128: 'dequant_cublas'},
     (3072, 2048, 'q4_0'): {'invariant': 'cuda_wgmma_ws_t128', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 32: 'cuda_mma', 64: 'cuda_wgmma_ws_t128', 128: 'dequant_cublas'},
     (4096, 4096, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_wgmma', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_mma_fold', 32: 'cuda_wgmma', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
+    (5120, 6144, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (5120, 6144, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_wgmma_ws', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_wgmma_ws', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_x2', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (5120, 12288, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (5120, 17408, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (5120, 17408, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 8: 'cuda_mma_fold', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
+    (14336, 5120, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma', 8: 'cuda_mma', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (14336, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (16384, 2048, 'q4_0'): {'invariant': 'cuda_wgmma_ws_t128', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'},
+    (16384, 5120, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_wgmma_ws', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_wgmma_ws', 8: 'cuda_wgmma_x2', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws_t128'},
     (16384, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'},
     (17408, 5120, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'}, 1: 'cuda_mma_fold', 2: 'cuda_mma_fold', 4: 'cuda_mma_fold', 8: 'cuda_mma', 16: 'cuda_wgmma_x2', 32: 'cuda_wgmma_ws_t128', 64: 'cuda_wgmma_ws_t128', 128: 'cuda_wgmma_ws_t128'},
+    (34816, 5120, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (34816, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (128256, 2048, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma', 8: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
+    (248320, 5120, 'q4_0'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
     (248320, 5120, 'q4_k'): {'invariant': 'cuda_wgmma_ws', 'invariant_at': {1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'}, 1: 'cuda_mma_fold', 8: 'cuda_wgmma_ws', 16: 'cuda_wgmma_ws', 32: 'cuda_wgmma_ws', 64: 'cuda_wgmma_ws', 128: 'cuda_wgmma_ws'},
 }
 
@@ -158,19 +174,32 @@ def bucket(M: int) -> int:
 
 
 def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
-    """The documented rule for shapes MEASURED has no entry for."""
+    """The documented rule for shapes MEASURED has no entry for (in the format or a sibling)."""
     mma = int4_mma.supports(fmt) and int4_mma.available()
+    ws = N * K >= BIG and int4_wgmma.supports(fmt) and int4_wgmma.available()
     if policy == "invariant":
-        if mma and _max_batch is not None and _max_batch <= 32:
-            return "cuda_mma" if _max_batch <= 8 else "cuda_mma_fold"
-        return "triton"
-    if mma and M <= 32:
-        return "cuda_mma" if M <= 8 else "cuda_mma_fold"
-    if M <= 4 and int4_cuda.available():
-        return "cuda"
-    if M > 256:
-        return "dequant_cublas"
+        m = _max_batch
+    else:
+        m = M
+        if M <= 4 and not mma and int4_cuda.available():
+            return "cuda"
+        if M > 256:
+            return "dequant_cublas"
+    if mma and m is not None and m <= 8:
+        return "cuda_mma_fold"
+    if ws:
+        return "cuda_wgmma_ws"
+    if mma and m is not None and m <= 32:
+        return "cuda_mma_fold"
     return "triton"
+
+
+def measured_entry(N: int, K: int, fmt: str) -> dict:
+    """MEASURED's entry for the weight, else the same shape's in a sibling format, else {} (the rule)."""
+    for f in (fmt, *SIBLINGS.get(fmt, ())):
+        if (N, K, f) in MEASURED:
+            return MEASURED[(N, K, f)]
+    return {}
 
 
 def choose(M: int, N: int, K: int, fmt: str, policy: str | None = None) -> str:
@@ -178,7 +207,7 @@ def choose(M: int, N: int, K: int, fmt: str, policy: str | None = None) -> str:
     policy = policy or _policy
     if policy in VARIANTS:
         return policy
-    entry = MEASURED.get((N, K, fmt), {})
+    entry = measured_entry(N, K, fmt)
     if policy == "invariant":
         v = entry.get("invariant")
         at = entry.get("invariant_at") or {}

@@ -112,13 +112,20 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
     monkeypatch.setattr(disp.int4_cuda, "available", lambda: True)
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
-    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma"
+    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
     assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
     assert disp.choose(32, 5120, 17408, "q4_k", "fastest") == "cuda_mma_fold"
     assert disp.choose(4, 5120, 17408, "q8_0", "fastest") == "cuda"            # a format cuda_mma does not take
     assert disp.choose(8, 5120, 17408, "q8_0", "fastest") == "triton"
     assert disp.choose(33, 5120, 17408, "q4_0", "fastest") == "triton"
     assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
+    monkeypatch.setattr(disp.int4_wgmma, "available", lambda: True)          # sm_90: the ws kernel for big weights
+    assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "cuda_wgmma_ws"
+    assert disp.choose(256, 5120, 17408, "q8_0", "fastest") == "triton"     # a format the ws kernel does not take
+    assert disp.choose(9, 2048, 2048, "q4_0", "fastest") == "cuda_mma_fold"   # small: below BIG
+    assert disp.choose(33, 2048, 2048, "q4_0", "fastest") == "triton"
+    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
+    monkeypatch.setattr(disp.int4_wgmma, "available", lambda: False)
     monkeypatch.setattr(disp.int4_mma, "available", lambda: False)
     assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "cuda"
     monkeypatch.setattr(disp.int4_cuda, "available", lambda: False)
@@ -154,14 +161,31 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
     for max_batch, want in ((1, "cuda"), (5, "cuda_mma"), (8, "cuda_mma"), (20, "triton"), (512, "triton")):
         disp.set_policy("invariant", max_batch=max_batch)
         assert {disp.choose(m, 5120, 17408, "q4_k") for m in (1, max_batch, 22 * max_batch)} == {want}
-    # unmeasured shapes: cuda_mma for an engine of <= 8 sequences, its folded form to 32, where they run; else Triton
+    # a format not measured on the shape takes a sibling format's picks
+    for fmt in ("q4_0", "q4_1"):
+        disp.set_policy("invariant", max_batch=5)
+        assert disp.choose(1, 5120, 17408, fmt) == "cuda_mma"
+        assert disp.choose(9, 5120, 17408, fmt, "fastest") == disp.rule(9, 5120, 17408, fmt, "fastest")  # no bucket
+    monkeypatch.setitem(disp.MEASURED, (5120, 17408, "q4_1"), {"invariant": "cuda_wgmma"})
+    disp.set_policy("invariant")
+    assert disp.choose(1, 5120, 17408, "q4_0") == "cuda_wgmma"            # q4_1 before q4_k for q4_0
+    assert disp.choose(1, 5120, 17408, "q8_0") == disp.rule(1, 5120, 17408, "q8_0", "invariant")  # no sibling
+    # unmeasured shapes: the folded mma kernel for an engine of <= 8 sequences where it runs; then the ws kernel for
+    # big weights on sm_90; then the folded kernel to 32; else Triton
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
     disp.set_policy("invariant", max_batch=8)
-    assert disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma" and disp.choose(1, 4096, 4096, "q8_0") == "triton"
+    assert disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma_fold" and disp.choose(1, 4096, 4096, "q8_0") == "triton"
     disp.set_policy("invariant", max_batch=32)
     assert {disp.choose(m, 4096, 4096, "q4_k") for m in (1, 32, 300)} == {"cuda_mma_fold"}
     disp.set_policy("invariant", max_batch=33)
     assert disp.choose(1, 4096, 4096, "q4_0") == "triton"
+    monkeypatch.setattr(disp.int4_wgmma, "available", lambda: True)
+    assert {disp.choose(m, 4096, 4096, "q4_0") for m in (1, 33, 300)} == {"cuda_wgmma_ws"}
+    assert disp.choose(1, 2048, 2048, "q4_0") == "triton"                 # below BIG
+    disp.set_policy("invariant", max_batch=16)
+    assert disp.choose(1, 4096, 4096, "q4_k") == "cuda_wgmma_ws" and disp.choose(1, 2048, 2048, "q4_k") == "cuda_mma_fold"
+    disp.set_policy("invariant")
+    assert disp.choose(1, 4096, 4096, "q4_1") == "cuda_wgmma_ws"           # no engine batch: one pick for every M
 
 
 def test_runnable_fallbacks(monkeypatch):
