@@ -345,6 +345,13 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
     standing = report.TABLES["hybrid_27b"](df)[0].split("### Every recorded row")[0]
     line8 = next(l for l in standing.splitlines() if l.startswith("|   8 "))
     assert "— ✗" in line8 and "993" not in line8, line8
+    # another Q4 block type gets its own column and its own "reached"; Q4_K stays the one the targets name
+    q40 = dict(row(8, 32, 2952.0, t=4), **{"params.model.synthetic.weight_type": "q4_0"})
+    md = report.TABLES["hybrid_27b"](pd.concat([df, pd.DataFrame([q40])], ignore_index=True))[0]
+    head, line32 = (next(l for l in md.splitlines() if l.startswith(p)) for p in ("|   B ", "|  32 "))
+    assert "static, fp32 state, Q4_0" in head and "reached (Q4_0)" in head, head
+    assert "2,767" in line32 and "92%" in line32 and "2,952" in line32 and "98%" in line32, line32
+    assert "| q4_0 " in md and "| q4_k " in md
 
 
 def test_int4_report_opens_with_the_targets_from_the_rows():
