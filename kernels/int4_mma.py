@@ -221,6 +221,12 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     #   smaller blocks (960x576 at B = 128: 6.3 against 5.8; 3072x576 and 576x1536 at 64 and 128), and one split
     #   (no reduce) is slower on all four (576x576 at B = 128: 8.6 us at best).
 }
+# The 27B's Q4_0 shapes keep the default launch: H200 probe at f79e859 (int4_gemm's method, with the reduce, late
+# release; MT 1-2 x RT 4-16 x U 1-2 x MINB 1-4, the split following them, and each Q4_K entry above), best us at
+# B = 1 against the default fold launch and the exact form: 34816x5120 33.1 (34.5; exact 32.3), 16384x5120 17.6 in
+# MT 2, RT 4, U 2, MINB 4 (20.0; 19.6; the dispatch's ws 18.5), 14336x5120 16.8 (17.8; 16.0), 5120x6144 9.6 (9.6-10.0),
+# the LM head 199.4 in MT 2, U 2, MINB 3 (208.2; 218.8). Where the exact form or ws is not already faster, about 0.05
+# ms of a 5.9 ms B = 1 step in all: not taken.
 # The latency launch of the folded form (the dispatch's "cuda_mma_fold_lat"): for shapes of a few microseconds at 32 to
 # 128 sequences, where the default launch's many splits (TARGET_BLOCKS blocks at one batch tile) leave a second launch
 # adding S x M x N fp32 partials, and its 32-sequence tiles one warp a long chain of mmas. Here the fewest splits that
