@@ -80,7 +80,10 @@ to 64 sequences int4_gemm's ws times moved -3..+5% (5120x17408 B = 16 / 64: 26.1
 reports (nvcc 13.0, -Xptxas -v): Q4_K in 256-row tiles at 128 sequences serializes for lack of registers (C7512: four
 consumer warpgroups of 112; with two of 232 the same tiles compile unserialized, yet the 27B hybrid's graphed steps
 are slower with two: H200 probe at a78b2b8, ms per step with four / two, B = 64 16.72 / 17.21, B = 128 25.03-25.29 /
-26.21), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes.
+26.21), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes. Nor do batch tiles of 64 at 128
+sequences pay, which compile without C7512 or spills (the stream-K 34816x5120 build at 128 spills 84 bytes) but read and
+dequantize every weight twice: the 27B hybrid's graphed step 30.12 ms against 23.93 (H200, switch_ab on
+int4_wgmma.BT_CHOICES at e91e633, the same tokens; with FRESH_MIN_BT 64 as well 30.32).
 X_IN_GEMM, in batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences: no staging launch; the producer warpgroup's warps
 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's barrier after a
 proxy fence, while thread 0 copies only weights and never waits for the kernel before. It gives int4_wgmma's bits
