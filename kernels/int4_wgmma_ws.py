@@ -21,9 +21,12 @@ quad) into a workspace. The staging launch triggers its dependent at entry (PDL,
 while x is staged and its producer issues the first stages' weight copies before it waits. H200 probe at e8d971c (the
 27B hybrid's graphed step, the same tokens; ms per step with the trigger / without / with the staging launch skipped
 outright, outputs wrong): B = 8 8.29 / 8.45 / 8.30, B = 32 11.54 / 12.09 / 11.33; B = 64 16.59 / 16.84 and B = 128
-26.49 / 26.50, where the engine's Triton kernels trigger late. The weights' records of one group for the tile's 256
-rows are 4 KB contiguous in the
-packed layout ([G, N] records): one copy per group, padded by 32 bytes in shared memory so the 8 lanes of a
+26.49 / 26.50, where the engine's Triton kernels trigger late. What writing the image in the kernels before (the
+norms, SwiGLU, the gates) could save at most, measured again at e91e633 with every staging launch after a shape's first
+left out (outputs wrong; switch_ab, one process, ms per step with / without): Q4_0 B = 32 10.80 / 10.63, B = 128
+23.18 / 22.66; Q4_K B = 32 11.37 / 11.13, B = 128 23.95 / 24.77 (slower). So 1.6-2.2%, less the scattered stores it
+would add to those kernels: not built. The weights' records of one group for the tile's 256 rows are 4 KB contiguous
+in the packed layout ([G, N] records): one copy per group, padded by 32 bytes in shared memory so the 8 lanes of a
 quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales likewise, 512 bytes a row.
 
 Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB.
