@@ -46,10 +46,10 @@ The choice comes from ``MEASURED``, filled from the H200 runs of experiment int4
 (``python -m kernels.int4_dispatch --uri sqlite:///mlflow.db [--all-sweeps]`` or ``--csv
 experiments/int4_gemm/runs.csv`` prints the entries to paste). A format not measured on a shape takes the picks of
 the same shape in a sibling 4-bit format (SIBLINGS: Q4_0, Q4_1 and Q4_K run the same kernels, and which one wins
-follows the shape and B far more than the format: H200, the 27B hybrid's five Q4_0 shapes at 88473b9 against their
-Q4_K picks, the borrowed pick at most 13% slower than the fastest invariant kernel at B = 1 and 8 and the fastest
-itself from 16 sequences on, where the rule below was 1.4-2.5x slower). With neither, the rule decides (BIG: weights
-of at least 8 M values):
+follows the shape and B far more than the format: H200, the 27B hybrid's five projections and LM head in Q4_0 against
+their Q4_K picks, the borrowed pick at most 13% slower than the fastest invariant kernel at B = 1 and 8 and the fastest
+itself from 16 sequences on, where the earlier rule, the folded kernel to 32 sequences and Triton above, was 1.1-2.5x
+slower). With neither, the rule decides (BIG: weights of at least 8 M values):
   invariant: for an engine of at most 8 sequences "cuda_mma_fold" where it runs (Q4_0 / Q4_1 / Q4_K); else a BIG
              Q4 weight on sm_90 "cuda_wgmma_ws"; else "cuda_mma_fold" to 32 sequences; else "triton";
   fastest:   by M the same, with "cuda" for M <= 4 where cuda_mma does not run (Q8_0) and "dequant_cublas" for
