@@ -400,6 +400,11 @@ HYBRID_TARGETS = {1: 200, 32: 3_000, 128: 6_000}
 HYBRID_TARGET_TYPE = "q4_k"
 
 
+def _type_suffix(kind: str) -> str:
+    """What a standing column's name gains for a block type other than the targets' own."""
+    return "" if kind == HYBRID_TARGET_TYPE else f", {kind.upper()}"
+
+
 def hybrid_27b_standing(d: pd.DataFrame) -> str:
     """Per B, the newest packed Q4 row of each mode, state and block type (tok/s; ✗ where it did not verify), against
     the target for static batching with fp32 state."""
@@ -407,8 +412,7 @@ def hybrid_27b_standing(d: pd.DataFrame) -> str:
     if d.empty:
         return "No packed Q4 rows (engine.weights=packed, the invariant int4 kernels) recorded yet."
     d["column"] = d["mode"] + d["state"].map(lambda v: ", bf16 state" if v == "bfloat16" else ", fp32 state"
-                                             ).where(d["mode"] == "static", "") + d["type"].map(
-        lambda t: "" if t == HYBRID_TARGET_TYPE else f", {t.upper()}")
+                                             ).where(d["mode"] == "static", "") + d["type"].map(_type_suffix)
     # the newest row whole (groupby().last() would take each column's last non-null value, mixing rows)
     d = d.sort_values("_start", kind="stable").drop_duplicates(["column", "B"], keep="last")
     cell = [("—" if pd.isna(v) else f"{v:,.0f}") + ("" if ok == "✓" else " ✗")
@@ -420,8 +424,7 @@ def hybrid_27b_standing(d: pd.DataFrame) -> str:
     t = t[order + [c for c in t if c not in order]]
     t["target (static, fp32 state)"] = [f"{HYBRID_TARGETS[b]:,}" if b in HYBRID_TARGETS else "—" for b in t.index]
     for kind in sorted(d["type"].unique(), key=lambda k: k != HYBRID_TARGET_TYPE):
-        col = "static, fp32 state" + ("" if kind == HYBRID_TARGET_TYPE else f", {kind.upper()}")
-        fp32 = d[d["column"] == col].set_index("B")["aggregate tok/s"]
+        fp32 = d[d["column"] == "static, fp32 state" + _type_suffix(kind)].set_index("B")["aggregate tok/s"]
         t["reached" + ("" if kind == HYBRID_TARGET_TYPE else f" ({kind.upper()})")] = [
             f"{fp32[b] / HYBRID_TARGETS[b]:.0%}" if b in HYBRID_TARGETS and b in fp32 else "—" for b in t.index]
     return t.reset_index().to_markdown(index=False)
