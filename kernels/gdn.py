@@ -96,6 +96,15 @@ CONV_BLOCK_C = 128
 # early kernel's blocks, resident and waiting, slow the conv ring under them once there are many); again at 5acc4d6,
 # where the hybrid's Triton kernels trigger early up to 128 sequences: B = 64 16.059-16.066 / 15.922-15.927, B = 128
 # 24.721-24.734 / 24.444-24.529.
+# Nor does fetching the first slots' state into L2 ahead of the step pay, although the int4 projection before it leaves
+# HBM two thirds idle at 8-32 sequences. H200 probe at 93e6347 (27B hybrid Q4_0, graphed steps, switch_ab, one
+# process, the same tokens). The fetch: sm_90 bulk L2 prefetches (cp.async.bulk.prefetch.L2, evict_last or normal;
+# per-128-byte prefetch.global.L2 alike) of the first 2-8 rows' slots, 6-24 MB a layer, from 48 blocks a slot. It was
+# issued before the input projection or before the conv ring, in the step's PDL chain or on a side stream joined at
+# the end of the step. Every form was slower at every B. ms a step without / with 6 MB, side stream, before the conv
+# ring / before the projection: B = 8 7.38 / 7.44 / 7.57, B = 32 10.79 / 10.94 / 11.06, B = 128 23.14 / 23.33 /
+# 23.26; more bytes lost more (16 MB: 7.58 / 7.68, 10.99 / 11.14, 23.43 / 23.27). From one block a slot (one SM
+# issuing 3 MB of prefetches) it lost 0.5-0.6 ms a step whatever the budget.
 STATE_BEFORE_WAIT_MAX_RUNS = 1
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 
