@@ -109,8 +109,10 @@ def provenance(df: pd.DataFrame) -> str:
 
     commits = ", ".join(c[:10] for c in sorted(df["tags.git_commit"].dropna().unique())) if "tags.git_commit" in df else "?"
     dirty = " (uncommitted changes)" if "tags.git_dirty" in df and (df["tags.git_dirty"] == "true").any() else ""
+    # kernel micro-benchmarks run no workload: say nothing rather than "workload ?"
+    workload = f"workload {uniq('tags.workload_hash')}; " if "tags.workload_hash" in df else ""
     return (f"Device: {uniq('tags.device')}; torch {uniq('tags.torch_version')}, triton {uniq('tags.triton_version')}; "
-            f"commit {commits}{dirty}; workload {uniq('tags.workload_hash')}; {len(df)} runs.")
+            f"commit {commits}{dirty}; {workload}{len(df)} runs.")
 
 
 def check(ok: pd.Series) -> pd.Series:

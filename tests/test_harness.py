@@ -384,3 +384,12 @@ def test_int4_report_opens_with_the_targets_from_the_rows():
     never = lines["every B "]
     assert "slower at 1 of 8 rows" in never and "2048x2048 q4_0 B = 128 (11.7 against 10.8 us)" in never, never
     assert "576x576" not in never and never.rstrip(" |").endswith("short")
+
+
+def test_provenance_names_the_workload_only_where_runs_have_one():
+    base = {"tags.device": ["NVIDIA H200"], "tags.torch_version": ["2.11"], "tags.triton_version": ["3.6"],
+            "tags.git_commit": ["abcdef0123456789"]}
+    micro = report.provenance(pd.DataFrame(base))
+    assert "workload" not in micro and micro.endswith("commit abcdef0123; 1 runs.")
+    served = report.provenance(pd.DataFrame({**base, "tags.workload_hash": ["9f28"]}))
+    assert "workload 9f28; 1 runs." in served
