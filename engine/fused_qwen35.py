@@ -28,7 +28,9 @@ skipped outright, outputs wrong; ms a step saved at B = 1 / 32 / 128): gated nor
 0.06 / 0.27 / 1.02 (before its ring went to bf16), SwiGLU 0.05 / 0.06 / 0.28, sigmoid gate 0.03 / 0.03 / 0.04, all
 four 0.19 / 0.51 / 1.59, the 128 residual add + RMSNorms 0.23 / 0.13 / 0.54. Against steps of 6.56 / 11.45 / 24.54
 ms the rest is the GEMMs and, at 32 and 128, the GDN step's state traffic: removing every one of these kernels would
-still leave B = 32 and 128 short of 3,000 and 6,000 tok/s with fp32 state.
+still leave B = 32 and 128 short of 3,000 and 6,000 tok/s with fp32 state. Again at 4106835 on Q4_0 weights (the same
+method; steps of 5.82 / 10.80 / 23.14 ms): conv ring 0.00 / 0.17 / 0.33, gated norm 0.00 / 0.08 / 0.27, the RMSNorms
+0.35 / 0.15 / 0.43, all five kinds 0.53 / 0.52 / 1.34.
 
 Sequences start at position 0: a row (run) at position 0 makes the GDN kernels start its slot from zero
 state and zero conv history, inside the kernels (no host sync, graph-safe); the attention layers simply
