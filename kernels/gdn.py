@@ -104,7 +104,7 @@ CONV_BLOCK_C = 128
 # the end of the step. Every form was slower at every B. ms a step without / with 6 MB, side stream, before the conv
 # ring / before the projection: B = 8 7.38 / 7.44 / 7.57, B = 32 10.79 / 10.94 / 11.06, B = 128 23.14 / 23.33 /
 # 23.26; more bytes lost more (16 MB: 7.58 / 7.68, 10.99 / 11.14, 23.43 / 23.27). From one block a slot (one SM
-# issuing 3 MB of prefetches) it lost 0.5-0.6 ms a step whatever the budget.
+# issuing 3 MB of prefetches) it lost 0.5-0.7 ms a step at 8 and 32 sequences whatever the budget, 0.6-1.3 at 128.
 STATE_BEFORE_WAIT_MAX_RUNS = 1
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 
