@@ -131,7 +131,12 @@ MAX_STAGES = 8
 # setmaxnreg: a block's warps trade registers among themselves, so the producer's 128 x (168 - 40) given back
 # must cover the consumers' 256 x (232 - 168) (168: the kernel's count at one 384-thread block per SM). A probe
 # with two blocks per SM (80 registers, consumers raised to 104) hung on the H200; without setmaxnreg it spilled
-# from 64 sequences and gained nothing below: one block per SM only.
+# from 64 sequences and gained nothing below: one block per SM only. Nor with four consumer warpgroups (eight consumer
+# warps a scheduler instead of four): launch bound (640, 2), no setmaxnreg, four ring stages a block, x2's splits
+# (int4_wgmma.X2, sized for 264 blocks). nvcc 13.0 fits batch tiles of up to 32 in 40-48 registers without spilling
+# (the stream-K builds spill 76 bytes; tiles of 64 do not compile in 48). H200 probe at b7f7a72, 27B hybrid graphed
+# steps, switch_ab, ms a step one / two blocks per SM, Q4_K: B = 1 6.55 / 6.62, B = 8 7.94 / 8.16, B = 32 11.35 /
+# 12.54; Q4_0: 5.82 / 5.87, 7.39 / 7.46, 10.77 / 11.80.
 # With four consumer warpgroups (CWG 4, 640 threads; the launch bound allows 96 registers each): 128 x (96 - 24)
 # given back cover 512 x (112 - 96).
 REGS = {2: (40, 232), 4: (24, 112)}         # consumer warpgroups -> (producer, consumer) registers
