@@ -278,9 +278,8 @@ def unpack_folded(pw: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weights a kernel that folds the group scales into 16-bit operands multiplies (kernels/int4_mma.py's
     fold variant), as float32 [N, K]: each group's scale s and offset c (see _affine) rounded to dtype first,
     then w = q * s + c rounded to dtype. q * s is exact in fp32 and adding c is too unless c exceeds q * s by
-    ~2^12, so this is one rounding of the exact value, as the packed 16-bit fma does."""
-    if pw.fmt == "q8_0":
-        raise ValueError("unpack_folded: q8_0 has no folded form (no kernel folds it)")
+    ~2^12, so this is one rounding of the exact value, as the packed 16-bit fma does (Q8_0, Q4_0: c = -0, so
+    w = q * s rounded once)."""
     q, s, c = _affine(pw)
     s, c = s.to(dtype).float(), c.to(dtype).float()
     return (q * s + c).to(dtype).float().reshape(pw.N, pw.K)

@@ -111,7 +111,7 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
     pws = [pw] + [_clone(pw) for _ in range(max(0, math.ceil(ROTATE_BYTES / pw.nbytes) - 1))]
     w16s = [w16] + [w16.clone() for _ in range(max(0, math.ceil(ROTATE_BYTES / (w16.numel() * 2)) - 1))]
     variants = (["triton", "dequant_cublas"] + (["cuda"] if int4_cuda.available() else [])
-                + (list(disp.MMA_VARIANTS) if int4_mma.available() and int4_mma.supports(fmt) else [])
+                + ([v for v in disp.MMA_VARIANTS if int4_mma.available() and int4_mma.supports(fmt, fold=v != "cuda_mma")])
                 + (list(disp.WGMMA_CONFIGS) + list(disp.WS_CONFIGS) if int4_wgmma.available() and int4_wgmma.supports(fmt)
                    else []))
     dev = xs.device                                    # with its index: the workspaces are keyed by it

@@ -6,7 +6,7 @@ shape among six variants:
   "cuda_mma"        kernels/int4_mma.py: mma.sync kernel for small B (tiles of up to 32 sequences; Q4_0 /
                     Q4_1 / Q4_K; NVRTC like "cuda"), batch-invariant
   "cuda_mma_fold"   the same kernel's folded form: group scales folded into bf16 / fp16 weights
-                    (engine.quant_pack.unpack_folded), one fp32 accumulation across K; batch-invariant
+                    (engine.quant_pack.unpack_folded), one fp32 accumulation across K; Q8_0 too; batch-invariant
   "cuda_mma_fold_lat"  the folded form's latency launch (int4_mma.latency_config): the fewest splits, a ring of
                     4 quads in flight per warp, batch tiles of up to 16, for small weights at many sequences; its own
                     split, so its own bits; batch-invariant
@@ -50,16 +50,17 @@ follows the shape and B far more than the format: H200, the 27B hybrid's five pr
 their Q4_K picks, the borrowed pick at most 13% slower than the fastest invariant kernel at B = 1 and 8 and the fastest
 itself from 16 sequences on, where the earlier rule, the folded kernel to 32 sequences and Triton above, was 1.1-2.5x
 slower). With neither, the rule decides (BIG: weights of at least 8 M values):
-  invariant: for an engine of at most 8 sequences "cuda_mma_fold" where it runs (Q4_0 / Q4_1 / Q4_K); else a BIG
+  invariant: for an engine of at most 8 sequences "cuda_mma_fold" where it runs (Q4_0 / Q4_1 / Q4_K / Q8_0); else a BIG
              Q4 weight on sm_90 "cuda_wgmma_ws"; else "cuda_mma_fold" to 32 sequences; else "triton";
-  fastest:   by M the same, with "cuda" for M <= 4 where cuda_mma does not run (Q8_0) and "dequant_cublas" for
+  fastest:   by M the same, with "cuda" for M <= 4 where the mma kernels cannot run and "dequant_cublas" for
              M > 256 (compute-bound GEMMs, batched prefill).
   Why (H200, the 146 rows of experiments/int4_gemm/runs.csv at 88473b9, each variant's time over the fastest
   batch-invariant one, median / worst): at B = 1 cuda_mma_fold 1.00 / 1.23 against cuda_mma's 1.14 / 1.50, at B = 2..8
   1.02 / 1.64 against 1.27 / 2.68; at 16..128 on BIG weights cuda_wgmma_ws 1.00 / 1.46 against Triton's 1.92 / 2.58
   (cuda_mma_fold 1.42 / 1.90 at 16..32); on the small ones (SmolLM2's, Llama's 2048x2048 and 3072x2048) ws 1.81 /
   3.11, where cuda_mma_fold at 16..32 (1.15 / 1.24) and Triton at 64..128 (1.30 / 1.80) are the safer choices.
-A variant that cannot run here (no CuPy / NVRTC, a format cuda_mma does not take, or the CPU) falls back to
+A variant that cannot run here (no CuPy / NVRTC, a format the kernel does not take -- Q8_0 in cuda_mma's exact form
+or the wgmma kernels --, or the CPU) falls back to
 "triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
 """
 from __future__ import annotations
@@ -175,7 +176,7 @@ def bucket(M: int) -> int:
 
 def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
     """The documented rule for shapes MEASURED has no entry for (in the format or a sibling)."""
-    mma = int4_mma.supports(fmt) and int4_mma.available()
+    mma = int4_mma.supports(fmt, fold=True) and int4_mma.available()     # the rule only picks the folded form
     ws = N * K >= BIG and int4_wgmma.supports(fmt) and int4_wgmma.available()
     if policy == "invariant":
         m = _max_batch
@@ -229,7 +230,8 @@ def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
         return "triton" if _INTERPRETED else "ref"
     if variant == "cuda" and not int4_cuda.available():
         return "triton"
-    if variant in MMA_VARIANTS and not (int4_mma.available() and (fmt is None or int4_mma.supports(fmt))):
+    if variant in MMA_VARIANTS and not (int4_mma.available()
+                                        and (fmt is None or int4_mma.supports(fmt, fold=variant != "cuda_mma"))):
         return "triton"
     if (variant in WGMMA_CONFIGS or variant in WS_CONFIGS) \
             and not (int4_wgmma.available() and (fmt is None or int4_wgmma.supports(fmt))):

@@ -1,6 +1,6 @@
 """W4A16 projection for small batches on tensor cores, y[M, N] = x[M, K] @ w[N, K]^T, in CUDA C++ compiled at
 run time (the same NVRTC bindings as kernels/int4_cuda.py), on the PackedWeight layout of engine/quant_pack.py
-(Q4_0 / Q4_1 / Q4_K; Q8_0 stays with the other kernels).
+(Q4_0 / Q4_1 / Q4_K; Q8_0 in the folded form only, see below).
 
 Definition: kernels.int4_gemm.w4a16_linear_ref(x, pw, exact=True), i.e. x @ unpack_ref(w)^T with the file's
 exact weights: every group's integer dot product is taken on the tensor cores and scaled in fp32.
@@ -49,6 +49,15 @@ own (FOLD_TILES); splits of whole quads. Its bits differ from the exact form's (
 variant of its own. A warp may own MT row tiles (MT, MT16; MEASURED_FOLD per shape): each x fragment it reads from
 shared memory then feeds MT tiles' mmas, and each load round brings MT times the weight bytes (sm_90, Q4_K, B = 32:
 57 instructions per group and tile with 2 tiles, 68 with one, 119 registers).
+
+Q8_0 (FMT 3) has the folded form only. Its record is 32 bytes per group and row (two 16-byte loads); weights s and
+s + 4 of 8p .. 8p + 7 are byte s of words 2p and 2p + 1, so one prmt makes the same pairs nib_pair makes of a 4-bit
+word, and x is staged as for the nibbles. A byte's low 7 bits go under the exponent of 128 (fp16: 1024) and its sign
+bit into the fma's addend (-128 or -256; -1024 or -1152): two lop3 and one packed fma give the exact q in -128..127,
+the fold's fma then q * d rounded once (unpack_folded; d rounded to x's dtype first). Per pair one prmt more than a
+nibble pair costs, for twice the bytes: fewer instructions per byte than Q4_0. H200 at B = 1 (int4_gemm's method, the
+reduce included, the commit that added it): 5120x17408 28.6 us (3.3 TB/s; the CUDA-core kernel 42.4, Triton 47.9, bf16
+cuBLAS 49.7), 17408x5120 28.7, 5120x12288 23.0, 4096x4096 9.0, 2048x8192 9.1.
 
 Tried and dropped (H200): streaming the weights through a per-warp cp.async ring in shared memory (8 groups in
 flight without registers) was slower at B = 1 (25.2 against 21.8 us on 17408x5120 Q4_0, ncu): ncu put the
@@ -124,8 +133,9 @@ import torch
 from engine.quant_pack import GROUP, PackedWeight
 from kernels import int4_cuda, pdl
 
-FORMATS = ("q4_0", "q4_1", "q4_k")
-FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2}
+FORMATS = ("q4_0", "q4_1", "q4_k")           # the exact form (and int4_wgmma, which shares this source)
+FOLD_FORMATS = FORMATS + ("q8_0",)           # the folded form: Q8_0's bytes become weights as the nibbles do
+FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q8_0": 3}
 BTG = 32                       # sequences per batch tile: up to four blocks of the mma's n = 8
 BT_CHOICES = (1, 2, 4, 8, 16, 32)
 GMAX = 32                      # groups per split: x for BT = 32 (and its group sums) staged once in < 99 KB
@@ -161,7 +171,7 @@ MEASURED: dict[tuple[int, int, str], dict] = {
 # of up to 8 sequences, and 16-warp blocks (256 rows sharing the staged x) with one quad in flight and registers for
 # 2 blocks per SM for 16 and 32, were the fastest or within ~10% almost everywhere (34816x5120 Q4_K: 41.5 / 59.2 /
 # 61.5 / 91.4 us at B = 1 / 8 / 16 / 32, against 51.3 / 60.2 / 85.5 / 136.3 for the exact form). Bit-neutral.
-FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in FORMATS}
+FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in FOLD_FORMATS}
 # Per shape, where another launch shape was faster (H200 sweeps against the defaults above). 32-warp blocks (512 rows
 # sharing the staged x) for tiles of 16+, B = 16 / 32: the rest lost up to 12% with them (16384x5120 Q4_K B = 32:
 # 55.9 against 52.1 us). Two row tiles per warp (MT, MT16: each x fragment read from shared memory feeds both
@@ -220,6 +230,19 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     #   5.4 / 5.5 / 5.6 and 4.2 / 4.2 / 4.3 (dequantize + cuBLAS 5.7). SmolLM2's other shapes lose somewhere with
     #   smaller blocks (960x576 at B = 128: 6.3 against 5.8; 3072x576 and 576x1536 at 64 and 128), and one split
     #   (no reduce) is slower on all four (576x576 at B = 128: 8.6 us at best).
+    # Q8_0 (a 32-byte record per group and row: a ring slot holds twice the bytes, so one quad in flight is often
+    # enough). H200 sweep at the commit that added it (.device-style probe, int4_gemm's method: graphed calls over
+    # rotated weights, PDL, the reduce; RT 2/4/8 x U 1-3 x MINB 1/3/4 x MT 1/2 for tiles of up to 8, then RT16 4-16 x
+    # U16 1-2 x MINB16 1-2 x MT16 1-2 with that split), us at B = 1 / 8 and B = 16 / 32 against the default launch.
+    # The issue's 5120x17408, 17408x5120 keep it (28.6 / 31.7, 39.4 / 56.9 us; 29.2 / 35.3, 42.2 / 59.7).
+    (5120, 12288, "q8_0"): {"RT16": 8, "MT16": 2},                 # B = 16 / 32: 33.1 / 42.3 against 32.8 / 47.3
+    (4096, 4096, "q8_0"): {"U": 1, "RT16": 8, "MT16": 2},          # 9.0 / 9.6, 12.2 / 15.2 against 11.3 / 11.2
+    (2048, 8192, "q8_0"): {"U": 1, "RT16": 8, "MT16": 2},          # 9.1 / 9.7, 12.5 / 15.0 against 11.4 / 12.2
+    (3072, 2048, "q8_0"): {"RT": 4, "MINB": 3, "MT": 2, "RT16": 4, "MT16": 2, "MINB16": 1},   # the same split:
+    #   5.8 / 6.3, 8.1 / 10.6 against 6.1 / 6.4, 8.9 / 11.2
+    (16384, 2048, "q8_0"): {"U": 1, "MT16": 2, "MINB16": 1},       # 13.4 / 17.7, 19.1 / 23.1 against 15.0 / 17.5
+    (2048, 2048, "q8_0"): {"U": 3, "MT": 2, "RT16": 8, "U16": 2, "MINB16": 1, "MT16": 2},   # the same split: 4.6 /
+    #   5.7, 6.7 / 8.1 against 4.9 / 5.7, 6.9 / 8.7
 }
 # The 27B's Q4_0 shapes keep the default launch: H200 probe at f79e859 (int4_gemm's method, with the reduce, late
 # release; MT 1-2 x RT 4-16 x U 1-2 x MINB 1-4, the split following them, and each Q4_K entry above), best us at
@@ -269,7 +292,7 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
 
-// FMT 0 q4_0, 1 q4_1, 2 q4_k; BT batch tile (<= 32); X_F16: x, y fp16 (else bf16); OUT32: y fp32 (the split-K
+// FMT 0 q4_0, 1 q4_1, 2 q4_k, 3 q8_0 (folded form only); BT batch tile (<= 32); X_F16: x, y fp16 (else bf16); OUT32: y fp32 (the split-K
 // workspace, or an fp32 output); RT row tiles and P phases per block; U loads in flight per warp; GMAX groups
 // per split at most.
 #define KW (RT * P)
@@ -283,7 +306,10 @@ typedef long long i64;
 #define MIN_BLOCKS (!FOLD && BT <= 8 && U <= 4 ? (65536 / 1792) / KW : MINB)
 // dynamic shared memory, in this order (kernels/int4_mma.py's smem_bytes is the same sum)
 #define XS_BYTES (XR * XROW * 4)                                 /* xs[XR][XROW] */
-#define XSUMS (FMT != 0 && !FOLD)                /* the min term needs x's group sums (not when folded) */
+#define XSUMS ((FMT == 1 || FMT == 2) && !FOLD)  /* the min term needs x's group sums (not when folded) */
+#if FMT == 3 && !FOLD
+#error "q8_0 has the folded form only"
+#endif
 #define XP_BYTES (XSUMS ? (BT * 4 + XR) * GMAX * 4 : 0)          /* xpart[BT][GMAX][4], xsum[XR][GMAX] */
 #define SMEM_TOTAL (XS_BYTES + XP_BYTES + (P - 1) * RT * 32 * MT * 4 * NB * 4)   /* + red[P - 1][RT][32][MT * 4 * NB] */
 
@@ -530,6 +556,9 @@ __device__ __forceinline__ uint4 pair_order(const uint4 v) {
 // Per group that is a quarter of the loads and of the scale work of the exact form.
 struct QSlot {                 // one quad's loads for the lane's group: rows (g, g + 8) of each of the MT tiles
     uint4 wa[MT], wb[MT];
+#if FMT == 3
+    uint4 wa2[MT], wb2[MT];    // q8_0: a group's record is 32 bytes, weights 16..31 here
+#endif
     u32 ra[MT][NRAW], rb[MT][NRAW];
 };
 // Where a quad's instructions go (nvcc 13.0 offline, sm_90, at 660af4f; the B = 1 launches of MEASURED_FOLD): the
@@ -550,8 +579,13 @@ __device__ __forceinline__ void load_quad(QSlot& sl, QCursor& c, int N, int g_en
     for (int mt = 0; mt < MT; ++mt) {
         const i64 e = (i64)g * N + c.na[mt];
         const int db = c.db[mt];
+#if FMT == 3
+        sl.wa[mt] = ld_w16(c.w + 2 * e); sl.wa2[mt] = ld_w16(c.w + 2 * e + 1);
+        sl.wb[mt] = ld_w16(c.w + 2 * (e + db)); sl.wb2[mt] = ld_w16(c.w + 2 * (e + db) + 1);
+#else
         sl.wa[mt] = ld_w16(c.w + e);
         sl.wb[mt] = ld_w16(c.w + e + db);
+#endif
 #if FMT == 2
         const i64 so = (i64)(g >> 3) * N + c.na[mt];
         sl.ra[mt][0] = c.s[so]; sl.rb[mt][0] = c.s[so + db];
@@ -584,14 +618,36 @@ __device__ __forceinline__ QScales quad_scales(const QSlot& sl) {
 }
 // word p of the lane's group as the A fragments of two k16 steps (mma.m16n8k16's layout, which is also a warp's
 // part of wgmma's m64 A): the weights q * s + c, one packed fma per pair; lo takes pairs (0,4) (1,5), hi (2,6) (3,7)
+#if FMT == 3
+// q8_0: weights s and s + 4 of 8p..8p+7 (byte s of words 2p and 2p + 1) as a packed pair of exact integers, the same
+// pairs nib_pair makes of a 4-bit word, so x is staged alike. A byte's low 7 bits r go under MAGIC (128 + r, or
+// 1024 + r in fp16) and its sign bit into the addend: -128 or -256 (-1024 or -1152), so the fma leaves r - 128 h = q.
+__device__ __forceinline__ u32 byte_pair(u32 lo, u32 hi, int s) {
+    const u32 v = prmt(lo, hi, (u32)(s | s << 4 | (4 + s) << 8 | (4 + s) << 12));   // byte s of lo, of hi: one a half
+    return fma2(and_or(v, 0x007F007Fu, MAGIC), ONE2, and_or(v, 0x00800080u, MAGIC | 0x80008000u));
+}
+#define WEIGHT_PAIR(w, w2, s) byte_pair(w, w2, s)
+#else
+#define WEIGHT_PAIR(w, w2, s) nib_pair(w, s)
+#endif
+// word p of the lane's group (q8_0: words 2p, 2p + 1) as the A fragments of two k16 steps (mma.m16n8k16's layout,
+// which is also a warp's part of wgmma's m64 A): the weights q * s + c, one packed fma per pair; lo takes pairs (0,4)
+// (1,5), hi (2,6) (3,7)
 __device__ __forceinline__ void quad_word(const QSlot& sl, const QScales& q, int p, int mt, u32 (&a_lo)[4],
                                           u32 (&a_hi)[4]) {
+#if FMT == 3
+    const uint4 va = p < 2 ? sl.wa[mt] : sl.wa2[mt], vb = p < 2 ? sl.wb[mt] : sl.wb2[mt];
+    const u32 wa = p & 1 ? va.z : va.x, wa2 = p & 1 ? va.w : va.y;
+    const u32 wb = p & 1 ? vb.z : vb.x, wb2 = p & 1 ? vb.w : vb.y;
+#else
     const u32 wa = p == 0 ? sl.wa[mt].x : p == 1 ? sl.wa[mt].y : p == 2 ? sl.wa[mt].z : sl.wa[mt].w;
     const u32 wb = p == 0 ? sl.wb[mt].x : p == 1 ? sl.wb[mt].y : p == 2 ? sl.wb[mt].z : sl.wb[mt].w;
-    a_lo[0] = fma2(nib_pair(wa, 0), q.sa[mt], q.ca[mt]); a_lo[1] = fma2(nib_pair(wb, 0), q.sb[mt], q.cb[mt]);
-    a_lo[2] = fma2(nib_pair(wa, 1), q.sa[mt], q.ca[mt]); a_lo[3] = fma2(nib_pair(wb, 1), q.sb[mt], q.cb[mt]);
-    a_hi[0] = fma2(nib_pair(wa, 2), q.sa[mt], q.ca[mt]); a_hi[1] = fma2(nib_pair(wb, 2), q.sb[mt], q.cb[mt]);
-    a_hi[2] = fma2(nib_pair(wa, 3), q.sa[mt], q.ca[mt]); a_hi[3] = fma2(nib_pair(wb, 3), q.sb[mt], q.cb[mt]);
+    const u32 wa2 = 0, wb2 = 0;
+#endif
+    a_lo[0] = fma2(WEIGHT_PAIR(wa, wa2, 0), q.sa[mt], q.ca[mt]); a_lo[1] = fma2(WEIGHT_PAIR(wb, wb2, 0), q.sb[mt], q.cb[mt]);
+    a_lo[2] = fma2(WEIGHT_PAIR(wa, wa2, 1), q.sa[mt], q.ca[mt]); a_lo[3] = fma2(WEIGHT_PAIR(wb, wb2, 1), q.sb[mt], q.cb[mt]);
+    a_hi[0] = fma2(WEIGHT_PAIR(wa, wa2, 2), q.sa[mt], q.ca[mt]); a_hi[1] = fma2(WEIGHT_PAIR(wb, wb2, 2), q.sb[mt], q.cb[mt]);
+    a_hi[2] = fma2(WEIGHT_PAIR(wa, wa2, 3), q.sa[mt], q.ca[mt]); a_hi[3] = fma2(WEIGHT_PAIR(wb, wb2, 3), q.sb[mt], q.cb[mt]);
 }
 #endif
 """
@@ -859,8 +915,9 @@ def available() -> bool:
     return torch.cuda.get_device_capability()[0] >= 8
 
 
-def supports(fmt: str) -> bool:
-    return fmt in FORMATS
+def supports(fmt: str, fold: bool = False) -> bool:
+    """Whether the exact form (or, fold=True, the folded form) takes weights of this format."""
+    return fmt in (FOLD_FORMATS if fold else FORMATS)
 
 
 SOURCE_DEFINES = 12
@@ -919,7 +976,7 @@ def smem_bytes(fmt: str, bt: int, rt: int, p: int, fold: bool = False, mt: int =
     BT is not a multiple of 8), its group sums (Q4_1 / Q4_K, not folded), the phases' sums."""
     xr = bt + 1 if bt % 8 else bt
     xs = xr * (GMAX * 16 + 16) * 4
-    xsum = 0 if fmt == "q4_0" or fold else (bt * 4 + xr) * GMAX * 4
+    xsum = 0 if fmt in ("q4_0", "q8_0") or fold else (bt * 4 + xr) * GMAX * 4
     return xs + xsum + (p - 1) * rt * 32 * mt * 4 * _cdiv(bt, 8) * 4
 
 
@@ -979,10 +1036,10 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
     def plan(M, N, K, fmt):
         if latency:
             return mma_config(M, N, K, fmt, {**latency_config(N, K, fmt), **(config or {})}, fold=True)
-        return max((mma_config(M, N, K, fmt, config, fold=f) for f in (False, True)),
+        return max((mma_config(M, N, K, fmt, config, fold=f) for f in (False, True) if supports(fmt, f)),
                    key=lambda c: c["workspace_floats"])
 
-    int4_cuda.reserve_splits(device, [s for s in shapes if supports(s[2])], max_rows, plan)
+    int4_cuda.reserve_splits(device, [s for s in shapes if supports(s[2], fold=True)], max_rows, plan)
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
@@ -991,8 +1048,9 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
     fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None. fold: the folded form,
     y = x @ unpack_folded(w, x.dtype)^T. latency: the folded form's latency launch (latency_config, its own split;
     config layered on top). defer: split-K partials returned unreduced (int4_cuda.run_packed)."""
-    if isinstance(pw, PackedWeight) and not supports(pw.fmt):
-        raise ValueError(f"w4a16_mma: format {pw.fmt} not supported (only {FORMATS}); use the Triton or CUDA-core kernel")
+    if isinstance(pw, PackedWeight) and not supports(pw.fmt, fold):
+        raise ValueError(f"w4a16_mma: format {pw.fmt} not supported by the {'folded' if fold else 'exact'} form (only "
+                         f"{FOLD_FORMATS if fold else FORMATS}); use the folded form or the Triton / CUDA-core kernel")
     if latency:
         if not fold:
             raise ValueError("w4a16_mma: the latency launch is the folded form's (fold=True)")
@@ -1004,8 +1062,9 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
                                                       pw.N % 16 == 0, fold, cfg["MINB"], cfg["MT"], dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=4, defer=defer)
+        words_per_pair=8 if pw.fmt == "q8_0" else 4, defer=defer)
 
 
 __all__ = ["w4a16_mma", "available", "supports", "mma_config", "shape_config", "latency_config", "reserve_workspace",
-           "MMA_SOURCE", "source", "MEASURED", "FORMATS"]
+           "MMA_SOURCE", "source", "MEASURED", "FORMATS",
+           "FOLD_FORMATS"]

@@ -6,7 +6,8 @@ several tiles, fp16 x, bf16 output = the fp32 result rounded once, and rows bitw
 rule: a split never holds more than GMAX groups, and nothing but (N, K, fmt) sets it.
 GPU (`gpu` marker): the same on the tensor cores for odd and issue shapes, B = 1..256, batch invariance, CUDA
 graph capture with out= (nothing allocated), and the dispatch's cuda_mma variant (Q8_0 falls back).
-The folded form (fold=True) the same ways against x @ unpack_folded(w)^T, and its launch shapes bit-neutral.
+The folded form (fold=True) the same ways against x @ unpack_folded(w)^T, Q8_0 included, and its launch shapes
+bit-neutral.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.test_int4_gemm import _weight, _x  # noqa: F401  (also sets the inter
 ON_GPU = torch.cuda.is_available()
 needs_mma = pytest.mark.skipif(ON_GPU and not int4_mma.available(), reason="no NVRTC binding or no sm_80+ device")
 MMA_FMTS = list(int4_mma.FORMATS)
+FOLD_FMTS = list(int4_mma.FOLD_FORMATS)
 
 
 # (N, K, fmt, Ms, config): N = 40 / 33 / 72 leave rows past a 16-row tile and past the block; the configs give
@@ -75,11 +77,20 @@ def test_split_rule_is_shape_only_and_bounded():
             int4_mma.mma_config(1, 64, 1024, "q4_0", bad)
 
 
-def test_q8_0_is_refused_and_dispatch_falls_back():
+def test_q8_0_is_refused_by_the_exact_form_only():
+    """Q8_0 runs the folded form (its bytes made weights like the nibbles), not the exact one; the dispatch sends
+    the exact variant of a Q8_0 weight to Triton and keeps the folded ones."""
+    from kernels import int4_dispatch
+
     pw, _ = _weight("q8_0", 16, 64, 0, device="cpu")
     with pytest.raises(ValueError, match="q8_0"):
         int4_mma.w4a16_mma(torch.zeros(1, 64, dtype=torch.bfloat16), pw)
     assert not int4_mma.supports("q8_0") and int4_mma.supports("q4_k")
+    assert int4_mma.supports("q8_0", fold=True) and int4_mma.supports("q4_k", fold=True)
+    if ON_GPU and int4_mma.available():
+        x = torch.zeros(1, 64, device="cuda")
+        assert int4_dispatch.runnable("cuda_mma", x, "q8_0") == "triton"
+        assert int4_dispatch.runnable("cuda_mma_fold", x, "q8_0") == "cuda_mma_fold"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,7 +153,7 @@ def test_unpack_folded_is_the_rounded_weight():
     """Scale and offset rounded to the dtype first, then one rounding of q * s + c: three roundings of half an ulp,
     of |q * s|, |c| (both at most ~2x the group's largest |w|: a group holds q = 0) and |w|; Q4_0 with bf16-exact
     scales is the rounded exact weight."""
-    for fmt in MMA_FMTS:
+    for fmt in FOLD_FMTS:
         pw, _ = _weight(fmt, 48, 512, 3, device="cpu")
         exact = unpack_ref(pw)
         for dtype, eps in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
@@ -154,8 +165,10 @@ def test_unpack_folded_is_the_rounded_weight():
     pw, _ = _weight("q4_0", 16, 64, 1, device="cpu")
     pw.scales.copy_(pw.scales.float().bfloat16().half())              # scales exact in bf16
     assert torch.equal(unpack_folded(pw, torch.bfloat16), unpack_ref(pw).bfloat16().float())
-    with pytest.raises(ValueError, match="q8_0"):
-        unpack_folded(_weight("q8_0", 16, 64, 0, device="cpu")[0], torch.bfloat16)
+    pw, _ = _weight("q8_0", 16, 64, 2, device="cpu")                  # q * d rounded once, d rounded first
+    d = pw.scales.t().float().bfloat16().float().repeat_interleave(32, dim=1)
+    q = pw.qweight.permute(1, 0, 2).contiguous().view(torch.int8).reshape(16, 64).float()
+    assert torch.equal(unpack_folded(pw, torch.bfloat16), (q * d).bfloat16().float())
 
 
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
@@ -165,11 +178,15 @@ def test_unpack_folded_is_the_rounded_weight():
                                   (40, 512, "q4_k", (3, 20), {"RT16": 32, "U16": 1, "MINB16": 1}),    # 1024 threads
                                   (40, 1088, "q4_1", (3, 20), {"MT": 2, "RT": 1, "P": 2, "U": 1, "MT16": 2,
                                                                "RT16": 2, "U16": 2}),   # 2 row tiles, past N
-                                  (72, 768, "q4_k", (5, 32), {"MT": 4, "RT": 2, "MT16": 4, "RT16": 1})],
+                                  (72, 768, "q4_k", (5, 32), {"MT": 4, "RT": 2, "MT16": 4, "RT16": 1}),
+                                  (40, 1088, "q8_0", (3, 17), {"RT": 2, "P": 2, "U": 1, "SPLIT_K": 2}),
+                                  (33, 160, "q8_0", (2, 9), {"RT": 1, "P": 1, "U": 3}),   # rows past N, N % 16
+                                  (48, 768, "q8_0", (5, 32), {"MT": 2, "RT": 1, "MT16": 2, "RT16": 1, "U16": 2})],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_fold_source_emulated_matches_folded_ref(seed, case):
     """The folded form on the CPU: against x @ unpack_folded(w)^T (bf16 and fp16 x), rows independent of M; quads
-    whole and partial (K = 1088: 34 groups, K = 160: 5), phases, splits of whole quads."""
+    whole and partial (K = 1088: 34 groups, K = 160: 5), phases, splits of whole quads; Q8_0's 32-byte records
+    (every byte value, the sign bit included: _weight's random bytes)."""
     emulated_matches_ref(functools.partial(cuda_emu.w4a16_mma_emulated, fold=True), _fold_plan, seed, *case,
                          weights=folded_weights)
 
@@ -219,7 +236,9 @@ def test_fold_launch_shapes(monkeypatch):
 
 @pytest.mark.gpu
 @needs_mma
-@pytest.mark.parametrize("case", ODD[:4] + [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 17408, "q4_0")],
+@pytest.mark.parametrize("case", ODD[:4] + [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 17408, "q4_0"),
+                                            (40, 256, "q8_0"), (1000, 1088, "q8_0"), (5120, 17408, "q8_0"),
+                                            (2048, 8192, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_fold_matches_folded_ref(seed, case):
     gpu_matches_ref(functools.partial(int4_mma.w4a16_mma, fold=True), _fold_plan, "cuda_mma_fold", seed, *case,
@@ -228,7 +247,7 @@ def test_mma_fold_matches_folded_ref(seed, case):
 
 @pytest.mark.gpu
 @needs_mma
-@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (2048, 8192, "q4_k"), (5120, 4096, "q4_0")],
+@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (2048, 8192, "q4_k"), (5120, 4096, "q4_0"), (2048, 8192, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_fold_batch_invariant_fp32(seed, case):
     gpu_rows_independent_of_m(functools.partial(int4_mma.w4a16_mma, fold=True), seed, *case)
@@ -275,7 +294,8 @@ def test_latency_launch_shape():
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
 @pytest.mark.parametrize("case", [(40, 1088, "q4_1", (3, 17, 40), None),     # 2 splits of 5 quads, 4 in flight
                                   (72, 768, "q4_k", (1, 9, 33), {"RT16": 2}),   # one split of 6 quads, rows past N
-                                  (24, 160, "q4_0", (2, 20), {"U": 1, "U16": 1})],
+                                  (24, 160, "q4_0", (2, 20), {"U": 1, "U16": 1}),
+                                  (40, 1088, "q8_0", (3, 17), None)],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_latency_source_emulated_matches_folded_ref(seed, case):
     """The latency launch on the CPU: against x @ unpack_folded(w)^T, rows bitwise independent of M (batch tiles
@@ -290,7 +310,7 @@ def test_latency_source_emulated_matches_folded_ref(seed, case):
 @pytest.mark.gpu
 @needs_mma
 @pytest.mark.parametrize("case", ODD[:4] + [(960, 576, "q4_1"), (576, 1536, "q4_1"), (2048, 2048, "q4_0"),
-                                            (3072, 576, "q4_1"), (5120, 4096, "q4_k")],
+                                            (3072, 576, "q4_1"), (5120, 4096, "q4_k"), (3072, 2048, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_fold_latency_matches_folded_ref(seed, case):
     gpu_matches_ref(functools.partial(int4_mma.w4a16_mma, fold=True, latency=True), _lat_plan, "cuda_mma_fold_lat",

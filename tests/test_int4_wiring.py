@@ -115,8 +115,8 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
     assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
     assert disp.choose(32, 5120, 17408, "q4_k", "fastest") == "cuda_mma_fold"
-    assert disp.choose(4, 5120, 17408, "q8_0", "fastest") == "cuda"            # a format cuda_mma does not take
-    assert disp.choose(8, 5120, 17408, "q8_0", "fastest") == "triton"
+    assert disp.choose(4, 5120, 17408, "q8_0", "fastest") == "cuda_mma_fold"   # Q8_0: the folded form only
+    assert disp.choose(33, 5120, 17408, "q8_0", "fastest") == "triton"
     assert disp.choose(33, 5120, 17408, "q4_0", "fastest") == "triton"
     assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
     monkeypatch.setattr(disp.int4_wgmma, "available", lambda: True)          # sm_90: the ws kernel for big weights
@@ -174,7 +174,7 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
     # big weights on sm_90; then the folded kernel to 32; else Triton
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
     disp.set_policy("invariant", max_batch=8)
-    assert disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma_fold" and disp.choose(1, 4096, 4096, "q8_0") == "triton"
+    assert disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma_fold" and disp.choose(1, 4096, 4096, "q8_0") == "cuda_mma_fold"
     disp.set_policy("invariant", max_batch=32)
     assert {disp.choose(m, 4096, 4096, "q4_k") for m in (1, 32, 300)} == {"cuda_mma_fold"}
     disp.set_policy("invariant", max_batch=33)
