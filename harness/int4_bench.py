@@ -98,7 +98,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple[bool, float]
 def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.device, dtype: torch.dtype,
                 seed: int = 0) -> list[dict]:
     """One dict of metrics (+ '_tags') per B for this shape and format."""
-    from kernels import int4_cuda, int4_dispatch as disp, int4_mma, int4_wgmma
+    from kernels import int4_cuda, int4_dispatch as disp, int4_mma, int4_wgmma, int4_wgmma_ws
 
     pw = random_packed(fmt, N, K, seed, device)
     w32 = unpack_ref(pw)
@@ -112,8 +112,8 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
     w16s = [w16] + [w16.clone() for _ in range(max(0, math.ceil(ROTATE_BYTES / (w16.numel() * 2)) - 1))]
     variants = (["triton", "dequant_cublas"] + (["cuda"] if int4_cuda.available() else [])
                 + ([v for v in disp.MMA_VARIANTS if int4_mma.available() and int4_mma.supports(fmt, fold=v != "cuda_mma")])
-                + (list(disp.WGMMA_CONFIGS) + list(disp.WS_CONFIGS) if int4_wgmma.available() and int4_wgmma.supports(fmt)
-                   else []))
+                + (list(disp.WGMMA_CONFIGS) if int4_wgmma.available() and int4_wgmma.supports(fmt) else [])
+                + (list(disp.WS_CONFIGS) if int4_wgmma.available() and int4_wgmma_ws.supports(fmt) else []))
     dev = xs.device                                    # with its index: the workspaces are keyed by it
     disp.reserve(dev, dtype, [pw], max(batches))
     disp._DENSE.get(dev, dtype, N * K)

@@ -177,7 +177,7 @@ def bucket(M: int) -> int:
 def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
     """The documented rule for shapes MEASURED has no entry for (in the format or a sibling)."""
     mma = int4_mma.supports(fmt, fold=True) and int4_mma.available()     # the rule only picks the folded form
-    ws = N * K >= BIG and int4_wgmma.supports(fmt) and int4_wgmma.available()
+    ws = N * K >= BIG and int4_wgmma_ws.supports(fmt) and int4_wgmma.available()
     if policy == "invariant":
         m = _max_batch
     else:
@@ -233,8 +233,9 @@ def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
     if variant in MMA_VARIANTS and not (int4_mma.available()
                                         and (fmt is None or int4_mma.supports(fmt, fold=variant != "cuda_mma"))):
         return "triton"
+    kernel = int4_wgmma if variant in WGMMA_CONFIGS else int4_wgmma_ws
     if (variant in WGMMA_CONFIGS or variant in WS_CONFIGS) \
-            and not (int4_wgmma.available() and (fmt is None or int4_wgmma.supports(fmt))):
+            and not (int4_wgmma.available() and (fmt is None or kernel.supports(fmt))):
         return "triton"
     return variant
 

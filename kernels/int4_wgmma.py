@@ -1,5 +1,5 @@
 """W4A16 projection for large batches on sm_90's warpgroup MMA, y[M, N] = x[M, K] @ w[N, K]^T, the folded weights
-of engine/quant_pack.py (Q4_0 / Q4_1 / Q4_K) kept packed; CUDA C++ compiled at run time for sm_90a (torch's NVRTC
+of engine/quant_pack.py (Q4_0 / Q4_1 / Q4_K, and Q8_0 through int4_mma's 32-byte records) kept packed; CUDA C++ compiled at run time for sm_90a (torch's NVRTC
 binding; wgmma needs the "a" target, which CuPy's binding does not name).
 
 Definition: x @ unpack_folded(w, x.dtype)^T, fp32 accumulation, like kernels/int4_mma.py's folded form.
@@ -84,7 +84,7 @@ import torch
 from engine.quant_pack import GROUP, PackedWeight
 from kernels import int4_cuda, int4_mma
 
-FORMATS = int4_mma.FORMATS
+FORMATS = int4_mma.FOLD_FORMATS   # its loads and fragments are int4_mma's folded form's, Q8_0 included
 BT_CHOICES = (8, 16, 32, 64, 128)   # the wgmma's N extent; more sequences run over the grid
 NUM_SMS = int4_cuda.NUM_SMS
 SMEM_LIMIT = 227 * 1024             # dynamic shared memory per block on sm_90 (opt-in)
@@ -103,6 +103,9 @@ CONFIG_KEYS = ("WGS", "MT", "U", "STAGES", "MINB", "SWZ", "SK", "SK_HALVE", "SPL
 # or within 5% at B = 128 on all eight shapes.
 DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 0, "SWZ": 1, "SK": 1, "SK_HALVE": 0,
             "TARGET_BLOCKS": NUM_SMS}
+# per format, over DEFAULTS: Q8_0's ring slot holds twice the bytes of a 4-bit one, so one m64 tile per warpgroup
+# keeps the 128-sequence tile's registers (two tiles' accumulators are 128 of its 255)
+FORMAT_DEFAULTS = {"q8_0": {"MT": 1}}
 MEASURED: dict[tuple[int, int, str], dict] = {}
 # the dispatch's "cuda_wgmma_x2": two blocks per SM below 128 sequences, splits and stream-K sized for them
 # (H200, B = 32 / 64 / 128, us: 5120x17408 Q4_K 33 / 58 / 81 against the default's 49.8 / 63.8 / 74.7; 34816x5120
@@ -551,8 +554,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
     """DEFAULTS, then MEASURED[(N, K, fmt)], then config (int4_cuda.layered_config), checked."""
-    out = int4_cuda.layered_config("int4_wgmma", (N, K, fmt), DEFAULTS, (MEASURED.get((N, K, fmt)), config),
-                                   CONFIG_KEYS)
+    out = int4_cuda.layered_config("int4_wgmma", (N, K, fmt), DEFAULTS,
+                                   (FORMAT_DEFAULTS.get(fmt), MEASURED.get((N, K, fmt)), config), CONFIG_KEYS)
     if out["WGS"] not in (1, 2) or out["MT"] not in (1, 2) or not 1 <= out["U"] <= 4 or not 3 <= out["STAGES"] <= 6 \
             or not 0 <= out["MINB"] <= 4 or out["SWZ"] not in (0, 1) or out["SK"] not in (0, 1) \
             or out["SK_HALVE"] not in (0, 1) \
@@ -631,7 +634,7 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
 
 def w4a16_wgmma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
                 config: dict | None = None, defer: bool = False):
-    """y = x @ unpack_folded(w, x.dtype)^T for a packed Q4_0 / Q4_1 / Q4_K weight (module docstring). x [M, K] bf16 /
+    """y = x @ unpack_folded(w, x.dtype)^T for a packed Q4_0 / Q4_1 / Q4_K / Q8_0 weight (module docstring). x [M, K] bf16 /
     fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None. defer: split-K partials
     returned as a kernels.splitk.SplitSums."""
     if isinstance(pw, PackedWeight) and not supports(pw.fmt):
@@ -643,7 +646,7 @@ def w4a16_wgmma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = No
                                                       cfg["STAGES"], cfg["MINB"], cfg["SWZ"], cfg["workers"] > 0, dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=4, defer=defer)
+        words_per_pair=8 if pw.fmt == "q8_0" else 4, defer=defer)
 
 
 __all__ = ["w4a16_wgmma", "available", "supports", "wg_config", "shape_config", "reserve_workspace", "source",

@@ -125,7 +125,7 @@ from engine.quant_pack import GROUP, PackedWeight
 from kernels import int4_cuda, int4_mma, int4_wgmma
 from kernels.workspace import SplitKWorkspace
 
-FORMATS = int4_wgmma.FORMATS
+FORMATS = int4_mma.FORMATS        # 4-bit: its stages hold 16-byte records (Q8_0 runs int4_wgmma)
 SMEM_LIMIT = int4_wgmma.SMEM_LIMIT
 MAX_STAGES = 8
 # setmaxnreg: a block's warps trade registers among themselves, so the producer's 128 x (168 - 40) given back

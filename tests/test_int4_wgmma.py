@@ -34,7 +34,9 @@ EMU = [(300, 1088, "q4_1", (2, 19), {"WGS": 1, "MT": 1, "STAGES": 3, "TARGET_BLO
        (72, 1088, "q4_1", (3, 20), {"WGS": 1, "MT": 1, "STAGES": 3, "SPLIT_K": 2, "SWZ": 0}),
        (136, 768, "q4_k", (1, 9, 32), {"WGS": 2, "MT": 1, "U": 2, "STAGES": 4}),
        (40, 160, "q4_0", (5, 16), {"WGS": 1, "MT": 2, "STAGES": 5}),
-       (200, 1024, "q4_k", (3, 17), {"WGS": 2, "MT": 2, "U": 1, "STAGES": 3, "SPLIT_K": 3})]
+       (200, 1024, "q4_k", (3, 17), {"WGS": 2, "MT": 2, "U": 1, "STAGES": 3, "SPLIT_K": 3}),
+       (300, 1088, "q8_0", (2, 19), {"WGS": 1, "MT": 1, "STAGES": 3, "TARGET_BLOCKS": 3}),      # Q8_0: stream-K
+       (136, 768, "q8_0", (1, 9, 32), {"WGS": 2, "MT": 2, "U": 2, "STAGES": 4, "SPLIT_K": 2})]
 
 
 @needs_emu
@@ -103,14 +105,15 @@ def test_wgmma_launch_rules():
                 {"SK_HALVE": 3}):
         with pytest.raises(ValueError, match="int4_wgmma"):
             _plan(4, 4096, 4096, "q4_k", bad)
-    with pytest.raises(ValueError, match="not supported"):
-        int4_wgmma.w4a16_wgmma(torch.zeros(1, 64), _weight("q8_0", 16, 64, 0, device="cpu")[0])
+    assert _plan(128, 5120, 17408, "q8_0")["MT"] == 1 and _plan(128, 5120, 17408, "q4_0")["MT"] == 2   # per format
+    assert int4_wgmma.supports("q8_0") and not int4_wgmma.supports("q5_k")
 
 
 @pytest.mark.gpu
 @needs_wg
 @pytest.mark.parametrize("case", [(40, 256, "q4_0"), (72, 1024, "q4_1"), (33, 768, "q4_k"), (1000, 1088, "q4_0"),
-                                  (34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 17408, "q4_0")],
+                                  (34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (5120, 17408, "q4_0"),
+                                  (1000, 1088, "q8_0"), (5120, 17408, "q8_0"), (17408, 5120, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_wgmma_matches_folded_ref(seed, case):
     gpu_matches_ref(int4_wgmma.w4a16_wgmma, _plan, "cuda_wgmma", seed, *case, weights=folded_weights)
@@ -118,7 +121,7 @@ def test_wgmma_matches_folded_ref(seed, case):
 
 @pytest.mark.gpu
 @needs_wg
-@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (2048, 8192, "q4_k"), (5120, 4096, "q4_0")],
+@pytest.mark.parametrize("case", [(72, 1024, "q4_1"), (2048, 8192, "q4_k"), (5120, 4096, "q4_0"), (2048, 8192, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_wgmma_batch_invariant_fp32(seed, case):
     """Every batch tile (m64n8 .. m64n128) gives a row the same bits."""
@@ -127,7 +130,7 @@ def test_wgmma_batch_invariant_fp32(seed, case):
 
 @pytest.mark.gpu
 @needs_wg
-@pytest.mark.parametrize("case", [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (72, 1024, "q4_1")],
+@pytest.mark.parametrize("case", [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (72, 1024, "q4_1"), (5120, 12288, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_wgmma_x2(seed, case):
     """The dispatch's cuda_wgmma_x2 (two blocks per SM below 128 sequences; tiles halved for stream-K on the
