@@ -137,6 +137,7 @@ def build(cfg) -> Built:
         gguf_path, tokenizer = Path(f"{cfg.model.name}-in-memory"), None
     else:
         gguf_path = resolve_gguf(cfg.model, progress=cfg.progress)
+        t0 = time.perf_counter()   # a synthetic file written on first use is not part of loading it
         mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress, keep_quantized=packed)
         tokenizer = Tokenizer.from_gguf(gguf_path)
     if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:

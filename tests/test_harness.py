@@ -393,3 +393,22 @@ def test_provenance_names_the_workload_only_where_runs_have_one():
     assert "workload" not in micro and micro.endswith("commit abcdef0123; 1 runs.")
     served = report.provenance(pd.DataFrame({**base, "tags.workload_hash": ["9f28"]}))
     assert "workload 9f28; 1 runs." in served
+
+
+def test_load_time_leaves_out_writing_a_synthetic_file(tmp_path, monkeypatch):
+    """load_s (the load time every run reports) times reading the GGUF into the engine, not making the synthetic
+    file a model without a path writes on first use (that can take longer than the load)."""
+    import time
+
+    from harness import run as run_mod
+
+    real = run_mod.resolve_gguf
+
+    def slow_resolve(model_cfg, progress=True):
+        time.sleep(1.0)                                   # stands for writing the file
+        return real(model_cfg, progress=progress)
+
+    monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(run_mod, "resolve_gguf", slow_resolve)
+    built = run_mod.build(cfg_of(*tiny(tmp_path), "engine.device=cpu"))
+    assert 0 < built.load_s < 1.0
