@@ -14,7 +14,7 @@ shape among six variants:
                     (NVRTC through torch, sm_90a only); batch-invariant
   "cuda_wgmma_x2"   the same kernel with two blocks per SM below 128 sequences and splits sized for them
                     (int4_wgmma.X2); other splits, other bits than "cuda_wgmma"; batch-invariant
-  "cuda_wgmma_ws"   kernels/int4_wgmma_ws.py: the same arithmetic fed by a producer warpgroup's bulk copies
+  "cuda_wgmma_ws"   kernels/int4_wgmma_ws.py: the same arithmetic fed by a producer warpgroup's bulk copies (Q8_0 too)
                     through a ring of shared memory (x staged first); "cuda_wgmma"'s bits except where its
                     tiles are halved for stream-K (int4_wgmma_ws.DEFAULTS); batch-invariant
   "cuda_wgmma_ws_t128"  the same kernel in tiles of 128 rows (int4_wgmma_ws.T128): half the split, fewer
@@ -59,8 +59,8 @@ slower). With neither, the rule decides (BIG: weights of at least 8 M values):
   1.02 / 1.64 against 1.27 / 2.68; at 16..128 on BIG weights cuda_wgmma_ws 1.00 / 1.46 against Triton's 1.92 / 2.58
   (cuda_mma_fold 1.42 / 1.90 at 16..32); on the small ones (SmolLM2's, Llama's 2048x2048 and 3072x2048) ws 1.81 /
   3.11, where cuda_mma_fold at 16..32 (1.15 / 1.24) and Triton at 64..128 (1.30 / 1.80) are the safer choices.
-A variant that cannot run here (no CuPy / NVRTC, a format the kernel does not take -- Q8_0 in cuda_mma's exact form
-or the wgmma kernels --, or the CPU) falls back to
+A variant that cannot run here (no CuPy / NVRTC, a format the kernel does not take -- Q8_0 in cuda_mma's exact
+form --, or the CPU) falls back to
 "triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
 """
 from __future__ import annotations

@@ -29,7 +29,8 @@ would add to those kernels: not built. The weights' records of one group for the
 in the packed layout ([G, N] records): one copy per group, padded by 32 bytes in shared memory so the 8 lanes of a
 quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales likewise, 512 bytes a row.
 
-Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB.
+Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB. Q8_0's
+records are 32 bytes (a group's 8 KB for 256 rows), so three of its 67 KB stages fit.
 Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
 addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
 
@@ -125,7 +126,7 @@ from engine.quant_pack import GROUP, PackedWeight
 from kernels import int4_cuda, int4_mma, int4_wgmma
 from kernels.workspace import SplitKWorkspace
 
-FORMATS = int4_mma.FORMATS        # 4-bit: its stages hold 16-byte records (Q8_0 runs int4_wgmma)
+FORMATS = int4_mma.FOLD_FORMATS   # the folded form's: a Q8_0 stage holds 32-byte records
 SMEM_LIMIT = int4_wgmma.SMEM_LIMIT
 MAX_STAGES = 8
 # setmaxnreg: a block's warps trade registers among themselves, so the producer's 128 x (168 - 40) given back
@@ -225,9 +226,10 @@ __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
 WS_KERNEL = r"""
 #define ROWS (64 * MT * CWG)                    /* weight rows per block tile */
 #define XQ_BYTES (8 * 256 * NB)                 /* one quad of x for the batch tile (int4_wgmma's stage) */
-#define WGRP_BYTES (ROWS * 16 + 32)             /* one group's records for the tile's rows, padded (banks) */
+#define RB (FMT == 3 ? 32 : 16)                 /* one group's record for one row: q8_0 32 bytes, 4-bit 16 */
+#define WGRP_BYTES (ROWS * RB + 32)             /* one group's records for the tile's rows, padded (banks) */
 #define SROW_BYTES (ROWS * 2 + 16)              /* one row of 16-bit scale words for the tile's rows, padded */
-#define NSR (FMT == 0 ? 4 : FMT == 1 ? 8 : 6)   /* per quad: q4_0 d[4]; q4_1 d[4] m[4]; q4_k d, dmin, sub[4] */
+#define NSR (FMT == 1 ? 8 : FMT == 2 ? 6 : 4)   /* per quad: q4_0, q8_0 d[4]; q4_1 d[4] m[4]; q4_k d, dmin, sub[4] */
 #define W_OFF XQ_BYTES
 #define S_OFF (W_OFF + 4 * WGRP_BYTES)
 #define WS_STAGE ((S_OFF + NSR * SROW_BYTES + 1023) / 1024 * 1024)   /* x stays 1024-aligned (the swizzle) */
@@ -328,7 +330,7 @@ __device__ __forceinline__ void copy_weights(u32 st, u32 bar, const u32* __restr
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const i64 e = (i64)min(4 * qn + q, G - 1) * N + n0t;   // past K (the last quad): a valid group, x is zero
-        bulk_copy(st + W_OFF + q * WGRP_BYTES, qw + 4 * e, rows * 16, bar);
+        bulk_copy(st + W_OFF + q * WGRP_BYTES, qw + (RB / 4) * e, rows * RB, bar);
 #if FMT == 2
         bulk_copy(st + S_OFF + (2 + q) * SROW_BYTES, sub + e, rows * 2, bar);
 #else
@@ -352,8 +354,12 @@ __device__ __forceinline__ void stage_quad(QSlot& sl, const unsigned char* st, i
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const int ra = ra0 + 64 * mt, rb = ra + 8;
-        sl.wa[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + ra * 16);
-        sl.wb[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + rb * 16);
+        sl.wa[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + ra * RB);
+        sl.wb[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + rb * RB);
+#if FMT == 3
+        sl.wa2[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + ra * RB + 16);
+        sl.wb2[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + rb * RB + 16);
+#endif
 #if FMT == 2
         sl.ra[mt][0] = SROW(0)[ra]; sl.rb[mt][0] = SROW(0)[rb];
         sl.ra[mt][1] = SROW(1)[ra]; sl.rb[mt][1] = SROW(1)[rb];
@@ -486,7 +492,7 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
         int i = 0;
         while (next_seg(segs, nt, q0, q1)) {
             const int n0t = nt * ROWS, rows = min(ROWS, N - n0t);
-            const u32 wbytes = 4 * rows * 16 + NSR * rows * 2;
+            const u32 wbytes = 4 * rows * RB + NSR * rows * 2;
             for (int qn = q0; qn < q1; ++qn, ++i) {
                 const int s = i % STAGES;
                 const u32 st = sbase + s * WS_STAGE, full = full0 + 8 * s;
@@ -609,8 +615,9 @@ def _cdiv(a: int, b: int) -> int:
 def stage_bytes(bt: int, fmt: str, mt: int = 2) -> int:
     """One ring stage (WS_STAGE): x for the batch tile, 4 groups of the tile's 128 MT rows' records, the scale rows."""
     nb, rows = _cdiv(bt, 8), 128 * mt
-    nsr = {"q4_0": 4, "q4_1": 8, "q4_k": 6}[fmt]
-    raw = 8 * 256 * nb + 4 * (rows * 16 + 32) + nsr * (rows * 2 + 16)
+    nsr = {"q4_0": 4, "q4_1": 8, "q4_k": 6, "q8_0": 4}[fmt]
+    rb = 32 if fmt == "q8_0" else 16
+    raw = 8 * 256 * nb + 4 * (rows * rb + 32) + nsr * (rows * 2 + 16)
     return _cdiv(raw, 1024) * 1024
 
 
@@ -706,7 +713,7 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
             cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
                           dev, cfg["x_in_gemm"], bool(cfg["MMA"]))),
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=4, defer=defer)
+        words_per_pair=8 if pw.fmt == "q8_0" else 4, defer=defer)
 
 
 __all__ = ["w4a16_wgmma_ws", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",

@@ -37,7 +37,9 @@ EMU = [(264, 1088, "q4_0", (3, 11), {"STAGES": 2}),
        (264, 1024, "q4_1", (5, 17), {"STAGES": 3, "SPLIT_K": 2}),
        (776, 1280, "q4_k", (2, 20), {"STAGES": 3, "TARGET_BLOCKS": 3, "SK_HALVE": 0}),
        (776, 1088, "q4_1", (4,), {"STAGES": 4, "TARGET_BLOCKS": 5}),
-       (264, 1024, "q4_k", (6,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})]
+       (264, 1024, "q4_k", (6,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2}),
+       (264, 1088, "q8_0", (3, 11), {"STAGES": 2}),                                         # Q8_0: 32-byte records
+       (776, 1280, "q8_0", (20,), {"STAGES": 3, "TARGET_BLOCKS": 3, "SK_HALVE": 0, "CWG": 4})]
 
 
 @needs_emu
@@ -71,7 +73,7 @@ def test_ws_fresh_write_emulated_matches_wgmma(seed, case, monkeypatch):
 
 
 @needs_emu
-@pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[2], EMU[4]], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+@pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[2], EMU[4], EMU[8]], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
 def test_ws_x_in_gemm_emulated_matches_wgmma(seed, case, monkeypatch):
     """X_IN_GEMM (the producer warpgroup's warps 1-3 stage x into each stage themselves, one launch): int4_wgmma's
     bits still, with rings reused many times, stream-K, four consumer warpgroups and rows past M."""
@@ -89,7 +91,8 @@ def test_ws_x_in_gemm_emulated_matches_wgmma(seed, case, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("x_in_gemm", [False, True], ids=["staged", "x_in_gemm"])
-@pytest.mark.parametrize("case", [EMU[0], EMU[2], EMU[4], EMU[6], EMU[7]], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+@pytest.mark.parametrize("case", [EMU[0], EMU[2], EMU[4], EMU[6], EMU[7], EMU[8], EMU[9]],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
 def test_ws_mma_consumers_emulated_match_wgmma(seed, case, x_in_gemm, monkeypatch):
     """MMA 1 (the consumers on mma.sync, x's B fragments read by ldmatrix from the same stage image): int4_wgmma's
     bits for the same split, over rings reused many times, stream-K, four consumer warpgroups, Q4_1 / Q4_K, tiles of
@@ -161,8 +164,8 @@ def test_ws_launch_rules():
     for bad in ({"STAGES": 1}, {"STAGES": 9}, {"CWG": 3}, {"MMA": 2}):
         with pytest.raises(ValueError, match="int4_wgmma_ws"):
             _plan(128, 4096, 4096, "q4_k", bad)
-    with pytest.raises(ValueError, match="not supported"):
-        ws.w4a16_wgmma_ws(torch.zeros(1, 64), _weight("q8_0", 16, 64, 0, device="cpu")[0])
+    assert ws.supports("q8_0") and not ws.supports("q5_k")     # Q8_0: stages of 32-byte records, 4 scale rows
+    assert ws.stage_bytes(128, "q8_0") == ws.stage_bytes(128, "q4_0") + 1024 * (-(-(4 * 256 * 16) // 1024))
     assert ws.aligned(_weight("q4_0", 264, 256, 0, device="cpu")[0])
     assert not ws.aligned(_weight("q4_0", 36, 256, 0, device="cpu")[0])
 
@@ -268,7 +271,7 @@ def _nvcc():
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
 @pytest.mark.parametrize("x_in_gemm", [False, True])
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q8_0"])
 @pytest.mark.parametrize("N, K, M, config", [(5120, 17408, 128, None), (17408, 5120, 128, None),
                                              (5120, 6144, 128, ws.T128), (2048, 8192, 128, ws.T128),
                                              (5120, 17408, 32, None), (34816, 5120, 32, None)])

@@ -121,7 +121,7 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
     monkeypatch.setattr(disp.int4_wgmma, "available", lambda: True)          # sm_90: the ws kernel for big weights
     assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "cuda_wgmma_ws"
-    assert disp.choose(256, 5120, 17408, "q8_0", "fastest") == "triton"     # a format the ws kernel does not take
+    assert disp.choose(256, 5120, 17408, "q8_0", "fastest") == "cuda_wgmma_ws"   # Q8_0 too
     assert disp.choose(9, 2048, 2048, "q4_0", "fastest") == "cuda_mma_fold"   # small: below BIG
     assert disp.choose(33, 2048, 2048, "q4_0", "fastest") == "triton"
     assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
