@@ -1,5 +1,5 @@
 """W4A16 projection on sm_90's wgmma with a producer warpgroup: y[M, N] = x[M, K] @ w[N, K]^T for the folded Q4_0 /
-Q4_1 / Q4_K weights of engine/quant_pack.py, the same arithmetic as kernels/int4_wgmma.py (same split, same k16
+Q4_1 / Q4_K / Q8_0 weights of engine/quant_pack.py, the same arithmetic as kernels/int4_wgmma.py (same split, same k16
 chain per element: with the same split its output is bitwise cuda_wgmma's) with the operands fed differently.
 
 Why: int4_wgmma's warps load their own weights from global memory into registers and stage x through a ring with a
