@@ -56,7 +56,7 @@ word, and x is staged as for the nibbles. A byte's low 7 bits go under the expon
 bit into the fma's addend (-128 or -256; -1024 or -1152): two lop3 and one packed fma give the exact q in -128..127,
 the fold's fma then q * d rounded once (unpack_folded; d rounded to x's dtype first). Per pair one prmt more than a
 nibble pair costs, for twice the bytes: fewer instructions per byte than Q4_0. H200 at B = 1 (int4_gemm's method, the
-reduce included, the commit that added it): 5120x17408 28.6 us (3.3 TB/s; the CUDA-core kernel 42.4, Triton 47.9, bf16
+reduce included, at 68d54b5): 5120x17408 28.6 us (3.3 TB/s; the CUDA-core kernel 42.4, Triton 47.9, bf16
 cuBLAS 49.7), 17408x5120 28.7, 5120x12288 23.0, 4096x4096 9.0, 2048x8192 9.1.
 
 Tried and dropped (H200): streaming the weights through a per-warp cp.async ring in shared memory (8 groups in
@@ -231,7 +231,7 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     #   smaller blocks (960x576 at B = 128: 6.3 against 5.8; 3072x576 and 576x1536 at 64 and 128), and one split
     #   (no reduce) is slower on all four (576x576 at B = 128: 8.6 us at best).
     # Q8_0 (a 32-byte record per group and row: a ring slot holds twice the bytes, so one quad in flight is often
-    # enough). H200 sweep at the commit that added it (.device-style probe, int4_gemm's method: graphed calls over
+    # enough). H200 sweep at 68d54b5 (a probe with int4_gemm's method: graphed calls over
     # rotated weights, PDL, the reduce; RT 2/4/8 x U 1-3 x MINB 1/3/4 x MT 1/2 for tiles of up to 8, then RT16 4-16 x
     # U16 1-2 x MINB16 1-2 x MT16 1-2 with that split), us at B = 1 / 8 and B = 16 / 32 against the default launch.
     # The issue's 5120x17408, 17408x5120 keep it (28.6 / 31.7, 39.4 / 56.9 us; 29.2 / 35.3, 42.2 / 59.7).
@@ -616,8 +616,6 @@ __device__ __forceinline__ QScales quad_scales(const QSlot& sl) {
     }
     return q;
 }
-// word p of the lane's group as the A fragments of two k16 steps (mma.m16n8k16's layout, which is also a warp's
-// part of wgmma's m64 A): the weights q * s + c, one packed fma per pair; lo takes pairs (0,4) (1,5), hi (2,6) (3,7)
 #if FMT == 3
 // q8_0: weights s and s + 4 of 8p..8p+7 (byte s of words 2p and 2p + 1) as a packed pair of exact integers, the same
 // pairs nib_pair makes of a 4-bit word, so x is staged alike. A byte's low 7 bits r go under MAGIC (128 + r, or
@@ -642,7 +640,6 @@ __device__ __forceinline__ void quad_word(const QSlot& sl, const QScales& q, int
 #else
     const u32 wa = p == 0 ? sl.wa[mt].x : p == 1 ? sl.wa[mt].y : p == 2 ? sl.wa[mt].z : sl.wa[mt].w;
     const u32 wb = p == 0 ? sl.wb[mt].x : p == 1 ? sl.wb[mt].y : p == 2 ? sl.wb[mt].z : sl.wb[mt].w;
-    const u32 wa2 = 0, wb2 = 0;
 #endif
     a_lo[0] = fma2(WEIGHT_PAIR(wa, wa2, 0), q.sa[mt], q.ca[mt]); a_lo[1] = fma2(WEIGHT_PAIR(wb, wb2, 0), q.sb[mt], q.cb[mt]);
     a_lo[2] = fma2(WEIGHT_PAIR(wa, wa2, 1), q.sa[mt], q.ca[mt]); a_lo[3] = fma2(WEIGHT_PAIR(wb, wb2, 1), q.sb[mt], q.cb[mt]);
