@@ -51,7 +51,8 @@ their Q4_K picks, the borrowed pick at most 13% slower than the fastest invarian
 itself from 16 sequences on, where the earlier rule, the folded kernel to 32 sequences and Triton above, was 1.1-2.5x
 slower). With neither, the rule decides (BIG: weights of at least 8 M values):
   invariant: for an engine of at most 8 sequences "cuda_mma_fold" where it runs (Q4_0 / Q4_1 / Q4_K / Q8_0); else a BIG
-             Q4 weight on sm_90 "cuda_wgmma_ws"; else "cuda_mma_fold" to 32 sequences; else "triton";
+             weight on sm_90 "cuda_wgmma_ws"; else "cuda_mma_fold" to 32 sequences; else "triton", but for Q8_0
+             "cuda_wgmma_ws_t128" on sm_90;
   fastest:   by M the same, with "cuda" for M <= 4 where the mma kernels cannot run and "dequant_cublas" for
              M > 256 (compute-bound GEMMs, batched prefill).
   Why (H200, the 146 rows of experiments/int4_gemm/runs.csv at 88473b9, each variant's time over the fastest
@@ -59,6 +60,8 @@ slower). With neither, the rule decides (BIG: weights of at least 8 M values):
   1.02 / 1.64 against 1.27 / 2.68; at 16..128 on BIG weights cuda_wgmma_ws 1.00 / 1.46 against Triton's 1.92 / 2.58
   (cuda_mma_fold 1.42 / 1.90 at 16..32); on the small ones (SmolLM2's, Llama's 2048x2048 and 3072x2048) ws 1.81 /
   3.11, where cuda_mma_fold at 16..32 (1.15 / 1.24) and Triton at 64..128 (1.30 / 1.80) are the safer choices.
+  Not for Q8_0, whose Triton path has no 16-bit fold: on Llama's two small Q8_0 shapes at 617d82c ws t128 took
+  10.1 / 11.6 us (2048x2048, B = 64 / 128) and 10.8 / 13.1 (3072x2048) against Triton's 10.8 / 13.2 and 12.6 / 22.0.
 A variant that cannot run here (no CuPy / NVRTC, a format the kernel does not take -- Q8_0 in cuda_mma's exact
 form --, or the CPU) falls back to
 "triton" on the GPU and to the reference (w4a16_linear_ref) on the CPU without Triton's interpreter.
@@ -204,6 +207,8 @@ def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
         return "cuda_wgmma_ws"
     if mma and m is not None and m <= 32:
         return "cuda_mma_fold"
+    if fmt == "q8_0" and int4_wgmma_ws.supports(fmt) and int4_wgmma.available():
+        return "cuda_wgmma_ws_t128"
     return "triton"
 
 

@@ -124,6 +124,7 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(256, 5120, 17408, "q8_0", "fastest") == "cuda_wgmma_ws"   # Q8_0 too
     assert disp.choose(9, 2048, 2048, "q4_0", "fastest") == "cuda_mma_fold"   # small: below BIG
     assert disp.choose(33, 2048, 2048, "q4_0", "fastest") == "triton"
+    assert disp.choose(33, 2048, 2048, "q8_0", "fastest") == "cuda_wgmma_ws_t128"   # Q8_0: Triton has no 16-bit fold
     assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
     monkeypatch.setattr(disp.int4_wgmma, "available", lambda: False)
     monkeypatch.setattr(disp.int4_mma, "available", lambda: False)
