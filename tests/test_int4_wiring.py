@@ -331,3 +331,18 @@ def test_in_interpreter_subprocess():
     if ON_GPU or _INTERPRETED:
         pytest.skip("runs in-process here")
     run_in_interpreter(__file__, "(tests/test_int4_wiring.py)")
+
+
+def test_measured_picks_name_kernels_that_take_the_format():
+    """Every variant the dispatch table names for a (N, K, fmt) runs that format itself (a pick that silently fell back
+    to Triton would mean a stale table): Q8_0 never names the exact mma form."""
+    takes = {"cuda_mma": lambda f: disp.int4_mma.supports(f),
+             "cuda_mma_fold": lambda f: disp.int4_mma.supports(f, fold=True),
+             "cuda_mma_fold_lat": lambda f: disp.int4_mma.supports(f, fold=True),
+             "cuda_wgmma": disp.int4_wgmma.supports, "cuda_wgmma_x2": disp.int4_wgmma.supports,
+             "cuda_wgmma_ws": disp.int4_wgmma_ws.supports, "cuda_wgmma_ws_t128": disp.int4_wgmma_ws.supports}
+    for (N, K, fmt), entry in disp.MEASURED.items():
+        picks = {v for k, v in entry.items() if k != "invariant_at"} | set(entry.get("invariant_at", {}).values())
+        assert picks <= set(disp.VARIANTS), (N, K, fmt, picks)
+        bad = [v for v in picks if v in takes and not takes[v](fmt)]
+        assert not bad, f"{N}x{K} {fmt}: {bad} do not take {fmt}"
