@@ -207,7 +207,7 @@ def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
         return "cuda_wgmma_ws"
     if mma and m is not None and m <= 32:
         return "cuda_mma_fold"
-    if fmt == "q8_0" and int4_wgmma_ws.supports(fmt) and int4_wgmma.available():
+    if fmt == "q8_0" and int4_wgmma.available():
         return "cuda_wgmma_ws_t128"
     return "triton"
 

@@ -130,10 +130,10 @@ import functools
 
 import torch
 
-from engine.quant_pack import GROUP, PackedWeight
+from engine.quant_pack import GROUP, WORDS_PER_GROUP, PackedWeight
 from kernels import int4_cuda, pdl
 
-FORMATS = ("q4_0", "q4_1", "q4_k")           # the exact form (and int4_wgmma, which shares this source)
+FORMATS = ("q4_0", "q4_1", "q4_k")           # the exact form
 FOLD_FORMATS = FORMATS + ("q8_0",)           # the folded form: Q8_0's bytes become weights as the nibbles do
 FMT_CODE = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q8_0": 3}
 BTG = 32                       # sequences per batch tile: up to four blocks of the mma's n = 8
@@ -1059,7 +1059,7 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
                                                       pw.N % 16 == 0, fold, cfg["MINB"], cfg["MT"], dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=8 if pw.fmt == "q8_0" else 4, defer=defer)
+        words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer)
 
 
 __all__ = ["w4a16_mma", "available", "supports", "mma_config", "shape_config", "latency_config", "reserve_workspace",

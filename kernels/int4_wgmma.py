@@ -81,7 +81,7 @@ import functools
 
 import torch
 
-from engine.quant_pack import GROUP, PackedWeight
+from engine.quant_pack import GROUP, WORDS_PER_GROUP, PackedWeight
 from kernels import int4_cuda, int4_mma
 
 FORMATS = int4_mma.FOLD_FORMATS   # its loads and fragments are int4_mma's folded form's, Q8_0 included
@@ -646,7 +646,7 @@ def w4a16_wgmma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = No
                                                       cfg["STAGES"], cfg["MINB"], cfg["SWZ"], cfg["workers"] > 0, dev),
         # x is read in 16-byte pieces: unit column stride, rows 16-byte aligned
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=8 if pw.fmt == "q8_0" else 4, defer=defer)
+        words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer)
 
 
 __all__ = ["w4a16_wgmma", "available", "supports", "wg_config", "shape_config", "reserve_workspace", "source",

@@ -122,7 +122,7 @@ import functools
 
 import torch
 
-from engine.quant_pack import GROUP, PackedWeight
+from engine.quant_pack import GROUP, WORDS_PER_GROUP, PackedWeight
 from kernels import int4_cuda, int4_mma, int4_wgmma
 from kernels.workspace import SplitKWorkspace
 
@@ -616,7 +616,7 @@ def stage_bytes(bt: int, fmt: str, mt: int = 2) -> int:
     """One ring stage (WS_STAGE): x for the batch tile, 4 groups of the tile's 128 MT rows' records, the scale rows."""
     nb, rows = _cdiv(bt, 8), 128 * mt
     nsr = {"q4_0": 4, "q4_1": 8, "q4_k": 6, "q8_0": 4}[fmt]
-    rb = 32 if fmt == "q8_0" else 16
+    rb = 4 * WORDS_PER_GROUP[fmt]                 # a record's bytes
     raw = 8 * 256 * nb + 4 * (rows * rb + 32) + nsr * (rows * 2 + 16)
     return _cdiv(raw, 1024) * 1024
 
@@ -713,7 +713,7 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
             cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
                           dev, cfg["x_in_gemm"], bool(cfg["MMA"]))),
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=8 if pw.fmt == "q8_0" else 4, defer=defer)
+        words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer)
 
 
 __all__ = ["w4a16_wgmma_ws", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",
