@@ -420,24 +420,26 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, kw: int | None = None, c
 
 class _Kernel:
     """One compiled kernel, launched on torch's current stream with raw pointers. Compiled once per setting of
-    pdl.gemm_release() (the source's PDL_RELEASE), read at launch (for a CUDA graph: at capture)."""
+    pdl.gemm_release() (the source's PDL_RELEASE) and of the launch's `evict` (the source's WEIGHT_EVICT: weights
+    loaded as L2 evict-first, int4_wgmma_ws), read at launch (for a CUDA graph: at capture)."""
 
     def __init__(self, src: str, name: str, how: str, device: torch.device, arch: str | None = None):
         """arch: a target to name (e.g. "90a" for wgmma; torch's binding only); None: the device's own."""
         if arch is not None:
             assert how == "torch", "int4_cuda: a named target compiles through torch's NVRTC binding"
         self.how, self.name, self._src, self._arch, self._device = how, name, src, arch, device
-        self._fns: dict[bool, object] = {}
+        self._fns: dict[tuple[bool, bool], object] = {}
         self._mods: list = []
-        self._smem_set: dict[bool, int] = {}
+        self._smem_set: dict[tuple[bool, bool], int] = {}
         self._streams: dict[int, object] = {}
 
-    def _compile(self, release: bool):
-        """The kernel for this setting, compiled on its first launch."""
-        fn = self._fns.get(release)
+    def _compile(self, key: tuple[bool, bool]):
+        """The kernel for this (release, evict) setting, compiled on its first launch."""
+        fn = self._fns.get(key)
         if fn is not None:
             return fn
-        src = ("#define PDL_RELEASE 1\n" if release else "") + self._src
+        release, evict = key
+        src = ("#define PDL_RELEASE 1\n" if release else "") + ("#define WEIGHT_EVICT 1\n" if evict else "") + self._src
         device = self._device
         if self._arch is not None:
             with torch.cuda.device(device):
@@ -450,22 +452,24 @@ class _Kernel:
         else:
             with torch.cuda.device(device):
                 fn = torch.cuda._compile_kernel(src, self.name)
-        self._fns[release] = fn
+        self._fns[key] = fn
         return fn
 
-    def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
+    def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0,
+                 evict: bool = False) -> None:
         """Launch on torch's current stream; shared_mem: dynamic shared memory in bytes (above 48 KB the kernel's
-        limit is raised once, as CUDA requires)."""
+        limit is raised once, as CUDA requires); evict: compiled with WEIGHT_EVICT defined (a source that reads it
+        loads its weights as L2 evict-first)."""
         stream = torch.cuda.current_stream(device)
         on = pdl.enabled(device)
-        release = on and pdl.gemm_release()
-        fn = self._compile(release)
-        if shared_mem > self._smem_set.get(release, 0) and shared_mem >= 48 * 1024:
+        key = (on and pdl.gemm_release(), bool(evict))
+        fn = self._compile(key)
+        if shared_mem > self._smem_set.get(key, 0) and shared_mem >= 48 * 1024:
             if self.how == "cupy":
                 fn.max_dynamic_shared_size_bytes = shared_mem
             else:
                 fn.set_shared_memory_config(shared_mem)
-            self._smem_set[release] = shared_mem
+            self._smem_set[key] = shared_mem
         if on:   # every kernel of these modules keeps the PDL contract (kernels/pdl.py)
             func = fn.kernel.ptr if self.how == "cupy" else fn.func   # RawKernel -> Function
             pdl.launch_ex(func, grid, block, shared_mem, stream.cuda_stream, list(args))

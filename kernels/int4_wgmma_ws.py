@@ -197,6 +197,18 @@ FRESH_MIN_BT = 128
 # direction (5120x12288 Q4_0 B = 8: 18.3 us with 4 stages, 19.4 with 8, 20.0 with 10; 34816x5120 B = 8: 44.4 / 43.1).
 MMA_MAX_BT = 8
 MMA_CWG = 2
+# The producer's weight and scale copies enter L2 as evict-first in a launch of one batch tile (each weight byte read
+# once; several batch tiles re-read them), so the stream does not push out x's staged image, which every row tile's
+# block reads, nor the partials around the call. H200 probe at bc9f50b (int4_gemm's method: graphed calls over
+# rotated weight copies, so x's image was read back from DRAM without it; ABAB in one process), us per call without
+# / with: B = 16 5120x17408 Q4_0 24.80 / 24.00, 5120x12288 20.20 / 18.87, 4096x4096 10.63 / 9.32; B = 128 (the 128-row
+# tiles) 5120x17408 45.75 / 44.26, 2048x2048 10.21 / 9.35, 3072x2048 12.43 / 11.70, 5120x6144 Q4_K 23.84 / 23.13,
+# 34816x5120 Q4_K (256-row stream-K) 83.90 / 81.71; the same bits. In the 27B hybrid's graphed steps, where the kernel
+# before has just written x, it moved nothing (Q4_0, switch_ab, ms a step: B = 32 10.833 / 10.826, B = 128 23.260 /
+# 23.264). The same hint on the mma kernels' register loads (ld.global.nc ... L2::cache_hint) made them 2-19% slower
+# at B = 1 (5120x17408 Q4_0 17.75 / 18.47, 34816x5120 Q4_K exact form 50.3 / 59.8) and the B = 1 step 4% slower:
+# not used there. Module switch (probes compare it off).
+WEIGHT_EVICT_FIRST = True
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
 WS_PRELUDE = r"""
@@ -257,6 +269,18 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// the weights' and scales' copies; compiled with WEIGHT_EVICT (a launch of one batch tile, WEIGHT_EVICT_FIRST) they
+// enter L2 as evict-first
+__device__ __forceinline__ void bulk_copy_w(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if defined(WEIGHT_EVICT) && WEIGHT_EVICT
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+#else
+    bulk_copy(dst, src, bytes, bar);
+#endif
 }
 template <int R> __device__ __forceinline__ void regs_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R));
@@ -330,20 +354,20 @@ __device__ __forceinline__ void copy_weights(u32 st, u32 bar, const u32* __restr
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const i64 e = (i64)min(4 * qn + q, G - 1) * N + n0t;   // past K (the last quad): a valid group, x is zero
-        bulk_copy(st + W_OFF + q * WGRP_BYTES, qw + (RB / 4) * e, rows * RB, bar);
+        bulk_copy_w(st + W_OFF + q * WGRP_BYTES, qw + (RB / 4) * e, rows * RB, bar);
 #if FMT == 2
-        bulk_copy(st + S_OFF + (2 + q) * SROW_BYTES, sub + e, rows * 2, bar);
+        bulk_copy_w(st + S_OFF + (2 + q) * SROW_BYTES, sub + e, rows * 2, bar);
 #else
-        bulk_copy(st + S_OFF + q * SROW_BYTES, sc + e, rows * 2, bar);
+        bulk_copy_w(st + S_OFF + q * SROW_BYTES, sc + e, rows * 2, bar);
 #if FMT == 1
-        bulk_copy(st + S_OFF + (4 + q) * SROW_BYTES, mn + e, rows * 2, bar);
+        bulk_copy_w(st + S_OFF + (4 + q) * SROW_BYTES, mn + e, rows * 2, bar);
 #endif
 #endif
     }
 #if FMT == 2
     const i64 so = (i64)(min(4 * qn, G - 1) >> 3) * N + n0t;   // a quad lies in one super-group of 8
-    bulk_copy(st + S_OFF, sc + so, rows * 2, bar);
-    bulk_copy(st + S_OFF + SROW_BYTES, mn + so, rows * 2, bar);
+    bulk_copy_w(st + S_OFF, sc + so, rows * 2, bar);
+    bulk_copy_w(st + S_OFF + SROW_BYTES, mn + so, rows * 2, bar);
 #endif
 }
 
@@ -673,14 +697,15 @@ class _StagedLaunch:
         self.cfg, (self.stage, self.gemm) = cfg, kernels
 
     def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
+        evict = WEIGHT_EVICT_FIRST and self.cfg["n_bt"] == 1
         if self.cfg.get("x_in_gemm"):           # compiled with X_IN_GEMM: the GEMM reads x itself
-            self.gemm(grid, block, args, device, shared_mem)
+            self.gemm(grid, block, args, device, shared_mem, evict=evict)
             return
         x, sxm, M, G = args[0], args[6], args[9], args[11]     # run_packed's argument order
         c = self.cfg
         xs = _XSTAGED.get(device, c["x_staged"])
         self.stage(_cdiv(c["stage_units"], 256), 256, [x, xs, sxm, M, G, c["quads"], c["stage_units"]], device)
-        self.gemm(grid, block, [xs, *args[1:]], device, shared_mem)
+        self.gemm(grid, block, [xs, *args[1:]], device, shared_mem, evict=evict)
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:

@@ -424,6 +424,9 @@ static inline void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsi
     std::memcpy(g_smem + dst, src, bytes);
     std::lock_guard<std::mutex> l(g_mbar_mx); EmuBar& b = g_mbars.at(bar); b.tx -= bytes; emu_bar_step(b);
 }
+static inline void bulk_copy_w(unsigned dst, const void* src, unsigned bytes, unsigned bar) {   // no L2 to hint
+    bulk_copy(dst, src, bytes, bar);
+}
 template <int R> static inline void regs_dec() {}
 template <int R> static inline void regs_inc() {}
 // ldmatrix .x4: the warp's 32 row addresses exchanged; register m of lane l: matrix m's row l >> 2, 4 bytes at 4 (l & 3)

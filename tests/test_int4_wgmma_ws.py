@@ -170,6 +170,33 @@ def test_ws_launch_rules():
     assert not ws.aligned(_weight("q4_0", 36, 256, 0, device="cpu")[0])
 
 
+def test_ws_weights_evict_first_in_one_batch_tile(monkeypatch):
+    """The GEMM launch asks for its evict-first build (WEIGHT_EVICT) where one batch tile reads every weight byte once,
+    not where several tiles re-read them, and not with the switch off; the staging launch never does."""
+    calls = []
+
+    class Launch:   # a compiled kernel's stand-in: records which build each launch asked for
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, device, shared_mem=0, evict=False):
+            calls.append((self.name, evict))
+
+    cpu = torch.device("cpu")
+    for on in (True, False):
+        monkeypatch.setattr(ws, "WEIGHT_EVICT_FIRST", on)
+        for M in (1, 32, 128, 300):
+            cfg = _plan(M, 5120, 17408, "q4_k")
+            calls.clear()
+            x = torch.zeros(M, 17408, dtype=torch.bfloat16)
+            args = [x, None, None, None, None, None, 17408, 5120, 0, M, 5120, 17408 // 32, cfg["groups_per_split"],
+                    cfg["n_bt"], cfg["n_nt"]]
+            ws._StagedLaunch(cfg, (Launch("stage"), Launch("gemm")))(cfg["grid"], cfg["block"], args, cpu, cfg["smem"])
+            want = on and cfg["n_bt"] == 1
+            assert ("gemm", want) in calls and ("stage", True) not in calls, (on, M, calls)
+            assert (cfg["n_bt"] == 1) == (M <= 128), M
+
+
 @pytest.mark.gpu
 @needs_wg
 @pytest.mark.parametrize("case", [(36, 256, "q4_0"), (264, 1088, "q4_1"), (776, 768, "q4_k"), (1000, 1088, "q4_0"),
@@ -298,3 +325,31 @@ def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config, x_i
         assert "C7515" not in log, log[-2000:]
     else:
         assert "#define FRESH_WRITE 0" in src
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
+def test_sm90_compile_evict_first_copies(tmp_path, fmt):
+    """The evict-first build (WEIGHT_EVICT defined) gives the weights' and scales' bulk copies an L2 cache hint, x's
+    copies none, and compiles for sm_90a with the plain build's registers and spills."""
+    import re
+    import subprocess
+
+    cfg = ws.ws_config(32, 5120, 17408, fmt)
+    src = ws.source(fmt, cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"], False)
+    usage = {}
+    for evict in (False, True):
+        cu = tmp_path / f"ws{int(evict)}.cu"
+        cu.write_text(("#define WEIGHT_EVICT 1\n" if evict else "") + src)
+        r = subprocess.run([_nvcc(), "-arch=sm_90a", "-ptx", str(cu), "-o", str(tmp_path / "ws.ptx")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+        copies = [ln for ln in (tmp_path / "ws.ptx").read_text().splitlines() if "cp.async.bulk.shared" in ln]
+        hinted = [ln for ln in copies if "L2::cache_hint" in ln]
+        assert copies and (0 < len(hinted) < len(copies) if evict else not hinted), (evict, copies)   # x's: plain
+        r = subprocess.run([_nvcc(), "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "ws.cubin")],
+                           capture_output=True, text=True, timeout=300)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-2000:]
+        usage[evict] = re.findall(r"w4a16_wgmma_ws.*?\n.*?\n(.*?registers.*)", log) or log
+    assert usage[True] == usage[False], usage

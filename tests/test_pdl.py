@@ -235,6 +235,31 @@ def test_gemm_release_compiles_its_own_kernel(monkeypatch):
     assert not compiled[0].startswith("#define PDL_RELEASE 1") and compiled[1].startswith("#define PDL_RELEASE 1\n")
 
 
+def test_evict_launch_compiles_its_own_kernel(monkeypatch):
+    """A launch with evict=True (int4_wgmma_ws's weights as L2 evict-first) runs the build with WEIGHT_EVICT defined,
+    compiled once; the other launches keep the plain build."""
+    compiled = []
+
+    class Fn:
+        func = 0
+
+    def compile_kernel(src, name, **kw):
+        compiled.append(src)
+        return Fn()
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", compile_kernel, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(pdl, "launch_ex", lambda func, *a: None)
+    monkeypatch.setattr(pdl, "enabled", lambda device=None: True)
+    k = int4_cuda._Kernel(int4_cuda.source("q4_0", 1, False, True), "w4a16_splitk_reduce", "torch",
+                          torch.device("cuda", 0))
+    for evict in (False, True, True, False):
+        k(1, 256, [], torch.device("cuda", 0), evict=evict)
+    assert len(compiled) == 2
+    assert "#define WEIGHT_EVICT 1" not in compiled[0] and compiled[1].startswith("#define WEIGHT_EVICT 1\n")
+
+
 def test_off_on_cpu_and_by_switch(monkeypatch):
     cpu = torch.device("cpu")
     assert not pdl.enabled(cpu) and pdl.triton_opts(cpu) == {}
