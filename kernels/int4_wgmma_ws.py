@@ -167,7 +167,11 @@ T128 = {"MT": 1, "CWG": 2}
 # against 6.89) and 576x1536 (8.63 against 7.50), with x staged in the GEMM or not.
 # 3072x2048 in 5 splits (120 blocks, against 96 with 4) at b15442a, one process: 6.46 / 8.74 / 9.91 / 12.18 us at B = 8 /
 # 32 / 64 / 128 against 6.48 / 8.69 / 9.91 / 12.20 with 4 (6: 13.88 at 128; dequantize + cuBLAS 11.63): not kept.
-MEASURED_T128: dict[tuple[int, int, str], dict] = {(2048, 2048, "q4_0"): {"SPLIT_K": 6}}
+# 2048x2048 Q8_0 likewise, H200 probe at 16633a2 (evict-first weights), us at B = 64 / 128 in 2 / 3 / 4 (default) / 6 / 8
+# splits: 12.07 / 12.97, 10.93 / 11.89, 9.33 / 10.89, 8.35 / 9.80, 8.24 / 10.01 (dequantize + cuBLAS 9.33 / 10.52). In
+# the same probe 3072x576 Q4_1 stayed slower at 128 in 1-3 splits (9.11 us at best against 6.91).
+MEASURED_T128: dict[tuple[int, int, str], dict] = {(2048, 2048, "q4_0"): {"SPLIT_K": 6},
+                                                   (2048, 2048, "q8_0"): {"SPLIT_K": 6}}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
 # x staged inside the GEMM by the producer warpgroup's warps 1-3 (loaded from x, put in the ring's order and stored
