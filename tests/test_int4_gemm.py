@@ -46,6 +46,12 @@ from engine.quant_pack import (FORMATS, PackedWeight, cat_rows, pack, packable, 
 from kernels import int4_gemm  # noqa: E402  (after the interpreter flag)
 from kernels.int4_gemm import int4_config, w4a16_linear, w4a16_linear_ref  # noqa: E402
 
+try:
+    from triton.runtime.errors import OutOfResources  # noqa: E402
+except ImportError:   # no Triton: nothing raises it
+    class OutOfResources(Exception):
+        pass
+
 ROOT = Path(__file__).resolve().parent.parent
 DEV = "cuda" if ON_GPU else "cpu"
 FMTS = ["q4_0", "q4_1", "q4_k", "q8_0"]
@@ -322,7 +328,11 @@ def test_forced_configs_match_ref_and_are_batch_invariant(seed, fmt, cfg):
         with pytest.raises(AssertionError, match="W16"):
             w4a16_linear(x, pw, config=cfg)
         return
-    y = w4a16_linear(x, pw, config=cfg)
+    try:
+        y = w4a16_linear(x, pw, config=cfg)
+    except OutOfResources as e:   # a tile meant for the interpreter (BLOCK_K=1024 x BLOCK_M=128) on a real GPU
+        assert x.is_cuda, e
+        pytest.skip(f"{cfg} does not fit this GPU's shared memory ({e}); the interpreter runs it on the CPU")
     _check(y, _ref(x, pw, cfg), seed, f"{fmt} cfg={cfg}")
     y32 = _f32(x, pw, config=cfg)
     assert torch.equal(y32.to(y.dtype), y), f"seed={seed} {fmt} cfg={cfg}: fp32 out rounded != bf16 out"

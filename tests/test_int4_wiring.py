@@ -109,6 +109,8 @@ def test_fused_rows_of_mixed_formats_fall_back_to_dense():
 
 def test_choose_rule_table_and_policies(monkeypatch):
     monkeypatch.setattr(disp, "MEASURED", {})
+    for mod in (disp.int4_cuda, disp.int4_mma, disp.int4_wgmma):   # the rule's inputs pinned: the same on any machine
+        monkeypatch.setattr(mod, "available", lambda: False)
     assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
     monkeypatch.setattr(disp.int4_cuda, "available", lambda: True)
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
