@@ -283,8 +283,6 @@ def latency_config(N: int, K: int, fmt: str) -> dict:
     return {**LATENCY, "SPLIT_K": max(1, _cdiv(K // GROUP, GMAX)), **MEASURED_LAT.get((N, K, fmt), {})}
 
 
-# x's staging copies carry an L2 evict-last policy (the source's X_KEEP; module switch, probes compare it off)
-X_KEEP_IN_L2 = True
 SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up allow
 MAX_WARPS = 32            # warps per block (1024 threads)
 
@@ -341,20 +339,9 @@ __device__ __forceinline__ u32 ld_word(const u32* p) {       // weights: read on
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r; asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p)); return r;
 }
-// 16 bytes global -> shared, asynchronously (bytes = 0: zero fill, nothing read); x, which every block of the call
-// reads, enters L2 as evict-last (X_KEEP, int4_mma.X_KEEP_IN_L2) so the weights streaming past do not push it out
-#ifndef X_KEEP
-#define X_KEEP 1
-#endif
+// 16 bytes global -> shared, asynchronously (bytes = 0: zero fill, nothing read)
 __device__ __forceinline__ void cp_async16_s(u32 dst, const void* src, int bytes) {
-#if X_KEEP
-    unsigned long long policy;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
-                 :: "r"(dst), "l"(src), "r"(bytes), "l"(policy) : "memory");
-#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
-#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
@@ -952,8 +939,7 @@ def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int
     how = int4_cuda._compiler()
     if how is None:
         raise RuntimeError("int4_mma: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
-    src = source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb, mt)
-    return int4_cuda._Kernel(src if X_KEEP_IN_L2 else "#define X_KEEP 0\n" + src, "w4a16_mma", how, device)
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb, mt), "w4a16_mma", how, device)
 
 
 def _cdiv(a: int, b: int) -> int:

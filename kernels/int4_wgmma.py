@@ -544,8 +544,7 @@ def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: i
             swz: int, sk: bool, device: torch.device):
     if not available():
         raise RuntimeError("int4_wgmma: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    src = source(fmt, bt, x_f16, out32, wgs, mt, u, stages, minb, swz, sk)
-    return int4_cuda._Kernel(src if int4_mma.X_KEEP_IN_L2 else "#define X_KEEP 0\n" + src, "w4a16_wgmma", "torch",
+    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, wgs, mt, u, stages, minb, swz, sk), "w4a16_wgmma", "torch",
                              device, arch="90a")
 
 
