@@ -102,6 +102,12 @@ every split of a chunk of 32 loaded before the first add (instead of eight at a 
 slower on all 14 shapes probed (5120x17408 Q4_0 B = 1: 19.02 against 18.02; deferred 15.88): what it costs is its
 place in the chain. Nor is B = 1 bound by DRAM: with its weights in L2 a call is as slow, so prefetching the next
 GEMM's weights into L2 does not pay (experiments/hybrid_27b/README.md has the probes).
+Nor is x's staging slowed by x falling out of L2 while the weights stream (int4_gemm's calls cycle over 256 MB of weight
+copies): H200 probe at 9e17361, x's cp.async copies with an L2 evict-last policy against plain ones, ABAB in one
+process, us at B = 1 / 8: 5120x17408 Q4_0 17.41 / 20.28 against 17.58 / 20.26, 34816x5120 Q4_K 37.48 / 56.83 against
+37.50 / 57.11, 16384x5120 Q4_K 20.01 / 27.07 against 19.75 / 26.66 (every shape within 2%); the 27B hybrid's B = 1 step
+5.825 against 5.892 ms (switch_ab). Evict-first on the weights' own loads (ld.global.nc with an L2 cache hint) made
+these kernels 2-19% slower (kernels/int4_wgmma_ws.py, WEIGHT_EVICT_FIRST, where the bulk copies gain from it).
 Nor is it Q4_K's scale arithmetic: with each row's d, dmin and (sc, mn) still loaded but the packed scale and offset
 made by two PRMTs instead of the fp32 products rounded to bf16 (outputs wrong; 9-11% fewer instructions in the loop,
 nvcc 13.0 offline: 34816x5120 686 against 753 per two quads, 16384x5120 355 against 397), the 27B's projections at B = 1
