@@ -203,8 +203,8 @@ MMA_MAX_BT = 8
 MMA_CWG = 2
 # The producer's weight and scale copies enter L2 as evict-first in a launch of one batch tile (each weight byte read
 # once; several batch tiles re-read them), so the stream does not push out x's staged image, which every row tile's
-# block reads, nor the partials around the call. H200 probe at bc9f50b (int4_gemm's method: graphed calls over
-# rotated weight copies, so x's image was read back from DRAM without it; ABAB in one process), us per call without
+# block reads, nor the partials around the call. H200 probe of the hint on bc9f50b (int4_gemm's method: graphed calls
+# over rotated weight copies, so x's image was read back from DRAM without it; ABAB in one process), us per call without
 # / with: B = 16 5120x17408 Q4_0 24.80 / 24.00, 5120x12288 20.20 / 18.87, 4096x4096 10.63 / 9.32; B = 128 (the 128-row
 # tiles) 5120x17408 45.75 / 44.26, 2048x2048 10.21 / 9.35, 3072x2048 12.43 / 11.70, 5120x6144 Q4_K 23.84 / 23.13,
 # 34816x5120 Q4_K (256-row stream-K) 83.90 / 81.71; the same bits. In the 27B hybrid's graphed steps, where the kernel

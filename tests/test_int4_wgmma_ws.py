@@ -347,8 +347,8 @@ def test_sm90_compile_evict_first_copies(tmp_path, fmt):
         copies = [ln for ln in (tmp_path / "ws.ptx").read_text().splitlines() if "cp.async.bulk.shared" in ln]
         hinted = [ln for ln in copies if "L2::cache_hint" in ln]
         assert copies and (0 < len(hinted) < len(copies) if evict else not hinted), (evict, copies)   # x's: plain
-        r = subprocess.run([_nvcc(), "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "ws.cubin")],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run([_nvcc(), "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu),
+                            "-o", str(tmp_path / "ws.cubin")], capture_output=True, text=True, timeout=300)
         log = r.stdout + r.stderr
         assert r.returncode == 0, log[-2000:]
         usage[evict] = re.findall(r"w4a16_wgmma_ws.*?\n.*?\n(.*?registers.*)", log) or log
