@@ -201,10 +201,11 @@ def test_engine_setting_and_early_trigger(monkeypatch):
         pdl.set_gemm_release(False)
 
 
-def test_gemm_release_compiles_its_own_kernel(monkeypatch):
-    """int4_cuda._Kernel compiles the source once per release setting, read at launch: with the release on, the
-    kernel that runs is the one with PDL_RELEASE defined (its pdl_release() issues launch_dependents)."""
-    compiled = []
+@pytest.fixture
+def fake_nvrtc(monkeypatch):
+    """int4_cuda._Kernel with a stand-in NVRTC binding and launcher (PDL on): yields (sources compiled, launches) and
+    a fresh kernel of the reduce's source."""
+    compiled, launched = [], []
 
     class Fn:
         func = 0
@@ -219,45 +220,38 @@ def test_gemm_release_compiles_its_own_kernel(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_compile_kernel", compile_kernel, raising=False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    launched = []
     monkeypatch.setattr(pdl, "launch_ex", lambda func, *a: launched.append(a))
     monkeypatch.setattr(pdl, "enabled", lambda device=None: True)
     k = int4_cuda._Kernel(int4_cuda.source("q4_0", 1, False, True), "w4a16_splitk_reduce", "torch",
                           torch.device("cuda", 0))
-    assert compiled == []                                   # nothing compiled before the first launch
     try:
-        for flag in (False, True, False, True):
-            pdl.set_gemm_release(flag)
-            k(1, 256, [], torch.device("cuda", 0))
+        yield compiled, launched, k
     finally:
         pdl.set_gemm_release(False)
+
+
+def test_gemm_release_compiles_its_own_kernel(fake_nvrtc):
+    """int4_cuda._Kernel compiles the source once per release setting, read at launch: with the release on, the
+    kernel that runs is the one with PDL_RELEASE defined (its pdl_release() issues launch_dependents)."""
+    compiled, launched, k = fake_nvrtc
+    assert compiled == []                                   # nothing compiled before the first launch
+    for flag in (False, True, False, True):
+        pdl.set_gemm_release(flag)
+        k(1, 256, [], torch.device("cuda", 0))
     assert len(compiled) == 2 and len(launched) == 4
     assert not compiled[0].startswith("#define PDL_RELEASE 1") and compiled[1].startswith("#define PDL_RELEASE 1\n")
 
 
-def test_evict_launch_compiles_its_own_kernel(monkeypatch):
+def test_evict_launch_compiles_its_own_kernel(fake_nvrtc):
     """A launch with evict=True (int4_wgmma_ws's weights as L2 evict-first) runs the build with WEIGHT_EVICT defined,
-    compiled once; the other launches keep the plain build."""
-    compiled = []
-
-    class Fn:
-        func = 0
-
-    def compile_kernel(src, name, **kw):
-        compiled.append(src)
-        return Fn()
-
-    monkeypatch.setattr(torch.cuda, "_compile_kernel", compile_kernel, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(pdl, "launch_ex", lambda func, *a: None)
-    monkeypatch.setattr(pdl, "enabled", lambda device=None: True)
-    k = int4_cuda._Kernel(int4_cuda.source("q4_0", 1, False, True), "w4a16_splitk_reduce", "torch",
-                          torch.device("cuda", 0))
-    for evict in (False, True, True, False):
+    compiled once per release setting; the other launches keep the plain build."""
+    compiled, launched, k = fake_nvrtc
+    for evict, release in ((False, False), (True, False), (True, False), (False, False), (True, True)):
+        pdl.set_gemm_release(release)
         k(1, 256, [], torch.device("cuda", 0), evict=evict)
-    assert len(compiled) == 2
+    assert len(compiled) == 3 and len(launched) == 5
     assert "#define WEIGHT_EVICT 1" not in compiled[0] and compiled[1].startswith("#define WEIGHT_EVICT 1\n")
+    assert compiled[2].startswith("#define PDL_RELEASE 1\n#define WEIGHT_EVICT 1\n")
 
 
 def test_off_on_cpu_and_by_switch(monkeypatch):
