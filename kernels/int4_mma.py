@@ -108,6 +108,11 @@ process, us at B = 1 / 8: 5120x17408 Q4_0 17.41 / 20.28 against 17.58 / 20.26, 3
 37.50 / 57.11, 16384x5120 Q4_K 20.01 / 27.07 against 19.75 / 26.66 (every shape within 2%); the 27B hybrid's B = 1 step
 5.825 against 5.892 ms (switch_ab). Evict-first on the weights' own loads (ld.global.nc with an L2 cache hint) made
 these kernels 2-19% slower (kernels/int4_wgmma_ws.py, WEIGHT_EVICT_FIRST, where the bulk copies gain from it).
+Nor do x's copies wait behind the ring's first weight loads: the ring filled after x's copies were issued (after the
+PDL wait) instead of before the wait made the folded form 0-7% slower (H200 probe at 290952c, int4_gemm's method, ten
+27B and issue shapes at B = 1 / 8: 5120x17408 Q4_0 17.56 -> 17.82 / 20.20 -> 20.72 us, 5120x6144 Q4_K 10.34 -> 10.92 /
+12.30 -> 13.21, 34816x5120 Q4_K 37.76 -> 39.15 / 50.87 -> 52.76), the exact form within 2.5% either way, and the 27B
+Q4_0 step 1.4% slower at B = 1 (switch_ab: 5.827 -> 5.906 ms) and 0.5% at B = 8 (7.387 -> 7.424), the same bits.
 Nor is it Q4_K's scale arithmetic: with each row's d, dmin and (sc, mn) still loaded but the packed scale and offset
 made by two PRMTs instead of the fp32 products rounded to bf16 (outputs wrong; 9-11% fewer instructions in the loop,
 nvcc 13.0 offline: 34816x5120 686 against 753 per two quads, 16384x5120 355 against 397), the 27B's projections at B = 1

@@ -107,6 +107,12 @@ DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 0, "SWZ": 1, "SK": 1
 # keeps the 128-sequence tile's registers (two tiles' accumulators are 128 of its 255)
 FORMAT_DEFAULTS = {"q8_0": {"MT": 1}}
 MEASURED: dict[tuple[int, int, str], dict] = {}
+# No entries: smaller tiles do not rescue the small weights at 32-128 sequences (H200 probe at 290952c, int4_gemm's
+# method, WGS 1-2 x MT 1-2 x U 1-2 x STAGES 4 / 6). SmolLM2's Q4_1 3072x576 in 64-row blocks (WGS 1, MT 1: 48 blocks,
+# the same bits) took 6.8 / 7.3 / 11.6 us at B = 32 / 64 / 128 against the default's 11.3 / 14.9 / 20.2, yet the
+# folded latency launch (5.6 / 6.0 / 8.6) and dequantize + cuBLAS (5.8 / 6.8 / 6.9) were faster still; 576x576,
+# 960x576 and 576x1536 alike, and Llama-3.2-1B's 2048x2048 / 3072x2048 Q4_0 stayed behind ws t128. At 128 sequences
+# no launch of these shapes took under 11 us, whatever its rows: x's 128 rows pass the ring behind block barriers.
 # the dispatch's "cuda_wgmma_x2": two blocks per SM below 128 sequences, splits and stream-K sized for them
 # (H200, B = 32 / 64 / 128, us: 5120x17408 Q4_K 33 / 58 / 81 against the default's 49.8 / 63.8 / 74.7; 34816x5120
 # in tiles of one m64, stream-K on 264 blocks, 72 / 105 / 193 against 87 / 107 / 145). Different splits: its bits
