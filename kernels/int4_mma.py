@@ -59,76 +59,13 @@ nibble pair costs, for twice the bytes: fewer instructions per byte than Q4_0. H
 reduce included, at 68d54b5): 5120x17408 28.6 us (3.3 TB/s; the CUDA-core kernel 42.4, Triton 47.9, bf16
 cuBLAS 49.7), 17408x5120 28.7, 5120x12288 23.0, 4096x4096 9.0, 2048x8192 9.1.
 
-Tried and dropped (H200): streaming the weights through a per-warp cp.async ring in shared memory (8 groups in
-flight without registers) was slower at B = 1 (25.2 against 21.8 us on 17408x5120 Q4_0, ncu): ncu put the
-register-ring kernel at 63% issue-active with few long-scoreboard stalls, so the bytes in flight were not what
-limited it, and the ring's addressing and warp barriers added 50% more instructions. Adding the split-K partials
-in the kernel (the last of a tile's S blocks, found by a per-tile arrival counter, summing them in split order:
-the same bits) instead of a second launch was slower everywhere (34816x5120 Q4_K folded, B = 1 / 32: 43.7 / 94.4
-against 41.4 / 87.0 us; 5120x6144, S = 12, B = 32: 36.8 against 19.6): one block's serial walk over S partials
-costs more than the separate, fully parallel reduce and its launch inside a CUDA graph.
-The folded form on sm_90's wgmma (m64n(8 NB)k16, the same A fragments from registers, x staged as the wgmma's
-core matrices and read through a shared-memory descriptor, one commit group per word, waiting for the previous
-one): it gave the same bits as mma.sync, and it was slower at every B (34816x5120 Q4_K, B = 1 / 8 / 16 / 32: 66.8 /
-69.4 / 69.0 / 88.8 us against 41.6 / 58.6 / 61.1 / 82.3; the other hybrid shapes alike). The tensor pipe is not
-what limits this kernel: ncu on 34816x5120 Q4_K (B = 1 / 8 / 32) puts the HMMA pipe at 12 / 9 / 27% busy, issue
-slots at 57 / 48 / 42% and active warps at 34 / 34 / 24% of the SM's, stalled mostly on the weights' global loads
-(long scoreboard: 3.3 / 4.3 / 3.0 cycles per issued instruction) and fixed-latency dependencies (1.5-1.6). At
-B = 32 the kernel runs 78 us (1.9x B = 1 on 1.26x the instructions; one 16-warp block per SM) and its split-K
-reduce 8 us (22 MB of fp32 partials), against 41 + 3 at B = 1.
-Nor is the depth of loads in flight, at B = 16 / 32 either: the weights streamed through a per-warp cp.async ring in
-shared memory (2-6 quads ahead, each lane reading back its own records, scales kept in the register ring; the
-same bits) were 15-35% slower than the register ring at every hybrid shape (34816x5120 Q4_K, B = 16 / 32: 80.1 /
-96.7 us with 2 quads, 85.5 / 103.6 with 4, against 61.1 / 83.0).
-
-Where B = 1's time goes, and three launch forms that did not pay (H200 probes at 4060f6f, int4_gemm's method, the folded
-form's shapes of MEASURED_FOLD, us per call). Over 5120 x K Q4_0 (K = 2048 / 4096 / 8192 / 17408) the calls fit ~4.0
-TB/s of streaming plus ~3.3 us with the split-K partials left to the next kernel (4.78 / 6.42 / 9.16 / 15.81 us), ~3.6
-TB/s plus ~4.0 us with the reduce launch (5.65 / 7.80 / 10.30 / 18.05): the loop streams near the copy ceiling, the
-shortfall is per call. Of 5120x17408's 18.05 the reduce launch is 2.2 us and x's staging 1.5 (14.33 without it,
-outputs wrong), the PDL wait 0.25. (1) L2 prefetches of each lane's records and scales 1-6 quads ahead of its loads,
-per lane or as one bulk request per group: slower everywhere, 5120x17408 Q4_0 20.0-24.2 against 18.0, 34816x5120 Q4_K
-44.1-50.3 against 37.3. (2) A block's warps taking 2-8 row tiles in a row (x staged once, the loads running on across
-the tiles; the same bits): slower at B = 1 on every shape (5120x17408 Q4_0 21.6 with two against 18.1, 34816x5120
-Q4_K 38.8 with three against 37.2: fewer blocks, fewer loads in flight); at B = 8 it paid on 34816x5120 (44.7 against
-59.1) where the dispatch runs ws (41.5). (3) A row tile's splits as one thread block cluster adding their partials in
-split order through distributed shared memory (the reduce launch's bits, no workspace): slower at B = 1 (17408x5120
-Q4_0 24.2 against 18.6 with the reduce and 17.0 deferred, 34816x5120 Q4_K 46.7 against 37.4, 16384x5120 29.2 against
-20.2), faster only at B = 8 on 34816x5120 (52.1 against 61.3). (4) Each warp's first quad dequantized before the PDL
-wait into shared memory (4 KB per warp and row tile; its ring slot refilled at once, so one more quad loads before the
-wait), with MINB 2-6 to hold the registers: slower or even everywhere (5120x17408 Q4_0 18.8 against 18.1 at best,
-17408x5120 19.5 against 19.1, 34816x5120 Q4_K 39.9 against 37.8). Nor does the reduce launch shrink with its loads:
-every split of a chunk of 32 loaded before the first add (instead of eight at a time) made the calls 0.4-1.3 us
-slower on all 14 shapes probed (5120x17408 Q4_0 B = 1: 19.02 against 18.02; deferred 15.88): what it costs is its
-place in the chain. Nor is B = 1 bound by DRAM: with its weights in L2 a call is as slow, so prefetching the next
-GEMM's weights into L2 does not pay (experiments/hybrid_27b/README.md has the probes).
-Nor is x's staging slowed by x falling out of L2 while the weights stream (int4_gemm's calls cycle over 256 MB of weight
-copies): H200 probe at 9e17361, x's cp.async copies with an L2 evict-last policy against plain ones, ABAB in one
-process, us at B = 1 / 8: 5120x17408 Q4_0 17.41 / 20.28 against 17.58 / 20.26, 34816x5120 Q4_K 37.48 / 56.83 against
-37.50 / 57.11, 16384x5120 Q4_K 20.01 / 27.07 against 19.75 / 26.66 (every shape within 2%); the 27B hybrid's B = 1 step
-5.825 against 5.892 ms (switch_ab). Evict-first on the weights' own loads (ld.global.nc with an L2 cache hint) made
-these kernels 2-19% slower (kernels/int4_wgmma_ws.py, WEIGHT_EVICT_FIRST, where the bulk copies gain from it).
-Nor do x's copies wait behind the ring's first weight loads: the ring filled after x's copies were issued (after the
-PDL wait) instead of before the wait made the folded form 0-7% slower (H200 probe at 290952c, int4_gemm's method, ten
-27B and issue shapes at B = 1 / 8: 5120x17408 Q4_0 17.56 -> 17.82 / 20.20 -> 20.72 us, 5120x6144 Q4_K 10.34 -> 10.92 /
-12.30 -> 13.21, 34816x5120 Q4_K 37.76 -> 39.15 / 50.87 -> 52.76), the exact form within 2.5% either way, and the 27B
-Q4_0 step 1.4% slower at B = 1 (switch_ab: 5.827 -> 5.906 ms) and 0.5% at B = 8 (7.387 -> 7.424), the same bits.
-Nor is it Q4_K's scale arithmetic: with each row's d, dmin and (sc, mn) still loaded but the packed scale and offset
-made by two PRMTs instead of the fp32 products rounded to bf16 (outputs wrong; 9-11% fewer instructions in the loop,
-nvcc 13.0 offline: 34816x5120 686 against 753 per two quads, 16384x5120 355 against 397), the 27B's projections at B = 1
-ran 0.6-3.4% faster (H200 probe at 3e918be, the partials deferred: 34816x5120 35.85 against 36.50 us, 16384x5120 18.39
-against 19.04, 5120x17408 18.87 against 19.06), the LM head 6.2% (216.9 against 231.1), B = 8 -0.6..+3.9%: about 2% of
-a B = 1 step at most. With its scale loads gone too (constants for d, dmin and (sc, mn); H200 probe at 6947bd9, the
-same method, us at B = 1 as is / without the d and dmin loads / without any scale load, and Q4_0 / Q4_1 in their
-default launches): 34816x5120 36.77 / 35.57 / 31.87 (Q4_0 33.49, Q4_1 37.20), 16384x5120 19.02 / 18.04 / 17.18 (18.73,
-20.63), 14336x5120 17.12 / 16.17 / 15.53, 5120x17408 19.04 / 18.05 / 17.37 (15.75 in Q4_0's measured launch), 5120x6144
-8.97 / 8.60 / 8.35; fitted over the five, 3.06 TB/s + 2.9 us a call as is, 3.63 TB/s + 3.5 us without the scales,
-Q4_0 3.33 TB/s + 3.2 us. So Q4_K's scales cost a B = 1 projection 5-13%, a third of it the two 16-bit d / dmin loads
-per row and quad; d and dmin in one 32-bit word (the same bytes) would touch every kernel that reads Q4_K, and ready-made
-16-bit scale and offset pairs would add 8% to the weights: neither was built, for at most ~8% of a B = 1 step. Nor
-d and dmin loaded once per super-block (two quads in a row; the second reusing the first's, behind a branch; the same
-bits): slower everywhere at B = 1 (H200 probe at 0345808: 34816x5120 43.66 against 36.38 us, 14336x5120 19.69
-against 16.96, 5120x17408 21.35 against 19.10) and at B = 8: the branch holds up the ring's loads.
+Where the time goes (H200; kernels/PROBES.md has the probes behind each clause): at B = 1 a call is a streaming part
+plus ~3.3 us (x's staging, the split-K partials, the launch's ramp and tail). Q4_0 streams at ~4.0 TB/s, near the copy
+ceiling; Q4_K at ~3.1, bound by the instructions it issues per weight (its scales cost 5-13%) rather than by the tensor
+pipe (9-27% busy) or by how many loads are in flight. Built, measured and not kept: weights through a shared-memory
+ring, the split-K sum inside the kernel (last block or cluster), the folded form on wgmma, L2 prefetches and cache
+policies, several row tiles in a row per warp, dequantizing before the PDL wait, the ring filled after x's copies,
+leaner Q4_K scale arithmetic.
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are

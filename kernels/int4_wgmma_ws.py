@@ -16,105 +16,36 @@ read by ldmatrix from the same stage, each warp on its own; the same bits), two 
 
 A bulk copy moves bytes as they lie, so x goes through the ring already in the order and swizzle the wgmma reads
 (int4_wgmma's stage: pair_order, the 4 x 4 transpose of a unit's pieces, the 128-byte swizzle): a staging kernel
-(wg_stage_x, one launch before the GEMM, M x K x 2 bytes read and written) writes that image per (batch tile,
-quad) into a workspace. The staging launch triggers its dependent at entry (PDL, kernels/pdl.py): the GEMM launches
-while x is staged and its producer issues the first stages' weight copies before it waits. H200 probe at e8d971c (the
-27B hybrid's graphed step, the same tokens; ms per step with the trigger / without / with the staging launch skipped
-outright, outputs wrong): B = 8 8.29 / 8.45 / 8.30, B = 32 11.54 / 12.09 / 11.33; B = 64 16.59 / 16.84 and B = 128
-26.49 / 26.50, where the engine's Triton kernels trigger late. What writing the image in the kernels before (the
-norms, SwiGLU, the gates) could save at most, measured again at e91e633 with every staging launch after a shape's first
-left out (outputs wrong; switch_ab, one process, ms per step with / without): Q4_0 B = 32 10.80 / 10.63, B = 128
-23.18 / 22.66; Q4_K B = 32 11.37 / 11.13, B = 128 23.95 / 24.77 (slower). So 1.6-2.2%, less the scattered stores it
-would add to those kernels: not built. The weights' records of one group for the tile's 256 rows are 4 KB contiguous
-in the packed layout ([G, N] records): one copy per group, padded by 32 bytes in shared memory so the 8 lanes of a
-quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales likewise, 512 bytes a row.
+(wg_stage_x, one launch before the GEMM, M x K x 2 bytes read and written) writes that image per (batch tile, quad) into
+a workspace. The staging launch triggers its dependent at entry (PDL, kernels/pdl.py): the GEMM launches while x is
+staged and its producer issues the first stages' weight copies before it waits. The weights' records of one group for
+the tile's 256 rows are 4 KB contiguous in the packed layout ([G, N] records): one copy per group, padded by 32 bytes in
+shared memory so the 8 lanes of a quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales
+likewise, 512 bytes a row.
 
 Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB. Q8_0's
 records are 32 bytes (a group's 8 KB for 256 rows), so three of its 67 KB stages fit.
 Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
 addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
 
-Measured with two consumer warpgroups (H200, experiment int4_gemm at 3fc6e59, us per call with the staging launch,
-against int4_wgmma and bf16 cuBLAS in the same job), B = 64 / 128: 5120x17408 Q4_K 41.7 / 54.6 (59.9 / 74.7; 52.6 /
-57.0), 34816x5120 66.5 / 100.0 (105.2 / 144.4; 97.6 / 94.4), 16384x5120 39.8 / 52.7 (57.8 / 71.5; 43.2 / 45.5), the
-LM head 248320x5120 358 / 621 (680 / 1,017; 632 / 712). Below 32 sequences it ties or loses to int4_wgmma's
-two-blocks-per-SM form on the 5120-row shapes (one block per SM here) and wins on the largest. ncu at a56a651 (two
-consumer warpgroups, clocks locked): 5120x17408 Q4_K at B = 128 issues 0.28 instructions per scheduler per cycle
-from 2.2 warps, 7.9 cycles between a warp's instructions, 3.4 of them waiting at warpgroup-aligned points (wgmma
-fence / commit / wait, counted as barrier stalls) and 1.25 in wgmma waits; Q4_0 at B = 16 moves 33% of DRAM's peak.
-Where the time goes at few sequences (H200, 5bd83ff, four consumer warpgroups, Q4_K; ncu with --clock-control none,
-and probes that remove one side): the consumers bound the kernel, not the copies. With the consumers' work removed
-the launch streams the weights at 2.9-3.2 TB/s (5120x17408 / 34816x5120: 17.5 / 32.7 us at B = 1); with every copy
-after the first ring's removed it still takes 24.4 / 39.5 us, against 26.3 / 44.1 whole. A consumer warp issues 226
-instructions per quad at B = 1: 128 dequantize its 32 pairs (a shift, a lop3 and two packed fmas each), about 30
-make Q4_K's scales, 16 are the wgmmas and their warpgroup fences, the rest addresses and the ring's barriers;
-its schedulers issue 0.53 per cycle. Tried at 5bd83ff without gain: one commit group per two or four words instead
-of one (within 2%; with four the output left cuda_wgmma's bits on three of four shapes, at 8 sequences and
-on 34816x5120 up to 64; not pursued); a Q4_K stage's weights and scales in four tensor-map copies instead of ten
-bulk copies (3-5% on 34816x5120, none on 5120x17408); the stage index stepped instead of computed (within 3%); 4 ring
-stages instead of 8 (the same). Scales stored ready-made would not help either: Q4_1, whose 16-bit scale and offset per
-group need no arithmetic, runs as slowly as Q4_K (5120x17408 / 34816x5120 at B = 1: 28.9 / 46.0 us against 27.4 /
-44.6; Q4_0, without offsets, 25.9 / 41.3). Tried at e8d971c without gain: the consumers reading the next quad's
-fragments from its stage before working on this one (with 3+ stages): 1-13% slower at every hybrid shape and B.
-Tried at ea25c3b without gain: two or three words' wgmma groups left in flight instead of one (apply_quad_wg's wait;
-the same bits): the 27B's four Q4_K shapes and two Q4_0 at B = 16 / 32 / 64 / 128 moved -1.1..+2.1 us (34816x5120
-B = 32: 52.6 / 52.8 / 53.2 us with one / two / three), so the wgmma round trip is not what the consumers wait on.
-What the time follows instead (ncu at eb9811c, clocks locked by ncu, 34816x5120 Q4_K, one launch each): B = 8 (mma.sync
-consumers) 18.6 M instructions in 56.7 us, B = 32 22.3 M in 67.0 us, B = 128 26.4 M in 113.0 us; 0.48 / 0.50 / 0.37
-issued per scheduler per cycle, half the cycles with no eligible warp; stalls per issued instruction: long scoreboard
-1.9 / 1.6 / 2.0, fixed-latency waits 0.8 / 1.1 / 1.4, warpgroup barriers 0.1 / 0.2 / 3.5. From 8 to 32 sequences the
-time grows as the instruction count does (+18% / +20%) at the same issue rate: at 32 the kernel is bound by what its
-consumers issue, not by the tensor pipe or by DRAM (34-39% of peak); at 128 the warpgroup-aligned waits join in.
-Where a consumer's cycles go at B = 32 (ncu source counters, the same launch, 5,444 stall samples; per consumer warp and
-quad 64 HFMA2, 36 LOP3 and 27 SHF make the A fragments, 8 HGMMA): the full barrier's try-wait loop 15% (data not yet in
-its stage, although the ring holds 8), the HGMMAs 15%, the dequantizing HFMA2 / LOP3 / SHF 27%, integer and uniform
-address arithmetic (IMAD, UIADD3, LEA, VIADD, USHF, ULEA, ...) ~15%. The shifts would go with fp16 activations (a
-nibble at bits 4-7 fits fp16's mantissa, not bf16's): ~16 of the ~256 instructions per consumer warp and quad. Every
-split-K build of 16+ sequences zeroes its accumulators inside the consumers' K loop, and ptxas then serializes every
-wgmma of the kernel (its warning C7515, found compiling the source offline with nvcc: each wgmma waits for the one
-before). In batch tiles of FRESH_MIN_BT (128: more than 64 sequences) a segment's first quad writes the accumulators
-instead (wgmma scale-d 0; no C7515; tests/test_int4_wgmma_ws.py checks the offline sm_90a build wherever nvcc is
-found). H200, harness
-runs at 05d290d, where every batch tile did so, against the newest recorded rows of other machines (701315b /
-656c769 / 2a1defd; no A/B in one job): at 128 sequences faster everywhere (int4_gemm ws, the issue's five Q4_0
-shapes: 45.0 / 50.0 / 35.7 / 19.9 / 19.7 us against 46.1 / 51.3 / 36.6 / 20.4 / 20.4; the 27B hybrid 25.21 ms a step
-against 25.60, bf16 state 21.95 against 22.35; Llama-3.2-1B Q4_0 packed 1.374 against 1.425), but not below: at 16
-to 64 sequences int4_gemm's ws times moved -3..+5% (5120x17408 B = 16 / 64: 26.1 / 34.9 against 25.2 / 33.2) and the
-27B hybrid's B = 32 step was slower, 11.78 against 11.55 ms. So smaller tiles keep the zeroing. What ptxas still
-reports (nvcc 13.0, -Xptxas -v): Q4_K in 256-row tiles at 128 sequences serializes for lack of registers (C7512: four
-consumer warpgroups of 112; with two of 232 the same tiles compile unserialized, yet the 27B hybrid's graphed steps
-are slower with two: H200 probe at a78b2b8, ms per step with four / two, B = 64 16.72 / 17.21, B = 128 25.03-25.29 /
-26.21), and the stream-K build of 17408x5120 at 128 (two of 232) spills 32 bytes. Nor do batch tiles of 64 at 128
-sequences pay, which compile without C7512 or spills (the stream-K 34816x5120 build at 128 spills 84 bytes) but read and
-dequantize every weight twice: the 27B hybrid's graphed step 30.12 ms against 23.93 (H200, switch_ab on
-int4_wgmma.BT_CHOICES at e91e633, the same tokens; with FRESH_MIN_BT 64 as well 30.32).
+Accumulators: a split-K build that zeroes its accumulators inside the consumers' K loop makes ptxas serialize every
+wgmma of the kernel (its warning C7515: each wgmma waits for the one before). In batch tiles of FRESH_MIN_BT (128:
+more than 64 sequences) a segment's first quad writes the accumulators instead (wgmma scale-d 0; no C7515), which pays
+there and not in smaller tiles; tests/test_int4_wgmma_ws.py checks the offline sm_90a build wherever nvcc is found.
+
 X_IN_GEMM, in batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences: no staging launch; the producer warpgroup's warps
 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's barrier after a
 proxy fence, while thread 0 copies only weights and never waits for the kernel before. It gives int4_wgmma's bits
-(the emulator and the GPU tests). Where it pays (27B hybrid steps, figures at the switch below): at 8 sequences,
-8.27 -> 8.20 ms; at 16 the step is 1% slower (9.28 -> 9.39), at 32 and 128 far slower.
-Fewer instructions per quad would buy less than the ncu reading above suggests. H200 probe at a9f9205 (int4_gemm's
-method, outputs wrong; the consumer loop compiled offline with nvcc 13.0 and counted with cuobjdump: 226 instructions
-a quad at 32 sequences): Q4_K's scale arithmetic replaced by four PRMTs (201 a quad), the dequantizing shifts removed
-(202), both (177, -22%): 34816x5120 B = 16 45.6 / 46.1 / 44.1 / 42.6 us, B = 32 52.4 / 50.9 / 50.0 / 48.1, B = 128
-90.0 / 88.1 / 89.6 / 86.9; 5120x17408 B = 32 29.4 / 28.6 / 28.7 / 27.7; 16384x5120 B = 32 27.6 / 27.2 / 26.3 / 26.3.
-A fifth of the loop's instructions buys 5-8%. Per call, against K (34816xK and 5120xK Q4_K at 16 / 32 / 128
-sequences, 512 to 17408 columns), the time is a fixed part plus ~2.5-2.8 TB/s at 16-32 sequences (~1.6 at 128), the
-fixed part ~9 / 12 / 26 us on 34816 rows; much of it at 128 sequences was the stream-K epilogue (int4_wgmma's
-sk_combine, see there): with every store and partial removed (outputs wrong) 34816x5120 at B = 128 took 68.2 us
-against 90.6, at B = 32 47.1 against 51.6.
-That fixed part taken apart at 16 and 32 sequences (H200 probe at d060d5e, int4_gemm's method with PDL as an engine of
-B, the 27B's Q4_K shapes, us per call at B = 32): the call with its split-K reduce / the partials left to the next
-kernel / that without the staging launch (x's image staged once before, so the output is still right), and the GEMM
-alone fitted over K / 4, K / 2 and K as a fixed part plus a streaming rate:
-  - 16384x5120 (split 2): 26.86 / 24.09 / 23.42, fixed 5.7 us + 2.71 TB/s;
-  - 14336x5120 (split 2): 27.19 / 24.22 / 23.23, 5.4 + 2.35;
-  - 5120x17408 (split 6): 29.56 / 27.18 / 26.08, 6.2 + 2.57;
-  - 5120x6144 (split 6): 16.94 / 14.55 / 13.64, 4.8 + 2.12;
-  - 34816x5120 (stream-K over 132 blocks): 51.41 / 50.94 / 50.51, 10.5 + 2.58.
-  B = 16 within 10% of these (34816x5120 fixed 9.4 us). So per call the reduce launch is 2.4-3.0 us (a decode step
-  leaves the partials to the next kernel), x's staging launch 0.7-1.1 us, and the GEMM itself 4.5-6 us a call before
-  its first byte counts, twice that with stream-K. A 27B step at B = 32 makes 193 of these calls.
+(the emulator and the GPU tests).
+
+Where the time goes (H200; kernels/PROBES.md has the measurements): the consumers bound the kernel, not the copies.
+At 16-32 sequences a call on the 27B's projections is a fixed part (4.8-6.2 us, 10.5 with stream-K; a reduce launch
+adds 2.4-3.0 us where the partials are not left to the next kernel, x's staging launch 0.7-1.1) plus 2.1-2.7 TB/s of
+streaming, and the time follows the consumers' instruction count (226 a quad and warp, 128 of them dequantizing) at
+~0.5 issued per scheduler per cycle; at 128 sequences the warpgroup-aligned waits join in. Built, measured and not
+kept: one commit group per two or four words, tensor-map copies, fewer ring stages, consumers reading the next quad
+ahead, wgmma groups left in flight, two consumer warpgroups at 64-128 sequences, batch tiles of 64 at 128, x staged
+in the GEMM above 8 sequences, the x image written by the kernels before the GEMM.
 """
 from __future__ import annotations
 
@@ -151,7 +82,7 @@ DEFAULTS = {"SK_HALVE": 1}
 # four consumer warpgroups of one m64 tile on the 256-row tiles (same bits as two of two): H200 probe at 22b8d3b,
 # us at B = 16 / 64 / 128 against two: 5120x17408 Q4_K 28.9 / 37.2 / 49.4 (32.1 / 41.8 / 54.3), 16384x5120 27.0 /
 # 35.2 / 49.3 (29.8 / 39.6 / 52.8), 34816x5120 48.0 / 65.7 / 92.6 (47.3 / 66.2 / 101.2); again at a78b2b8, after the
-# fresh-write fix, in 27B hybrid steps (the module docstring): four still faster at 64 and 128 sequences
+# fresh-write fix, in 27B hybrid steps (kernels/PROBES.md): four still faster at 64 and 128 sequences
 DEFAULT_CWG = 4
 # the dispatch's "cuda_wgmma_ws_t128": tiles of 128 rows, one m64 for each of two consumer warpgroups. Twice the row
 # tiles, so half the split: fewer fp32 partials written and added where many sequences make them large (a split of S
