@@ -42,38 +42,12 @@ WGS and MT come from (N, K, fmt) alone. M moves only BT (the wgmma's
 N extent, whose columns are independent) and the grid, so row m of y is bitwise the same whatever M is (the GPU
 tests compare rows across BT; the same assumption as int4_gemm's wgmma tiles).
 
-Measured (H200, experiment int4_gemm at 64c4aa5, us per call at B = 128, against Triton's W4A16 and bf16 cuBLAS
-in the same job): Q4_K 5120x17408 74.5 (Triton 116, cuBLAS 56), 5120x6144 34 (52, 20), 16384x5120 72 (80, 45),
-14336x5120 69 (79, 40), 248320x5120 1,006 (1,141, 694), 34816x5120 239 (214, 93); Q4_0 5120x17408 72 (106, 56),
-2048x8192 22 (30, 17). The fastest kernel at B = 128 on ten of eleven shapes and at B = 64 on eight, and still
-1.3-2.6x bf16 cuBLAS's time. The split decides a lot: a block runs a whole split with one block per SM, so splits
-are chosen to fill one wave (split()); with "the fewest reaching 132 blocks" 5120x17408 ran 7 splits, 140 blocks,
-105 us. 34816x5120 was 136 blocks of 256 rows, two waves whatever the split; stream-K (9cece18) runs it in one:
-145 us at B = 128 (Triton 214) and 108 at B = 64 (Triton 130; 199 in two waves). On the LM heads, whose tail wave
-was already small, it is mixed: 248320x5120 1,035 us at B = 128 (1,006 in 8 waves), 679 at B = 64 (Triton 770);
-128256x2048 Q4_0 147 against 161 at B = 64, 208 against 199 at B = 128, and 95 against 61 at B = 8 (likely: at
-small tiles two blocks fit an SM, so 501 whole tiles ran two per SM while 132 stream-K ranges run one; the 264
-ranges of cuda_wgmma_x2 take 60.6 us there; the mma kernels serve B <= 16 anyway). cuda_wgmma_x2 (X2: splits for two blocks per SM, which tiles of up to
-64 sequences leave registers for) at d5049fa, B = 32: 5120x17408 Q4_K 32.8 us against the folded mma kernel's 43.1
-and this kernel's default 45.0, 34816x5120 71.0 (83.6, 78.7), the LM head 387 (565, 515); B = 16 5120x17408 Q4_0
-27.3 (31.4); at B = 128 the default stays ahead (5120x17408 Q4_K 74.8 against 80.6).
-Why not faster (ncu, 34816x5120, an earlier build): the tensor pipe 33% busy, one block of 8 warps per SM (12.5%
-occupancy) issuing an instruction every 9.5 cycles per warp (stalls: long scoreboard 2.5, fixed latency 1.5, the
-per-quad barrier 1.0). What helped (34816x5120): the units' row-fastest order (four-way bank conflicts in the
-reorder before: 337 -> 272 us), the staging addresses computed once per thread (~900 -> ~550 instructions per quad
-and warp: 272 -> 242), the 128-byte swizzle (2-4%). What did not: 2-4 quads of weight loads in flight (U), 3-6
-stages, two blocks per SM (MINB 2, or one warpgroup per block), one m64 tile per warpgroup. The next step was
-structural: producer warps feeding both operands through shared memory (no block-wide barrier per quad), now
-kernels/int4_wgmma_ws.py (the same arithmetic; from 64 sequences up 15-55% less time per call on the large shapes,
-even on 2048x8192 and 4096x4096); fewer dequantization
-instructions per weight (two packed fmas per pair now) is still open.
-ncu again at 9256b41 (34816x5120 Q4_K, clocks locked, no L2 rotation): cuda_wgmma_x2 at B = 32 issues 0.49 instructions
-per scheduler per cycle from 16 warps per SM (112 registers), 8.0 cycles between a warp's instructions, of which long
-scoreboard 3.3, the wgmma wait 0.9 and the per-quad barrier 0.8; the default at B = 128 issues 0.25 from 8 warps
-(255 registers), long scoreboard 2.3, fixed-latency waits 1.4. Also tried then (B = 16 / 32 / 64, three Q4_K shapes):
-registers for three or four blocks per SM with splits sized for them, and one warpgroup per block at four: slower than
-cuda_wgmma_x2 everywhere (34816x5120 B = 32: 70 / 91 / 192 / 105 us against 69; at B = 64 up to 6x, spilling), and two
-quads of weight loads in flight no better at B = 8 / 32 (58.9 / 69.4 against 60.1 / 69.6).
+Where the time goes (H200; kernels/PROBES.md has the measurements): at 64c4aa5 it was the fastest int4 kernel at B = 128
+on ten of eleven shapes and at B = 64 on eight, still at 1.3-2.6x bf16 cuBLAS's time; the split decides much of it (a
+block runs a whole split, so the splits fill one wave; stream-K where the row tiles exceed one wave). ncu finds its
+warps waiting on their own weight loads and on the per-quad barrier, with the tensor pipe a third busy:
+kernels/int4_wgmma_ws.py, which feeds both operands through shared memory from a producer warpgroup, took its place from
+64 sequences up.
 """
 from __future__ import annotations
 
