@@ -113,6 +113,15 @@ MEASURED: dict[tuple[int, int, str], dict] = {
     (5120, 17408, "q4_k"): {"RT": 8, "SPLIT_K": 26},           # 29.1 / 33.2 / 33.6 vs 31.5 / 36.3 / 41.1
     (34816, 5120, "q4_k"): {"RT": 8},                          # 51.3 / 58.6 / 60.2 vs 54.0 / 63.0 / 74.5
     (10240, 5120, "q4_k"): {"RT": 8, "SPLIT_K": 7},            # 21.3 / 24.6 / 24.2 vs 22.2 / 25.1 / 28.2
+    # the 27B's Q4_0 projections at B = 1: H200 probe of RT 2 / 4 / 8 x P 1 / 2 x U 2 / 4 / 6 x MINB 1 / 4 x 5 / 8
+    # splits (int4_gemm's method, partials deferred as in the step, late release as in an engine of 1), us against
+    # the default launch: 34816x5120 30.73 / 31.67 (the same split), 16384x5120 16.10 / 18.40, 14336x5120 14.36 /
+    # 15.13, 5120x6144 7.37 / 8.69 (the ws kernel's 17.07 and 7.65 on the two picked before); Q4_K 34816x5120 48.39 /
+    # 48.73 (not taken: the folded form is faster there)
+    (34816, 5120, "q4_0"): {"RT": 8, "U": 4},
+    (16384, 5120, "q4_0"): {"RT": 8, "U": 4, "SPLIT_K": 8},
+    (14336, 5120, "q4_0"): {"RT": 8, "U": 4, "SPLIT_K": 8},
+    (5120, 6144, "q4_0"): {"RT": 8, "U": 6, "SPLIT_K": 6},
 }
 # The folded form's launch shapes (its U and U16 count quads of 4 groups). H200 sweep of 6 layouts on 10 shapes (the
 # 27B hybrid's five Q4_K projections, five Q4_0), B = 1, 4, 8, 16, 32: 8-warp blocks with 2 quads in flight for tiles
