@@ -212,6 +212,18 @@ def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
     return "triton"
 
 
+# Where the graphed decode step overrules int4_gemm: (N, K, fmt) -> {engine batch (an invariant_at key): variant}. The
+# int4_gemm rows time one GEMM's calls back to back; in a step each call sits between other kernels (and beside the
+# side stream's dense beta|alpha GEMM on the GDN input projection), which these picks are measured in. H200, 27B Q4_0,
+# switch_ab (one process, the same tokens), ms per step with the int4_gemm-fastest pick (the exact mma kernel in its
+# launches of 3087cb1) / these: B = 1 6.05 / 5.89 (16384x5120 and 5120x6144 together), where int4_gemm puts the exact
+# kernel 0.1 / 1.2 us ahead of the ws and folded kernels kept here.
+STEP_PICKS: dict[tuple[int, int, str], dict[int, str]] = {
+    (16384, 5120, "q4_0"): {1: "cuda_wgmma_ws"},
+    (5120, 6144, "q4_0"): {1: "cuda_mma_fold"},
+}
+
+
 def measured_entry(N: int, K: int, fmt: str) -> dict:
     """MEASURED's entry for the weight, else the same shape's in a sibling format, else {} (the rule)."""
     for f in (fmt, *SIBLINGS.get(fmt, ())):
@@ -231,7 +243,8 @@ def choose(M: int, N: int, K: int, fmt: str, policy: str | None = None) -> str:
         at = entry.get("invariant_at") or {}
         if _max_batch is not None and at:                      # the pick for an engine of _max_batch sequences
             keys = sorted(at)
-            v = at[next((b for b in keys if b >= _max_batch), keys[-1])]
+            key = next((b for b in keys if b >= _max_batch), keys[-1])
+            v = STEP_PICKS.get((N, K, fmt), {}).get(key, at[key])
         return v if v in INVARIANT_VARIANTS else rule(M, N, K, fmt, policy)
     v = entry.get(bucket(M))
     return v if v in VARIANTS else rule(M, N, K, fmt, policy)

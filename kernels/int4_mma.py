@@ -113,14 +113,13 @@ MEASURED: dict[tuple[int, int, str], dict] = {
     (5120, 17408, "q4_k"): {"RT": 8, "SPLIT_K": 26},           # 29.1 / 33.2 / 33.6 vs 31.5 / 36.3 / 41.1
     (34816, 5120, "q4_k"): {"RT": 8},                          # 51.3 / 58.6 / 60.2 vs 54.0 / 63.0 / 74.5
     (10240, 5120, "q4_k"): {"RT": 8, "SPLIT_K": 7},            # 21.3 / 24.6 / 24.2 vs 22.2 / 25.1 / 28.2
-    # the 27B's Q4_0 projections at B = 1: H200 probe of RT 2 / 4 / 8 x P 1 / 2 x U 2 / 4 / 6 x MINB 1 / 4 x 5 / 8
-    # splits (int4_gemm's method, partials deferred as in the step, late release as in an engine of 1), us against
-    # the default launch: 34816x5120 30.73 / 31.67 (the same split), 16384x5120 16.10 / 18.40, 14336x5120 14.36 /
-    # 15.13, 5120x6144 7.37 / 8.69 (the ws kernel's 17.07 and 7.65 on the two picked before); Q4_K 34816x5120 48.39 /
-    # 48.73 (not taken: the folded form is faster there)
-    (34816, 5120, "q4_0"): {"RT": 8, "U": 4},
+    # the 27B's Q4_0 projections at up to 8 sequences: H200 probe of RT 2 / 4 / 8 x P 1 / 2 x U 2 / 4 / 6 x MINB 1 / 4
+    # x 5 / 8 splits (int4_gemm's method at B = 1, partials deferred, late release), us against the default launch:
+    # 16384x5120 16.10 / 18.40, 5120x6144 7.37 / 8.69; 34816x5120 30.73 / 31.67 and 14336x5120 14.36 / 15.13 (8
+    # splits) too, but in the graphed step neither moved B = 1 or 8 (switch_ab, 27B Q4_0: 5.84 against 5.82 ms at B = 1,
+    # within the rounds' spread): not taken. These two pay at B = 8, where the dispatch gives 5120x6144 this kernel
+    # (kernels/int4_dispatch.py)
     (16384, 5120, "q4_0"): {"RT": 8, "U": 4, "SPLIT_K": 8},
-    (14336, 5120, "q4_0"): {"RT": 8, "U": 4, "SPLIT_K": 8},
     (5120, 6144, "q4_0"): {"RT": 8, "U": 6, "SPLIT_K": 6},
 }
 # The folded form's launch shapes (its U and U16 count quads of 4 groups). H200 sweep of 6 layouts on 10 shapes (the
@@ -200,6 +199,10 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (16384, 2048, "q8_0"): {"U": 1, "MT16": 2, "MINB16": 1},       # 13.4 / 17.7, 19.1 / 23.1 against 15.0 / 17.5
     (2048, 2048, "q8_0"): {"U": 3, "MT": 2, "RT16": 8, "U16": 2, "MINB16": 1, "MT16": 2},   # the same split: 4.6 /
     #   5.7, 6.7 / 8.1 against 4.9 / 5.7, 6.9 / 8.7
+    # the folded form keeps the rule's split where MEASURED names one for the exact form only (the 27B's Q4_0
+    # launches above): the same bits as before those entries
+    (16384, 5120, "q4_0"): {"TARGET_BLOCKS": TARGET_BLOCKS},
+    (5120, 6144, "q4_0"): {"TARGET_BLOCKS": TARGET_BLOCKS},
 }
 # The 27B's Q4_0 shapes keep the default launch: H200 probe at f79e859 (int4_gemm's method, with the reduce, late
 # release; MT 1-2 x RT 4-16 x U 1-2 x MINB 1-4, the split following them, and each Q4_K entry above), best us at

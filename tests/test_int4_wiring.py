@@ -152,6 +152,29 @@ def test_choose_rule_table_and_policies(monkeypatch):
         disp.set_policy("invariant", max_batch=0)
 
 
+def test_step_picks_overrule_the_table_for_their_engine_batch(monkeypatch):
+    """STEP_PICKS (picks measured in the graphed step) replace invariant_at's for that engine batch only, the same
+    for every M the engine runs; they name batch-invariant kernels that take the weight's format."""
+    monkeypatch.setattr(disp, "MEASURED", {(64, 128, "q4_0"): {"invariant": "triton",
+                                                              "invariant_at": {1: "cuda_mma", 8: "cuda_mma"}}})
+    monkeypatch.setattr(disp, "STEP_PICKS", {(64, 128, "q4_0"): {1: "cuda_mma_fold"}})
+    monkeypatch.setattr(disp, "_policy", disp._policy)
+    monkeypatch.setattr(disp, "_max_batch", None)
+    disp.set_policy("invariant", max_batch=1)
+    assert {disp.choose(m, 64, 128, "q4_0") for m in (1, 22)} == {"cuda_mma_fold"}
+    disp.set_policy("invariant", max_batch=8)
+    assert disp.choose(1, 64, 128, "q4_0") == "cuda_mma"
+    disp.set_policy("invariant")
+    assert disp.choose(1, 64, 128, "q4_0") == "triton"                  # no engine batch: the all-B pick
+    monkeypatch.undo()
+    for (n, k, fmt), picks in disp.STEP_PICKS.items():
+        assert (n, k, fmt) in disp.MEASURED and set(picks) <= set(disp.MEASURED[(n, k, fmt)]["invariant_at"])
+        for v in picks.values():
+            assert v in disp.INVARIANT_VARIANTS
+            assert (disp.int4_wgmma_ws.supports(fmt) if v.startswith("cuda_wgmma_ws") else
+                    disp.int4_mma.supports(fmt, fold=v != "cuda_mma") if v in disp.MMA_VARIANTS else True)
+
+
 def test_invariant_pick_for_the_engine_batch(monkeypatch):
     """Given the engine's batch, the invariant policy takes the fastest batch-invariant kernel at that B (the next
     measured B up, the last beyond), the same for every M the engine runs; without it, the all-B pick."""
