@@ -374,20 +374,6 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
     return _run_tensor_core(x, pw, cfg, _split_defines(src, int4_mma.SOURCE_DEFINES), "", "w4a16_mma", out32, seed)
 
 
-def w4a16_mma_sk_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
-                          seed: int = 0) -> torch.Tensor:
-    """kernels.int4_mma_sk.w4a16_mma_sk's launch (same config, same arguments) on the CPU, its blocks in a random
-    order (seed); the partial slots added in slot order."""
-    from kernels import int4_mma_sk
-
-    x = x.contiguous()
-    M, K = x.shape
-    cfg = int4_mma_sk.sk_config(M, pw.N, K, pw.fmt, config)
-    src = int4_mma_sk.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["KW"],
-                             cfg["U"], cfg["BPS"], pw.N % 16 == 0)
-    return _run_tensor_core(x, pw, cfg, _split_defines(src, int4_mma_sk.SOURCE_DEFINES), "", "w4a16_sk", out32, seed)
-
-
 def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
                          seed: int = 0) -> torch.Tensor:
     """kernels.int4_wgmma.w4a16_wgmma's launch (same config, same arguments) on the CPU, its blocks in a random
