@@ -106,6 +106,14 @@ CONV_BLOCK_C = 128
 # 23.26; more bytes lost more (16 MB: 7.58 / 7.68, 10.99 / 11.14, 23.43 / 23.27). From one block a slot (one SM
 # issuing 3 MB of prefetches) it lost 0.5-0.7 ms a step at 8 and 32 sequences whatever the budget, 0.6-1.3 at 128.
 STATE_BEFORE_WAIT_MAX_RUNS = 1
+# Nor does a grid of fewer programs than items (run, head, column block) pay, each program walking items pid, pid +
+# nprog, ... with the next item's state loaded before this one's update (the same per-item arithmetic): H200 probe at
+# 80080a9, one 27B layer graphed, us a layer with one item a program / 2 / 4 programs an SM (4 warps; 8 warps slower
+# everywhere): B = 1 5.2 / 5.4 / 5.4, B = 8 19.2 / 19.1 / 19.6, B = 32 64.6 / 66.5 / 65.4, B = 128 252.3 / 243.4 / 252.1
+# (on a machine slower than the recorded gdn_step rows'); in the 27B Q4_0 graphed step (switch_ab, ms a step, one item
+# a program / 2 an SM) B = 8 7.529 / 7.549, B = 32 11.337 / 11.388, B = 64 15.907 / 16.010, B = 128 25.42-25.54 /
+# 25.18 (Q4_K 26.13 / 25.89): 1% at 128 sequences, a loss below. Three programs an SM ran in two waves (its registers
+# hold two).
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 
 
