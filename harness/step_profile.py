@@ -6,8 +6,9 @@ their durations add up to more than the step; and a kernel's duration counts the
 the step pays for a kernel is how much later the step's work ends because of it: ordered by end time, each kernel
 is charged the time from the previous kernel's end to its own (the first from the step's first start); these
 charges add up to the step's span. A kernel that runs beside the chain (a side stream) and ends inside it takes
-the charge of the stretch it ends: charges say where the step's time goes, a skip probe what a kernel costs. Printed per kernel kind (its name and grid, which tells a GEMM's
-shapes apart) and batch: calls a step, charged us a step and per call, and the mean duration per call.
+the charge of the stretch it ends: charges say where the step's time goes, a skip probe what a kernel costs.
+Printed per kernel kind (its name and grid, which tells a GEMM's shapes apart) and batch: calls a step, charged us
+a step and per call, and the mean duration per call.
 
 One model is built (Hydra overrides as for `onepass`, e.g. experiment=hybrid_27b_q4_0), then per batch size a
 fresh stepper runs a static batch's prefill and warm-up, and --steps graph replays are traced with the torch
@@ -73,9 +74,8 @@ def summarize(steps: list[dict], B: int) -> list[dict]:
         calls = [len(s.get(kind, [])) for s in steps]
         charged = [sum(c for c, _ in s.get(kind, [])) for s in steps]
         durs = [d for s in steps for _, d in s.get(kind, [])]
-        n = statistics.mean(calls)
-        rows.append({"B": B, "kernel": kind, "calls": n, "charged_us": statistics.median(charged),
-                     "charged_per_call_us": statistics.median(charged) / n if n else 0.0,
+        n, c = statistics.mean(calls), statistics.median(charged)
+        rows.append({"B": B, "kernel": kind, "calls": n, "charged_us": c, "charged_per_call_us": c / n if n else 0.0,
                      "duration_per_call_us": statistics.mean(durs) if durs else 0.0})
     rows.sort(key=lambda r: -r["charged_us"])
     span = sum(r["charged_us"] for r in rows)
