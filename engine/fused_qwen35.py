@@ -59,7 +59,6 @@ from kernels.gated_attention import gate_view
 from kernels.hybrid import HybridKernels, get_hybrid_kernels
 from kernels.rope import rope_cache, rope_inv_freq
 from kernels.splitk import SplitSums
-from kernels.workspace import current_lane
 
 
 def _nbytes(w) -> int:
@@ -89,16 +88,14 @@ def _fuse(parts: list):
         return None
 
 
-_SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device and lane (kernels/workspace.py: concurrent micro-batches fork to streams of their
-    own) for Projection's concurrent parts (CUDA-graph capture follows the fork)."""
-    key = (device, current_lane())
-    s = _SIDE_STREAMS.get(key)
+    """One side stream per device for Projection's concurrent parts (CUDA-graph capture follows the fork)."""
+    s = _SIDE_STREAMS.get(device)
     if s is None:
-        s = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
     return s
 
 
@@ -255,15 +252,6 @@ class FusedQwen35Decoder(DecoderBase):
         Every position must be < max_len (default: the cache's ctx). seq_len > 1: the rows are slot-major
         runs of seq_len consecutive positions of one slot; runs: ragged runs instead, int32 row offsets (a serving
         step's decode rows and prompt chunks; see the module docstring)."""
-        for _ in self.hidden_stages(tokens, positions, slots, kv, buf, attn_ws, block_table, max_len, seq_len, runs):
-            pass
-        return buf["residual"]
-
-    def hidden_stages(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None,
-                      seq_len: int = 1, runs: torch.Tensor | None = None):
-        """hidden() as a generator that pauses around each GDN step: it yields "gdn" before a GDN layer's
-        recurrence kernel is launched and "gdn_done" after, so a caller running two micro-batches on two streams
-        (engine/runner.py) can order one's recurrences between the other's, each beside the other's GEMMs."""
         state = getattr(kv, "state", None)
         if state is None:
             raise ConfigError("the hybrid decoder keeps per-slot recurrent state: pass kv=HybridCache(kv_cache, "
@@ -286,12 +274,13 @@ class FusedQwen35Decoder(DecoderBase):
             if layer["kind"] == LAYER_ATTENTION:
                 x = self._attention(i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len)
             else:
-                x = yield from self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len, runs)
+                x = self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len, runs)
             k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
             gate_up = layer["gate_up"](k, h, buf["gate_up"], defer=True)
             k.swiglu(gate_up, out=buf["act"])
             x = layer["down"](k, buf["act"], buf["x"], defer=i + 1 < len(self.layers))  # the last: a tensor
         k.add_residual(x, res)
+        return res
 
     def _attention(self, i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len):
         c, k, hk = self.cfg, self.k, self.hk
@@ -324,10 +313,8 @@ class FusedQwen35Decoder(DecoderBase):
         q = conv[:, :kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
         kk = conv[:, kd:2 * kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
         v = conv[:, 2 * kd:].view(R, Hv, c.gdn_v_dim)
-        yield "gdn"
         o = hk.gdn_step(q, kk, v, alpha, beta, layer["A"], layer["dt"], state.ssm[j], slots, positions, seq_len,
                         out=buf["gdn_o"], runs=runs)
-        yield "gdn_done"
         # a packed ssm_out in the file's column order reads its input in that order: the norm writes it so
         out_cols = layer.get("out_cols")
         z = z if isinstance(z, SplitSums) else z.unflatten(1, (Hv, c.gdn_v_dim))

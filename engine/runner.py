@@ -27,12 +27,9 @@ def bucket_for(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int:
 
 
 class GraphStepper:
-    micro_batches = 1     # engine.micro_batches: a hybrid step's rows as this many concurrent micro-batches
-    micro_pingpong = True  # their GDN steps in turn, each beside the others' GEMMs (off: free-running; probes)
-
     def __init__(self, model: FusedDecoder | FusedQwen35Decoder, kv, batch: int, sampling: SamplingParams,
                  use_graphs: bool = True, attn_workspace: Callable[[int, int], object] | None = None,
-                 max_len: int | None = None, micro_batches: int | None = None):
+                 max_len: int | None = None):
         """`kv` must hold batch + 1 slots: the last one is the scratch slot that padded rows write to (a
         HybridCache for the hybrid decoder: padded rows sit at position 0, so they restart the scratch slot's
         recurrent state every step and never read what other padded rows wrote).
@@ -61,67 +58,7 @@ class GraphStepper:
         self.logits = torch.empty(R, model.cfg.vocab_size, device=dev, dtype=model.dtype)
         self.make_ws = attn_workspace or (lambda rows, max_len: None)  # decode-attention split buffers
         self.attn_ws = self.make_ws(R, self.max_len)
-        self.micro = self._micro_split(self.micro_batches if micro_batches is None else micro_batches)
         self.graph = self._capture() if use_graphs else None
-
-    def _micro_split(self, n: int) -> int:
-        """The step's micro-batches: n row slices of the buffers, each with its decode-attention workspace and a
-        stream of its own (the first is the step's stream)."""
-        if n < 1:
-            raise ConfigError(f"engine.micro_batches={n}: give 1 (one chain of kernels) or more")
-        if n == 1 or self.rows < n:   # too few rows to split (e.g. the single-stream reference): one chain
-            return 1
-        if not hasattr(self.model, "hidden_stages"):
-            raise ConfigError(f"engine.micro_batches={n}: micro-batches overlap a hybrid model's GDN steps with "
-                              "GEMMs; this model has none (use 1)")
-        if self.device.type != "cuda":
-            raise ConfigError(f"engine.micro_batches={n} runs concurrent CUDA streams; on the CPU use 1")
-        if self.rows % n:
-            raise ConfigError(f"engine.micro_batches={n} does not divide the step's {self.rows} rows (the CUDA-graph "
-                              f"bucket of batch {self.batch}); use a divisor of {self.rows}")
-        h = self.rows // n
-        self.micro_bufs = [{k: v[i * h:(i + 1) * h] for k, v in self.buf.items()} for i in range(n)]
-        self.micro_ws = [self.make_ws(h, self.max_len) for _ in range(n)]
-        self.micro_streams = [torch.cuda.Stream(device=self.device) for _ in range(n - 1)]
-        return n
-
-    def _hidden(self) -> torch.Tensor:
-        """The model's layers over all rows: one chain, or micro-batches on concurrent streams. A micro-batch runs
-        in a workspace lane of its own (kernels/workspace.py), so no scratch buffer is shared. With micro_pingpong
-        the GDN steps take turns across micro-batches (each waits for the previous one's), which keeps the chains
-        half a layer apart: one's memory-bound recurrence beside the other's GEMMs."""
-        m = self.model
-        if self.micro == 1:
-            return m.hidden(self.tokens, self.positions, self.slots, self.kv, self.buf, self.attn_ws,
-                            max_len=self.max_len)
-        from kernels.workspace import lane
-
-        main = torch.cuda.current_stream(self.device)
-        streams = [main, *self.micro_streams]
-        h = self.rows // self.micro
-        stages = []
-        for i, s in enumerate(streams):
-            if i:
-                s.wait_stream(main)          # the step's inputs are written
-            rows = slice(i * h, (i + 1) * h)
-            stages.append(m.hidden_stages(self.tokens[rows], self.positions[rows], self.slots[rows], self.kv,
-                                          self.micro_bufs[i], self.micro_ws[i], max_len=self.max_len))
-        last_gdn, live = None, list(range(self.micro))
-        while live:
-            for i in list(live):
-                with torch.cuda.stream(streams[i]), lane(i):
-                    for stage in stages[i]:   # up to this micro-batch's next GDN step, launched
-                        if stage == "gdn" and last_gdn is not None and self.micro_pingpong:
-                            streams[i].wait_event(last_gdn)
-                        elif stage == "gdn_done":
-                            last_gdn = torch.cuda.Event()
-                            last_gdn.record(streams[i])
-                            break
-                    else:
-                        live.remove(i)
-        for s in streams[1:]:
-            main.wait_stream(s)
-        return self.buf["residual"]
 
     def _choose(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         k = self.model.k
@@ -133,7 +70,7 @@ class GraphStepper:
     def _step(self) -> None:
         """One decode step over all rows of the bucket, feeding its output back as the next input."""
         m = self.model
-        hidden = self._hidden()
+        hidden = m.hidden(self.tokens, self.positions, self.slots, self.kv, self.buf, self.attn_ws, max_len=self.max_len)
         m.logits(hidden, out=self.logits, normed=self.normed)
         self._choose(self.logits, self.next)
         self.tokens.copy_(self.next)

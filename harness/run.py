@@ -66,8 +66,7 @@ class Built:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         ws = lambda rows, n: make_workspace(rows, self.cfg.n_heads, self.cfg.head_dim, n, sms, self.device,  # noqa: E731
                                             kv_heads=self.cfg.n_kv_heads)
-        return GraphStepper(self.model, kv, batch, sampling, self.engine_cfg.cuda_graphs, ws, max_len,
-                            micro_batches=self.engine_cfg.micro_batches), kv
+        return GraphStepper(self.model, kv, batch, sampling, self.engine_cfg.cuda_graphs, ws, max_len), kv
 
 
 def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
@@ -121,15 +120,12 @@ def build(cfg) -> Built:
     if packed:
         from kernels.int4_dispatch import set_policy
 
-        # the invariant pick for the rows a GEMM of this engine sees: its batch, or one micro-batch of it
-        set_policy(cfg.engine.int4, max_batch=-(-cfg.batch.size // max(cfg.engine.micro_batches, 1)))
-    engine_key = {k: v for k, v in OmegaConf.to_container(cfg.engine).items()
-                  if k not in ("pdl", "micro_batches")}  # same weights either way
+        set_policy(cfg.engine.int4, max_batch=cfg.batch.size)   # the invariant pick for this engine's batch
+    engine_key = {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if k != "pdl"}  # same weights either way
     memo = (OmegaConf.to_yaml(cfg.model), str(engine_key), cfg.kv_cache.ctx, cfg.scheduler.mode)
     if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:  # a sweep's next job: same weights, no regeneration
         b = _IN_MEMORY["built"]
         b.state_dtype = DTYPES[cfg.kv_cache.state_dtype]
-        b.engine_cfg = cfg.engine   # pdl and micro_batches may differ between the jobs of a sweep
         pdl.configure(bool(cfg.engine.pdl), cfg.batch.size, b.cfg.arch)   # as below: before any stepper is made
         return b
     _IN_MEMORY.clear()  # free the previous model before making another

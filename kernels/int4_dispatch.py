@@ -79,7 +79,6 @@ from kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws
 from kernels.int4_gemm import _INTERPRETED, FMT_CODE, _decode, w4a16_linear, w4a16_linear_ref
 from kernels import pdl
 from kernels.triton_compat import tl, triton
-from kernels.workspace import current_lane
 
 VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma", "cuda_wgmma_x2",
             "cuda_wgmma_ws", "cuda_wgmma_ws_t128", "dequant_cublas")
@@ -299,15 +298,14 @@ def _dequant_kernel(qw_ptr, s_ptr, c_ptr, sub_ptr, w_ptr, N, G, stride_wn,
 
 
 class _DenseWorkspace:
-    """One grow-only buffer per (device, dtype, lane: kernels/workspace.py); replaced buffers are kept for captured
-    graphs."""
+    """One grow-only buffer per (device, dtype); replaced buffers are kept for captured graphs."""
 
     def __init__(self) -> None:
         self._buf: dict[tuple, torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
 
     def get(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        key = (device, dtype, current_lane())
+        key = (device, dtype)
         b = self._buf.get(key)
         if b is None or b.numel() < numel:
             if b is not None:

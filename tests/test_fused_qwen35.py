@@ -404,42 +404,6 @@ def test_gpu_side_stream_gives_the_sequential_tokens(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False])
-def test_gpu_micro_batches_give_the_one_chain_tokens(graphs, monkeypatch):
-    """The step's rows as 2 or 4 micro-batches on concurrent streams, each in a workspace lane of its own, their GDN
-    steps in turn or free-running: the same greedy tokens as one chain (packed weights, so split-K partials, ws
-    staging and the side stream's dense GEMM are all in play)."""
-    from harness.synth import LazyWeights
-    from kernels import int4_dispatch
-
-    cfg = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "mb"}, full_attention_interval=4, gdn_k_heads=2,
-                      gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
-    w = dict(LazyWeights(cfg, torch.bfloat16, "cuda", seed=5, packed_fmt="q4_0").items())
-    model = fused(cfg, w, "triton")
-    p = [prompt(60 + i, 5 + i) for i in range(8)]
-    # one kernel per shape at every row count, as an engine sets it (harness/run.py): the micro-batch's rows
-    monkeypatch.setattr(int4_dispatch, "_max_batch", 2)
-    one = run_static(stepper(model, 8, graphs=graphs)[0], p, 20, ctx=64).outputs
-    for n, pingpong in ((2, True), (4, True), (2, False)):
-        kv = hybrid(cfg, 9, 64, model.dtype, model.device)
-        st = GraphStepper(model, kv, 8, SamplingParams(), use_graphs=graphs, micro_batches=n)
-        st.micro_pingpong = pingpong
-        assert st.micro == n
-        assert run_static(st, p, 20, ctx=64).outputs == one, (n, pingpong)
-
-
-def test_micro_batches_refused_where_they_cannot_split(ggufs):
-    cfg, w, _ = load(ggufs["equal-heads"])
-    model = fused(cfg, w)
-    kv = hybrid(cfg, 9)
-    with pytest.raises(ConfigError, match="on the CPU use 1"):
-        GraphStepper(model, kv, 8, SamplingParams(), use_graphs=False, micro_batches=2)
-    with pytest.raises(ConfigError, match="give 1"):
-        GraphStepper(model, kv, 8, SamplingParams(), use_graphs=False, micro_batches=0)
-    assert GraphStepper(model, hybrid(cfg, 2), 1, SamplingParams(), use_graphs=False, micro_batches=2).micro == 1
-
-
-@pytest.mark.gpu
 def test_gpu_refill_inside_graphs(ggufs):
     cfg, w, _ = load(ggufs["3x-value-heads"], torch.bfloat16, "cuda")
     model = fused(cfg, w, "triton")
