@@ -220,7 +220,11 @@ def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
 # side stream's dense beta|alpha GEMM on the GDN input projection), which these picks are measured in. H200, 27B Q4_0,
 # switch_ab (one process, the same tokens), ms per step with the int4_gemm-fastest pick (the exact mma kernel in its
 # launches of 3087cb1) / these: B = 1 6.05 / 5.89 (16384x5120 and 5120x6144 together), where int4_gemm puts the exact
-# kernel 0.1 / 1.2 us ahead of the ws and folded kernels kept here.
+# kernel 0.1 / 1.2 us ahead of the ws and folded kernels kept here. Runners-up within a few percent in int4_gemm, tried
+# in the step and not taken (the same method at 289e08c, ms a step, baseline first): B = 32, 5120x6144 on ws 10.761 /
+# the exact kernel 10.878 / cuda_wgmma_x2 10.775, 16384x5120 on the 128-row ws tiles 10.960; B = 1, the folded kernel
+# instead of the exact one on 34816x5120 / 14336x5120 / the LM head 5.926 / 5.902 / 5.875 against 5.821; B = 128,
+# 5120x17408 on ws instead of its 128-row tiles 23.109 against 22.979.
 STEP_PICKS: dict[tuple[int, int, str], dict[int, str]] = {
     (16384, 5120, "q4_0"): {1: "cuda_wgmma_ws"},
     (5120, 6144, "q4_0"): {1: "cuda_mma_fold"},
