@@ -78,12 +78,14 @@ class FusedDecoder(DecoderBase):
         c, k, eps = self.cfg, self.k, self.cfg.norm_eps
         res, h, x = buf["residual"], buf["h"], buf["x"]
         k.embedding(tokens, self.embed, out=res)
+        # img: the next GEMM's staged x, written by the kernel that makes x (k.x_image, kernels/x_image.py)
         for i, layer in enumerate(self.layers):
+            img = k.x_image(h, layer["qkv"])
             if i == 0:
-                k.rms_norm(res, layer["attn_norm"], eps, out=h)
+                k.rms_norm(res, layer["attn_norm"], eps, out=h, image=img)
             else:
-                k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h)  # res += x (the previous FFN output)
-            k.linear(h, layer["qkv"], out=buf["qkv"])
+                k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h, image=img)  # res += x (the last FFN output)
+            k.linear(h, layer["qkv"], out=buf["qkv"], x_image=img)
             k.rope_kv_write(buf["qkv"], positions, slots, self.rope, kv.k[i], kv.v[i], c.n_heads, c.n_kv_heads,
                             c.head_dim, q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=eps,
                             block_table=block_table, q_out=buf["q"])
@@ -91,13 +93,16 @@ class FusedDecoder(DecoderBase):
                                out=buf["attn"], workspace=attn_ws, max_len=max_len or kv.ctx)
             # the o, gate|up and down GEMMs may leave split-K partials for the next kernel to add (kernels/splitk.py)
             x = k.linear(buf["attn"].view(-1, c.q_dim), layer["o"], out=buf["x"], defer=True)
-            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
-            gate_up = k.linear(h, layer["gate_up"], out=buf["gate_up"], defer=True)
-            k.swiglu(gate_up, out=buf["act"])
-            x = k.linear(buf["act"], layer["down"], out=buf["x"], defer=i + 1 < len(self.layers))
+            img = k.x_image(h, layer["gate_up"])
+            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h, image=img)
+            gate_up = k.linear(h, layer["gate_up"], out=buf["gate_up"], defer=True, x_image=img)
+            img = k.x_image(buf["act"], layer["down"])
+            k.swiglu(gate_up, out=buf["act"], image=img)
+            x = k.linear(buf["act"], layer["down"], out=buf["x"], defer=i + 1 < len(self.layers), x_image=img)
         k.add_residual(x, res)
         return res
 
     def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None, normed: torch.Tensor | None = None) -> torch.Tensor:
-        normed = self.k.rms_norm(hidden_rows, self.out_norm, self.cfg.norm_eps, out=normed)
-        return self.k.linear(normed, self.lm_head, out=out)
+        img = self.k.x_image(hidden_rows, self.lm_head)
+        normed = self.k.rms_norm(hidden_rows, self.out_norm, self.cfg.norm_eps, out=normed, image=img)
+        return self.k.linear(normed, self.lm_head, out=out, x_image=img)

@@ -143,12 +143,19 @@ class Projection:
         self.main, self.side = (big, side) if side and not isinstance(self.weights[big], torch.Tensor) and all(
             isinstance(self.weights[i], torch.Tensor) for i in side) else (None, [])
 
-    def __call__(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor, defer: bool = False):
+    def image(self, k: StepKernels, x: torch.Tensor):
+        """Where the kernel making x should also write it (k.x_image: the only or main GEMM's staged x,
+        kernels/x_image.py), or None. Asked just before that kernel runs, and passed to the call as x_image."""
+        w = self.weights[0] if len(self.weights) == 1 else None if self.main is None else self.weights[self.main]
+        return None if w is None else k.x_image(x, w)
+
+    def __call__(self, k: StepKernels, x: torch.Tensor, out: torch.Tensor, defer: bool = False, x_image=None):
         """x @ W^T into out; defer: the only GEMM, or the main one beside dense side parts, may hand back its
         split-K partials unreduced (kernels/splitk.py) for the next kernels to add. A main GEMM's partials cover
-        its columns only, self.cols[self.main]; the side parts are written into out as always."""
+        its columns only, self.cols[self.main]; the side parts are written into out as always. x_image: image(k, x),
+        written by the kernel that made x (the only or main GEMM then skips its staging launch)."""
         if len(self.weights) == 1:
-            return k.linear(x, self.weights[0], out=out, defer=defer)
+            return k.linear(x, self.weights[0], out=out, defer=defer, x_image=x_image)
         if self.main is not None:
             concurrent = self.concurrent and x.is_cuda
             if concurrent:
@@ -160,7 +167,7 @@ class Projection:
                     c0, c1 = self.cols[i]
                     k.linear(x, self.weights[i], out=out[:, c0:c1])
             c0, c1 = self.cols[self.main]
-            y = k.linear(x, self.weights[self.main], out=out[:, c0:c1], defer=defer)
+            y = k.linear(x, self.weights[self.main], out=out[:, c0:c1], defer=defer, x_image=x_image)
             if concurrent:
                 main.wait_stream(side)            # every slice is written before the buffer is read
             return y if isinstance(y, SplitSums) else out
@@ -265,26 +272,30 @@ class FusedQwen35Decoder(DecoderBase):
         k.embedding(tokens, self.embed, out=res)
         # x: a projection's output, or its split-K partials left for the next kernel to add (kernels/splitk.py):
         # every deferred GEMM is consumed before the next GEMM runs
+        # img: the next GEMM's staged x, written by the kernel that makes x (Projection.image, kernels/x_image.py)
         x = buf["x"]
         for i, layer in enumerate(self.layers):
+            img = layer["in_proj"].image(k, h)
             if i == 0:
-                k.rms_norm(res, layer["attn_norm"], eps, out=h)
+                k.rms_norm(res, layer["attn_norm"], eps, out=h, image=img)
             else:
-                k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h)  # res += x (the previous FFN output)
+                k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h, image=img)  # res += x (the last FFN output)
             if layer["kind"] == LAYER_ATTENTION:
-                x = self._attention(i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len)
+                x = self._attention(i, layer, h, img, positions, slots, cache, buf, attn_ws, block_table, max_len)
             else:
-                x = self._gdn(self.gdn_index[i], layer, h, positions, slots, state, buf, seq_len, runs)
-            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h)
-            gate_up = layer["gate_up"](k, h, buf["gate_up"], defer=True)
-            k.swiglu(gate_up, out=buf["act"])
-            x = layer["down"](k, buf["act"], buf["x"], defer=i + 1 < len(self.layers))  # the last: a tensor
+                x = self._gdn(self.gdn_index[i], layer, h, img, positions, slots, state, buf, seq_len, runs)
+            img = layer["gate_up"].image(k, h)
+            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h, image=img)
+            gate_up = layer["gate_up"](k, h, buf["gate_up"], defer=True, x_image=img)
+            img = layer["down"].image(k, buf["act"])
+            k.swiglu(gate_up, out=buf["act"], image=img)
+            x = layer["down"](k, buf["act"], buf["x"], defer=i + 1 < len(self.layers), x_image=img)  # the last: a tensor
         k.add_residual(x, res)
         return res
 
-    def _attention(self, i, layer, h, positions, slots, cache, buf, attn_ws, block_table, max_len):
+    def _attention(self, i, layer, h, h_image, positions, slots, cache, buf, attn_ws, block_table, max_len):
         c, k, hk = self.cfg, self.k, self.hk
-        qkv = layer["in_proj"](k, h, buf["attn_in"])
+        qkv = layer["in_proj"](k, h, buf["attn_in"], x_image=h_image)
         hk.gated_rope_kv_write(qkv, positions, slots, self.rope, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads,
                                c.head_dim, c.rope_dim, layer["q_norm"], layer["k_norm"], c.norm_eps,
                                block_table=block_table, q_out=buf["q"])
@@ -293,7 +304,7 @@ class FusedQwen35Decoder(DecoderBase):
         hk.sigmoid_gate_mul(buf["attn"], gate_view(qkv, c.n_heads, c.head_dim), out=buf["attn"])
         return layer["out"](k, buf["attn"].view(-1, c.q_dim), buf["x"], defer=True)
 
-    def _gdn(self, j, layer, h, positions, slots, state, buf, seq_len: int, runs: torch.Tensor | None = None):
+    def _gdn(self, j, layer, h, h_image, positions, slots, state, buf, seq_len: int, runs: torch.Tensor | None = None):
         c, k, hk = self.cfg, self.k, self.hk
         R = h.shape[0]
         C, V, Hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads
@@ -301,7 +312,7 @@ class FusedQwen35Decoder(DecoderBase):
         # its split-K partials unreduced: the conv ring and the gated norm add their columns' (kernels/splitk.py),
         # a launch less per layer; no GEMM runs between it and them
         proj_w = layer["in_proj"]
-        proj = proj_w(k, h, buf["gdn_in"], defer=proj_w.main_cols() == (0, C + V))
+        proj = proj_w(k, h, buf["gdn_in"], defer=proj_w.main_cols() == (0, C + V), x_image=h_image)
         if isinstance(proj, SplitSums):                               # beta|alpha: written into the buffer
             qkv, z, ba = proj.cols(0, C), proj.cols(C, C + V), buf["gdn_in"]
         else:
@@ -324,5 +335,6 @@ class FusedQwen35Decoder(DecoderBase):
 
     def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None,
                normed: torch.Tensor | None = None) -> torch.Tensor:
-        normed = self.k.rms_norm(hidden_rows, self.out_norm, self.cfg.norm_eps, out=normed)
-        return self.k.linear(normed, self.lm_head, out=out)
+        img = self.k.x_image(hidden_rows, self.lm_head)
+        normed = self.k.rms_norm(hidden_rows, self.out_norm, self.cfg.norm_eps, out=normed, image=img)
+        return self.k.linear(normed, self.lm_head, out=out, x_image=img)

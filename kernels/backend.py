@@ -19,6 +19,10 @@ from engine.errors import ConfigError
 STEP_BACKENDS = ("torch", "triton")
 
 
+def _no_image(x, w):
+    return None
+
+
 @dataclass(frozen=True)
 class StepKernels:
     name: str
@@ -32,6 +36,9 @@ class StepKernels:
     swiglu: Callable
     argmax: Callable
     sample: Callable
+    # x_image(x, w): where the kernel making x [M, K] should also write x for linear(x, w, x_image=...) to skip the
+    # GEMM's staging launch (kernels/x_image.py), or None. rms_norm, add_rms_norm and swiglu take it as `image`.
+    x_image: Callable = _no_image
 
 
 def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
@@ -46,24 +53,39 @@ def _packed_aware(dense: Callable, packed: Callable) -> Callable:
     """linear(x, w, out): `packed` when w is a PackedWeight (weights kept quantized), else `dense`."""
     from engine.quant_pack import PackedWeight
 
-    def linear(x, w, out=None, defer=False):
+    def linear(x, w, out=None, defer=False, x_image=None):
         if isinstance(w, PackedWeight):
-            return packed(x, w, out=out, defer=defer)
+            return packed(x, w, out=out, defer=defer, x_image=x_image)
         return dense(x, w, out=out, defer=defer)
 
     return linear
 
 
-def _packed_ref(x, w, out=None, defer=False):
+def _packed_ref(x, w, out=None, defer=False, x_image=None):
     from kernels.int4_gemm import w4a16_linear_ref
 
     return _into(out, w4a16_linear_ref(x, w))
 
 
-def _packed_dispatch(x, w, out=None, defer=False):
+def _packed_dispatch(x, w, out=None, defer=False, x_image=None):
     from kernels.int4_dispatch import w4a16
 
-    return w4a16(x, w, out=out, defer=defer)
+    return w4a16(x, w, out=out, defer=defer, x_image=x_image)
+
+
+def _packed_image(x, w):
+    """kernels/int4_dispatch.image_for for a packed weight's GEMM on x (None for a dense one)."""
+    from engine.quant_pack import PackedWeight
+    from kernels.int4_dispatch import image_for
+
+    return image_for(x, w) if isinstance(w, PackedWeight) else None
+
+
+def _write_image(image, y):
+    """The torch backend's producers: what the Triton ones store into an image, written by the reference."""
+    if image is not None:
+        image.write_ref(y)
+    return y
 
 
 def torch_kernels() -> StepKernels:
@@ -76,10 +98,10 @@ def torch_kernels() -> StepKernels:
     from kernels.sampling import argmax_ref, sample_ref
     from kernels.swiglu import swiglu_fused_ref
 
-    def add_rms_norm(x, residual, w, eps, out=None):
+    def add_rms_norm(x, residual, w, eps, out=None, image=None):
         normed, new_res = add_rms_norm_ref(x, residual, w, eps)
         residual.copy_(new_res)
-        return _into(out, normed)
+        return _write_image(image, _into(out, normed))
 
     def decode_attention(q, k_cache, v_cache, slots, positions, *, block_table=None, out=None, workspace=None,
                          max_len=None, scale=None):
@@ -91,13 +113,13 @@ def torch_kernels() -> StepKernels:
     return StepKernels(
         "torch",
         embedding=lambda ids, table, out=None: _into(out, embedding_ref(ids, table)),
-        rms_norm=lambda x, w, eps, out=None: _into(out, rms_norm_ref(x, w, eps)),
+        rms_norm=lambda x, w, eps, out=None, image=None: _write_image(image, _into(out, rms_norm_ref(x, w, eps))),
         add_rms_norm=add_rms_norm,
         add_residual=_add_residual,
         linear=_packed_aware(lambda x, w, out=None, defer=False: _into(out, linear_ref(x, w)), _packed_ref),
         rope_kv_write=lambda *a, q_out=None, **kw: _into(q_out, rope_kv_write_ref(*a, **kw)),
         decode_attention=decode_attention,
-        swiglu=lambda gu, out=None: _into(out, swiglu_fused_ref(gu)),
+        swiglu=lambda gu, out=None, image=None: _write_image(image, _into(out, swiglu_fused_ref(gu))),
         argmax=lambda logits, out=None: _into(out, argmax_ref(logits)),
         sample=lambda logits, *a, out=None, **kw: _into(out, sample_ref(logits, *a, **kw)),
     )
@@ -112,12 +134,13 @@ def triton_kernels() -> StepKernels:
     from kernels.sampling import argmax_triton, sample_triton
     from kernels.swiglu import swiglu_triton
 
-    def add_rms_norm(x, residual, w, eps, out=None):
-        return add_rms_norm_triton(x, residual, w, eps, out=out)[0]
+    def add_rms_norm(x, residual, w, eps, out=None, image=None):
+        return add_rms_norm_triton(x, residual, w, eps, out=out, image=image)[0]
 
     return StepKernels("triton", embedding_triton, rms_norm_triton, add_rms_norm, _add_residual,
                        _packed_aware(linear, _packed_dispatch),
-                       rope_kv_write_triton, decode_attention, swiglu_triton, argmax_triton, sample_triton)
+                       rope_kv_write_triton, decode_attention, swiglu_triton, argmax_triton, sample_triton,
+                       x_image=_packed_image)
 
 
 GEMMS = ("triton", "cublas")

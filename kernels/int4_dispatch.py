@@ -384,9 +384,10 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
 # the entry point
 
 def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None,
-                defer: bool = False):
+                defer: bool = False, x_image=None):
     """defer: a variant that splits K may return its partials unreduced (kernels/splitk.py); the others, and
-    the reference, always return the finished output."""
+    the reference, always return the finished output. x_image: image_for's, holding x's image (the ws variants then
+    skip their staging launch; the others read x)."""
     v = runnable(variant, x, pw.fmt)
     if v == "ref":
         y = w4a16_linear_ref(x, pw)
@@ -398,7 +399,8 @@ def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tens
     if v in WGMMA_CONFIGS:
         return int4_wgmma.w4a16_wgmma(x, pw, out, config=WGMMA_CONFIGS[v], defer=defer)
     if v in WS_CONFIGS:
-        return int4_wgmma_ws.w4a16_wgmma_ws(x, pw, out, config=ws_variant_config(v, pw.N, pw.K, pw.fmt), defer=defer)
+        return int4_wgmma_ws.w4a16_wgmma_ws(x, pw, out, config=ws_variant_config(v, pw.N, pw.K, pw.fmt), defer=defer,
+                                            x_image=x_image)
     if v == "dequant_cublas":
         return dequant_matmul(x, pw, out)
     return w4a16_linear(x, pw, out, defer=defer)
@@ -411,11 +413,29 @@ def ws_variant_config(variant: str, N: int, K: int, fmt: str) -> dict | None:
     return {**(WS_CONFIGS[variant] or {}), **entry} if entry else WS_CONFIGS[variant]
 
 
-def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, defer: bool = False):
-    """y = x @ w^T for a packed weight, through the variant ``choose`` names for this shape and M (defer: see
-    run_variant)."""
+def w4a16(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, defer: bool = False, x_image=None):
+    """y = x @ w^T for a packed weight, through the variant ``choose`` names for this shape and M (defer, x_image:
+    see run_variant)."""
     M, K = x.shape
-    return run_variant(choose(M, pw.N, K, pw.fmt), x, pw, out, defer)
+    return run_variant(choose(M, pw.N, K, pw.fmt), x, pw, out, defer, x_image)
+
+
+# The kernels that make a ws GEMM's input write its staged image as well (kernels/x_image.py), so the GEMM skips its
+# staging launch. Module switch (probes compare it off).
+PRODUCER_IMAGES = True
+
+
+def image_for(x: torch.Tensor, pw: PackedWeight):
+    """Where the kernel making x [M, K] should also write x for w4a16(x, pw) to skip a staging launch
+    (kernels/x_image.XImage), or None: the variant picked for this M is not a ws kernel that stages x, or
+    PRODUCER_IMAGES is off. Ask just before making x: the image lives in the ws kernels' shared workspace."""
+    if not PRODUCER_IMAGES or not x.is_cuda:
+        return None
+    M, K = x.shape
+    v = choose(M, pw.N, K, pw.fmt)
+    if v not in WS_CONFIGS or runnable(v, x, pw.fmt) != v:
+        return None
+    return int4_wgmma_ws.image_for(x, pw, ws_variant_config(v, pw.N, pw.K, pw.fmt))
 
 
 # --------------------------------------------------------------------------------------------------

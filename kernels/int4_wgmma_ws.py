@@ -626,15 +626,19 @@ def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool,
 
 
 class _StagedLaunch:
-    """run_packed's kernel: x into the ring's image first (wg_stage_x), then the GEMM reading that image."""
+    """run_packed's kernel: x into the ring's image first (wg_stage_x), then the GEMM reading that image; with
+    `image` (kernels/x_image.py: the kernel before x wrote it there) the GEMM alone."""
 
-    def __init__(self, cfg: dict, kernels):
-        self.cfg, (self.stage, self.gemm) = cfg, kernels
+    def __init__(self, cfg: dict, kernels, image=None):
+        self.cfg, (self.stage, self.gemm), self.image = cfg, kernels, image
 
     def __call__(self, grid: int, block: int, args: list, device: torch.device, shared_mem: int = 0) -> None:
         evict = WEIGHT_EVICT_FIRST and self.cfg["n_bt"] == 1
         if self.cfg.get("x_in_gemm"):           # compiled with X_IN_GEMM: the GEMM reads x itself
             self.gemm(grid, block, args, device, shared_mem, evict=evict)
+            return
+        if self.image is not None:
+            self.gemm(grid, block, [self.image.buf, *args[1:]], device, shared_mem, evict=evict)
             return
         x, sxm, M, G = args[0], args[6], args[9], args[11]     # run_packed's argument order
         c = self.cfg
@@ -656,25 +660,49 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
         _XSTAGED.get(device, need)
 
 
+def image_for(x: torch.Tensor, pw: PackedWeight, config: dict | None = None):
+    """The kernels/x_image.XImage into which the kernel making x [M, K] can write this GEMM's staged x (so the GEMM
+    skips its staging launch), or None: a weight the bulk copies cannot read, batch tiles that read x in the GEMM,
+    or x not whole batch tiles and quads (the staging launch then zeroes the padding)."""
+    from kernels.x_image import QUAD, XImage
+
+    M, K = x.shape
+    if not (x.is_cuda and supports(pw.fmt) and aligned(pw)) or K % QUAD:
+        return None
+    cfg = ws_config(M, pw.N, K, pw.fmt, config)
+    if cfg["x_in_gemm"] or M % cfg["BT"]:
+        return None
+    buf = _XSTAGED.get(x.device, cfg["x_staged"])
+    return XImage(buf[:cfg["x_staged"]].view(x.dtype), M, K, cfg["BT"])
+
+
 def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
-                   config: dict | None = None, defer: bool = False):
+                   config: dict | None = None, defer: bool = False, x_image=None):
     """y = x @ unpack_folded(w, x.dtype)^T for a packed Q4_0 / Q4_1 / Q4_K weight; bitwise int4_wgmma.w4a16_wgmma
     with wg_equivalent(config) (which runs instead where the bulk copies cannot read the weight, see aligned).
     x [M, K] bf16 / fp16; out [M, N] of x's dtype or float32, allocated when None; defer: split-K partials
-    returned as a kernels.splitk.SplitSums."""
+    returned as a kernels.splitk.SplitSums. x_image: image_for(x, pw, config), already holding x's image (written
+    by the kernel that made x): no staging launch."""
     if isinstance(pw, PackedWeight) and not supports(pw.fmt):
         raise ValueError(f"w4a16_wgmma_ws: format {pw.fmt} not supported (only {FORMATS}); use the Triton kernel")
     if isinstance(pw, PackedWeight) and not aligned(pw):
         return int4_wgmma.w4a16_wgmma(x, pw, out, config=wg_equivalent(config), defer=defer)
+
+    def launch(cfg, x_f16, out32, dev):
+        if x_image is not None and (cfg["x_in_gemm"] or (x_image.M, x_image.K, x_image.BT, x_image.Q) != (
+                x.shape[0], x.shape[1], cfg["BT"], cfg["quads"])):
+            raise ValueError(f"w4a16_wgmma_ws: x_image of [{x_image.M}, {x_image.K}] in batch tiles of {x_image.BT} "
+                             f"is not this call's (x {tuple(x.shape)}, BT {cfg['BT']}); take it from image_for")
+        return _StagedLaunch(cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0,
+                                           cfg["WG_MT"], cfg["CWG"], dev, cfg["x_in_gemm"], bool(cfg["MMA"])), x_image)
+
     return int4_cuda.run_packed(
         "w4a16_wgmma_ws", x, pw, out,
         plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
-        kernel=lambda cfg, x_f16, out32, dev: _StagedLaunch(
-            cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
-                          dev, cfg["x_in_gemm"], bool(cfg["MMA"]))),
+        kernel=launch,
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer)
 
 
-__all__ = ["w4a16_wgmma_ws", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",
+__all__ = ["w4a16_wgmma_ws", "image_for", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",
            "source", "stage_bytes", "DEFAULTS", "T128", "MEASURED_T128", "WS_KERNEL"]

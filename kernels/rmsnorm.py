@@ -25,6 +25,7 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 from kernels.splitk import SplitSums, split_args, split_sum
 from kernels.workspace import SplitKWorkspace
+from kernels.x_image import XImage, check_image, image_args, image_offsets
 from kernels import pdl
 from kernels.triton_compat import tl, triton
 
@@ -49,8 +50,9 @@ def _row_input(x_ptr, res_ptr, i0, i1, offs, mask, sx0, sx1, sr0, sr1, sxs,
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
-                     sx0, sx1, sr0, sr1, so0, so1, sxs,
+                     sx0, sx1, sr0, sr1, so0, so1, sxs, img_ptr, img_q,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False,
+                     IMG_BT: tl.constexpr = 1, IMG_NB: tl.constexpr = 1, HAS_IMG: tl.constexpr = False,
                      PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     # rows are (i0, i1) of a [n0, n_inner, D] view; each operand has its own two leading strides
@@ -63,16 +65,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, n_inner, eps,
     ms = tl.sum(xf * xf, axis=0) / D
     rstd = 1.0 / tl.sqrt(ms + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (xf * rstd) * w
-    tl.store(out_ptr + i0 * so0 + i1 * so1 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = ((xf * rstd) * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + i0 * so0 + i1 * so1 + offs, y, mask=mask)
+    if HAS_IMG:     # the next GEMM's staged x too (kernels/x_image.py; rows are i0 then)
+        tl.store(img_ptr + image_offsets(i0, offs, img_q, IMG_BT, IMG_NB), y, mask=mask)
 
 
 @triton.jit
 def _rms_norm_chunk_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ss_ptr, cnt_ptr, D, n_inner, eps,
-                           sx0, sx1, sr0, sr1, so0, so1, sxs,
+                           sx0, sx1, sr0, sr1, so0, so1, sxs, img_ptr, img_q,
                            HAS_RES: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, NC_P2: tl.constexpr,
                            ROW_BLOCK: tl.constexpr,
-                           SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False, PDL: tl.constexpr = False):
+                           SPLIT: tl.constexpr = 0, RNE: tl.constexpr = False, IMG_BT: tl.constexpr = 1,
+                           IMG_NB: tl.constexpr = 1, HAS_IMG: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     # program (row, c): columns c*CHUNK.. of the row -- its split-K partials summed, the residual added and stored --
     # and their sum of squares into ss[row, c]. The row's last program to arrive (a per-row ticket, acq_rel: every
@@ -101,7 +106,10 @@ def _rms_norm_chunk_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ss_ptr, cnt_ptr, D, n
         m = o < D
         v = tl.load(src + o, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
         w = tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + i0 * so0 + i1 * so1 + o, ((v * rstd) * w).to(out_ptr.dtype.element_ty), mask=m)
+        y = ((v * rstd) * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + i0 * so0 + i1 * so1 + o, y, mask=m)
+        if HAS_IMG:
+            tl.store(img_ptr + image_offsets(i0, o, img_q, IMG_BT, IMG_NB), y, mask=m)
 
 
 def _rows_view(t: torch.Tensor, name: str) -> tuple[int, int, int, int]:
@@ -145,7 +153,7 @@ _TICKETS = SplitKWorkspace(torch.int32, zeroed=True)    # per row; the kernel le
 MIN_ROWS = 8192                                         # scratch rows reserved at once (prefill steps included)
 
 
-def _launch_rms_norm(x, residual, w, eps, out):
+def _launch_rms_norm(x, residual, w, eps, out, image: XImage | None = None):
     sums = x if isinstance(x, SplitSums) else None
     D = (sums.shape if sums is not None else x.shape)[-1]
     chunked = D > ROW_MAX_D
@@ -171,11 +179,16 @@ def _launch_rms_norm(x, residual, w, eps, out):
     else:
         residual, sr0, sr1 = x, 0, 0  # unused (HAS_RES=False)
     rows = n0 * n1
+    if image is not None:
+        if out.dim() != 2:
+            raise ValueError(f"an image is of [M, K] rows; the norm's output is {tuple(out.shape)}")
+        check_image(image, rows, D, out.dtype, "rms_norm")
     if rows == 0:
         return out
     s_split, split, rne = split_args(sums)
-    args = (D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1, s_split)
-    opts = dict(HAS_RES=has_res, SPLIT=split, RNE=rne)
+    img, img_q, img_bt, img_nb, has_img = image_args(image, out)
+    args = (D, n1, float(eps), sx0, sx1, sr0, sr1, so0, so1, s_split, img, img_q)
+    opts = dict(HAS_RES=has_res, SPLIT=split, RNE=rne, IMG_BT=img_bt, IMG_NB=img_nb, HAS_IMG=has_img)
     if chunked:
         nc = triton.cdiv(D, CHUNK)
         ss = _SS.get(x.device, max(rows, MIN_ROWS) * nc)
@@ -191,16 +204,19 @@ def _launch_rms_norm(x, residual, w, eps, out):
     return out
 
 
-def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                    image: XImage | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x ([D], [R, D], [R, H, D] with any leading strides, e.g. per-head
-    q/k norm where rows = heads). Output in out's dtype (default x's)."""
-    return _launch_rms_norm(x, None, w, eps, out)
+    q/k norm where rows = heads). Output in out's dtype (default x's). image: [R, D] rows only; the output
+    is also stored into it (kernels/x_image.py: the next ws GEMM's staged x)."""
+    return _launch_rms_norm(x, None, w, eps, out, image)
 
 
 def add_rms_norm_triton(x: torch.Tensor | SplitSums, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out: torch.Tensor | None = None, image: XImage | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x in place (in the residual's dtype), then normed = rms_norm(residual) * w.
     Returns (normed, residual). `out` must not alias x or residual. x may be a GEMM's unreduced split-K partials
-    (kernels/splitk.py): they are summed in the kernel, the same bits as reducing them first."""
-    normed = _launch_rms_norm(x, residual, w, eps, out)
+    (kernels/splitk.py): they are summed in the kernel, the same bits as reducing them first. image: as
+    rms_norm_triton's."""
+    normed = _launch_rms_norm(x, residual, w, eps, out, image)
     return normed, residual

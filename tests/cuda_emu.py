@@ -452,9 +452,10 @@ extern "C" void launch_stage(int grid, const u16* x, unsigned char* xs, int sxm,
 
 
 def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
-                            seed: int = 0) -> torch.Tensor:
+                            seed: int = 0, staged_only: bool = False) -> torch.Tensor:
     """kernels.int4_wgmma_ws.w4a16_wgmma_ws's two launches (x staged into the ring's image, then the GEMM reading
-    it; same config, same arguments) on the CPU, the GEMM's blocks in a random order (seed)."""
+    it; same config, same arguments) on the CPU, the GEMM's blocks in a random order (seed). staged_only: the
+    staging launch alone; returns its image (int16, x_staged / 2 elements; the config must stage x)."""
     from engine.quant_pack import GROUP
     from kernels import int4_wgmma_ws as ws
 
@@ -471,6 +472,8 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
     xs = torch.full((cfg["x_staged"] // 2,), -1, dtype=torch.int16)      # every byte is written
     lib.launch_stage(ctypes.c_int(-(-units // 256)), _ptr(x.view(torch.int16)), _ptr(xs),
                      *[ctypes.c_int(v) for v in (K, M, K // GROUP, cfg["quads"], units)])
+    if staged_only:
+        return xs
     return _run_tensor_core(xs.view(1, -1), pw, cfg, [head, body], SHIM_WG + SHIM_WS, "w4a16_wgmma_ws", out32, seed,
                             shape=(M, K), dtype=x.dtype)
 

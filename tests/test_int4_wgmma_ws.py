@@ -281,6 +281,59 @@ def test_ws_x_in_gemm_and_fresh_write_keep_the_bits(seed, config, fresh, monkeyp
         ws._kernels.cache_clear()
 
 
+@needs_emu
+@pytest.mark.parametrize("M,N,K,fmt,config", [(16, 264, 1024, "q4_0", None), (32, 264, 768, "q4_k", {"CWG": 4}),
+                                              (128, 136, 512, "q4_1", ws.T128), (64, 264, 1280, "q4_k", None)],
+                         ids=["bt16", "bt32_cwg4", "bt128_t128", "bt64"])
+def test_x_image_is_the_staging_launchs(seed, M, N, K, fmt, config):
+    """kernels/x_image.XImage.write_ref (what the producer kernels store) is byte for byte the image the staging
+    launch (wg_stage_x, emulated) writes."""
+    from kernels.x_image import XImage
+
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    x = _x(seed, M, K, xs, device="cpu")
+    staged = cuda_emu.w4a16_wgmma_ws_emulated(x, pw, config=config, staged_only=True)
+    cfg = ws.ws_config(M, N, K, fmt, config)
+    img = XImage(torch.zeros(staged.numel(), dtype=torch.bfloat16), M, K, cfg["BT"])
+    assert img.numel == staged.numel()
+    img.write_ref(x)
+    assert torch.equal(img.buf.view(torch.int16), staged), f"seed={seed}: the image differs from wg_stage_x's"
+
+
+def test_image_for_rules(monkeypatch):
+    """Where a producer may write the image: whole batch tiles and quads, batch tiles that stage x (above
+    X_IN_GEMM_MAX_BT), a weight the bulk copies read; never on the CPU."""
+    from kernels import int4_dispatch as disp
+
+    pw, _ = _weight("q4_k", 264, 1024, 1, device="cpu")
+    assert ws.image_for(torch.zeros(32, 1024, dtype=torch.bfloat16), pw) is None          # CPU
+    assert disp.image_for(torch.zeros(32, 1024, dtype=torch.bfloat16), pw) is None
+
+
+@pytest.mark.gpu
+@needs_wg
+@pytest.mark.parametrize("config", [None, {"CWG": 4}, ws.T128, {"TARGET_BLOCKS": 5, "SK_HALVE": 0}],
+                         ids=["default", "cwg4", "t128", "stream_k"])
+def test_gpu_ws_reads_a_prestaged_image(seed, config):
+    """The GEMM given an image written by XImage.write_ref (no staging launch) gives the staged call's bits, at the
+    batch tiles that take one; image_for refuses partial tiles and the batch tiles that read x in the GEMM."""
+    pw, xs = _weight("q4_k", 2048, 5120, seed % 1000, device="cuda")
+    for M in (16, 32, 64, 128, 256):
+        x = _x(seed + M, M, 5120, xs, device="cuda")
+        img = ws.image_for(x, pw, config)
+        assert img is not None and img.BT == ws.ws_config(M, 2048, 5120, "q4_k", config)["BT"], f"M={M}"
+        img.buf.fill_(float("nan"))
+        img.write_ref(x)
+        want = ws.w4a16_wgmma_ws(x, pw, config=config)
+        img.write_ref(x)                            # the staged call above rewrote the workspace: write it again
+        assert torch.equal(ws.w4a16_wgmma_ws(x, pw, config=config, x_image=img), want), f"seed={seed} M={M}"
+    assert ws.image_for(_x(seed, 40, 5120, xs, device="cuda"), pw, config) is None           # 40 of a tile of 64
+    assert ws.image_for(_x(seed, 8, 5120, xs, device="cuda"), pw, config) is None            # x read in the GEMM
+    with pytest.raises(ValueError, match="take it from image_for"):
+        ws.w4a16_wgmma_ws(_x(seed, 64, 5120, xs, device="cuda"), pw, config=config,
+                          x_image=ws.image_for(_x(seed, 128, 5120, xs, device="cuda"), pw, config))
+
+
 @pytest.mark.gpu
 @needs_wg
 @pytest.mark.parametrize("shape", [(2048, 8192), (34816, 5120)], ids=["split", "stream_k"])

@@ -126,7 +126,7 @@ def _split_kernels(honor_defer: bool):
     from engine.quant_pack import PackedWeight
     from kernels.backend import get_step_kernels
 
-    def lin(x, w, out=None, defer=False):
+    def lin(x, w, out=None, defer=False, x_image=None):
         if isinstance(w, PackedWeight):
             return w4a16_linear(x, w, out, config={"BLOCK_K": 32, "SPLIT_K": 2}, defer=defer and honor_defer)
         return linear(x, w, out=out, config={"BLOCK_K": 32, "SPLIT_K": 2}, defer=defer and honor_defer)

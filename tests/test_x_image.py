@@ -1,0 +1,171 @@
+"""kernels/x_image.py: a ws GEMM's staged x written by the kernel that makes x.
+
+- the image's offsets are a permutation of the buffer (every element written once), partial tiles are refused;
+- the Triton producers (RMSNorm, residual add + RMSNorm in both its one-program and chunked forms, SwiGLU; plain
+  inputs and split-K partials) give the same outputs with an image as without, and the image is XImage.write_ref of
+  that output (tests/test_int4_wgmma_ws.py checks write_ref against the staging kernel's own image);
+- on the GPU, the hybrid decoder with every projection on the ws kernel makes the same tokens with the images as
+  with the staging launches, and its GEMMs did take the images.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kernels.splitk import SplitSums
+from kernels.x_image import XImage
+from tests.interpreter import run_in_interpreter
+from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, _gen, _msg, _randn, needs_kernel
+
+
+def _image(M, K, BT, dtype=torch.bfloat16):
+    n = (M // BT) * (K // 128) * 1024 * -(-BT // 8)
+    return XImage(torch.full((n,), float("nan"), dtype=dtype, device=DEV), M, K, BT)
+
+
+@pytest.mark.parametrize("M,K,BT", [(16, 128, 16), (64, 384, 32), (256, 256, 128), (48, 512, 16)])
+def test_offsets_cover_the_image_once(M, K, BT):
+    img = _image(M, K, BT)
+    off = img.offsets().flatten()
+    assert off.numel() == img.numel and torch.equal(off.sort().values, torch.arange(img.numel))
+
+
+def test_partial_tiles_and_wrong_buffers_are_refused():
+    buf = torch.empty(1 << 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="whole batch tiles"):
+        XImage(buf, 24, 256, 16)
+    with pytest.raises(ValueError, match="whole batch tiles"):
+        XImage(buf, 16, 320, 16)
+    with pytest.raises(ValueError, match="16-bit"):
+        XImage(torch.empty(8, dtype=torch.bfloat16), 16, 256, 16)
+
+
+def _want(img: XImage, y: torch.Tensor) -> torch.Tensor:
+    ref = XImage(torch.full_like(img.buf, float("nan")), img.M, img.K, img.BT)
+    ref.write_ref(y)
+    return ref.buf
+
+
+@needs_kernel
+@pytest.mark.parametrize("D,chunked", [(256, False), (1024, True)])
+@pytest.mark.parametrize("partials", [False, True])
+def test_norms_store_their_output_into_the_image(D, chunked, partials, monkeypatch):
+    from kernels import rmsnorm
+
+    if chunked:
+        monkeypatch.setattr(rmsnorm, "ROW_MAX_D", D // 2)      # the chunked kernel at a size the interpreter runs
+    g = _gen(11 + D + partials)
+    M, BT = 32, 16
+    w = _randn(g, D, scale=0.5) + 1
+    res0 = _randn(g, M, D, dtype=torch.bfloat16)
+    if partials:
+        x = SplitSums(_randn(g, 3, M, D), torch.empty(M, D, dtype=torch.bfloat16, device=DEV), rne=INTERPRET)
+    else:
+        x = _randn(g, M, D, dtype=torch.bfloat16)
+    plain_res, img_res = res0.clone(), res0.clone()
+    want, _ = rmsnorm.add_rms_norm_triton(x, plain_res, w, 1e-6)
+    img = _image(M, D, BT)
+    got, _ = rmsnorm.add_rms_norm_triton(x, img_res, w, 1e-6, out=torch.empty_like(want), image=img)
+    assert torch.equal(got, want) and torch.equal(img_res, plain_res), _msg("add_rms_norm moved with an image")
+    assert torch.equal(img.buf, _want(img, want)), _msg("add_rms_norm's image is not its output's")
+    if not partials:
+        img = _image(M, D, BT)
+        y = rmsnorm.rms_norm_triton(res0, w, 1e-6, out=torch.empty_like(want), image=img)
+        assert torch.equal(y, rmsnorm.rms_norm_triton(res0, w, 1e-6)), _msg("rms_norm moved with an image")
+        assert torch.equal(img.buf, _want(img, y)), _msg("rms_norm's image is not its output's")
+
+
+@needs_kernel
+@pytest.mark.parametrize("partials", [False, True])
+def test_swiglu_stores_its_output_into_the_image(partials):
+    from kernels.swiglu import swiglu_triton
+
+    g = _gen(23 + partials)
+    M, F, BT = 32, 384, 32
+    if partials:
+        gu = SplitSums(_randn(g, 2, M, 2 * F), torch.empty(M, 2 * F, dtype=torch.bfloat16, device=DEV), rne=INTERPRET)
+    else:
+        gu = _randn(g, M, 2 * F, dtype=torch.bfloat16)
+    want = swiglu_triton(gu)
+    img = _image(M, F, BT)
+    got = swiglu_triton(gu, out=torch.empty_like(want), image=img)
+    assert torch.equal(got, want), _msg("swiglu moved with an image")
+    assert torch.equal(img.buf, _want(img, want)), _msg("swiglu's image is not its output's")
+
+
+@needs_kernel
+def test_producers_refuse_an_image_of_another_shape():
+    from kernels.rmsnorm import rms_norm_triton
+    from kernels.swiglu import swiglu_triton
+
+    g = _gen(31)
+    x = _randn(g, 16, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the image is of"):
+        rms_norm_triton(x, torch.ones(256, device=DEV), 1e-6, image=_image(32, 256, 16))
+    with pytest.raises(ValueError, match="the image is of"):
+        swiglu_triton(_randn(g, 16, 512, dtype=torch.bfloat16), image=_image(16, 128, 16))
+
+
+@pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+def test_cpu_kernels_in_interpreter_subprocess():
+    run_in_interpreter(__file__, "(x images under the Triton interpreter)")
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the hybrid decoder's steps with the images against the staging launches
+
+@pytest.fixture(scope="module")
+def packed_file(tmp_path_factory):
+    from engine.gguf_writer import random_weights, write_gguf
+    from tests.test_qwen35_packed import CASES
+
+    cfg, fmt = CASES["4x-value-heads-q4_k"]
+    path = tmp_path_factory.mktemp("x_image") / "wide-q4_k.gguf"
+    write_gguf(path, cfg, random_weights(cfg, seed=83), weight_type=fmt, seed=5)
+    return path
+
+
+def _tokens(path, B, images: bool, monkeypatch):
+    from engine.fused_qwen35 import FusedQwen35Decoder
+    from engine.gguf_loader import load_gguf
+    from engine.runner import GraphStepper
+    from engine.sampler import SamplingParams
+    from engine.state_pool import HybridCache
+    from engine.static_batch import run_static
+    from kernels import int4_dispatch as disp
+    from kernels.backend import get_step_kernels
+    from tests.test_fused_qwen35 import prompt
+
+    monkeypatch.setattr(disp, "PRODUCER_IMAGES", images)
+    disp.set_policy("cuda_wgmma_ws", B)
+    try:
+        cfg, w, _ = load_gguf(path, dtype=torch.bfloat16, device="cuda", progress=False, keep_quantized=True)
+        model = FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=128)
+        kv = HybridCache.create(cfg, B + 1, 64, torch.bfloat16, "cuda", torch.float32)
+        st = GraphStepper(model, kv, B, SamplingParams(), use_graphs=True)
+        out = run_static(st, [prompt(90 + i, 9) for i in range(B)], 12, ctx=64).outputs
+    finally:
+        disp.set_policy("invariant")
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [16, 32])
+def test_gpu_hybrid_tokens_with_images(packed_file, B, monkeypatch):
+    from kernels import int4_wgmma_ws as ws
+
+    took, call = [], ws._StagedLaunch.__call__
+
+    def spy(self, *args, **kw):                 # which ws launches read an image
+        took.append(self.image is not None)
+        return call(self, *args, **kw)
+
+    monkeypatch.setattr(ws._StagedLaunch, "__call__", spy)
+    staged = _tokens(packed_file, B, False, monkeypatch)
+    took_staged, took[:] = list(took), []
+    imaged = _tokens(packed_file, B, True, monkeypatch)
+    assert took_staged and not any(took_staged) and any(took), "the images were not taken (or with the switch off)"
+    assert imaged == staged
