@@ -6,7 +6,10 @@ the torch backend then runs the reference (kernels.int4_gemm.w4a16_linear_ref), 
 int4 dispatch (kernels/int4_dispatch.py: Triton or CUDA W4A16 kernel, or dequantize + cuBLAS).
 `linear(..., defer=True)` may return a GEMM's split-K partials unreduced (kernels/splitk.py: the triton
 backend's GEMMs do where they split K); `add_rms_norm` and `swiglu` take them and add them as the reduce
-would, so the same bits come out with one launch less. The torch backend always returns the finished output."""
+would, so the same bits come out with one launch less. The torch backend always returns the finished output.
+`x_image(x, w)` names where the kernel making x should also write it for the GEMM on w (kernels/x_image.py: a ws GEMM's
+staged image; None elsewhere, and always on the torch backend); `rms_norm`, `add_rms_norm` and `swiglu` take it as
+`image=`, `linear` as `x_image=`, and that GEMM then skips its staging launch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -446,6 +446,8 @@ def image_for(x: torch.Tensor, pw: PackedWeight):
 # kernels does. H200, 27B hybrid Q4_K at B = 32: a table that gave 5120x6144 the 128-row ws tiles (16.9 us in int4_gemm
 # against the two-blocks-per-SM wgmma's 17.2) ran 11.67 ms per step against 11.55 with the wgmma (2a1defd against
 # 656c769, harness runs; the one pick that differed), ~1.9 us over 64 calls.
+# Since 1e647ff most ws calls of a step take their x from the kernel before (PRODUCER_IMAGES) and skip that launch; the
+# charge was not re-measured, so the table's picks stay as recorded.
 CHAIN_US = dict.fromkeys(WS_CONFIGS, 1.0)
 
 

@@ -18,7 +18,9 @@ A bulk copy moves bytes as they lie, so x goes through the ring already in the o
 (int4_wgmma's stage: pair_order, the 4 x 4 transpose of a unit's pieces, the 128-byte swizzle): a staging kernel
 (wg_stage_x, one launch before the GEMM, M x K x 2 bytes read and written) writes that image per (batch tile, quad) into
 a workspace. The staging launch triggers its dependent at entry (PDL, kernels/pdl.py): the GEMM launches while x is
-staged and its producer issues the first stages' weight copies before it waits. The weights' records of one group for
+staged and its producer issues the first stages' weight copies before it waits. In the fused decode steps the kernel
+that makes x (the residual add + RMSNorm, SwiGLU) writes that image itself where image_for gives one (kernels/x_image.py),
+and the GEMM (x_image=) runs without the staging launch. The weights' records of one group for
 the tile's 256 rows are 4 KB contiguous in the packed layout ([G, N] records): one copy per group, padded by 32 bytes in
 shared memory so the 8 lanes of a quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales
 likewise, 512 bytes a row.
@@ -45,7 +47,7 @@ streaming, and the time follows the consumers' instruction count (226 a quad and
 ~0.5 issued per scheduler per cycle; at 128 sequences the warpgroup-aligned waits join in. Built, measured and not
 kept: one commit group per two or four words, tensor-map copies, fewer ring stages, consumers reading the next quad
 ahead, wgmma groups left in flight, two consumer warpgroups at 64-128 sequences, batch tiles of 64 at 128, x staged
-in the GEMM above 8 sequences, the x image written by the kernels before the GEMM.
+in the GEMM above 8 sequences.
 """
 from __future__ import annotations
 
