@@ -301,8 +301,10 @@ class FusedQwen35Decoder(DecoderBase):
                                block_table=block_table, q_out=buf["q"])
         k.decode_attention(buf["q"], cache.k[i], cache.v[i], slots, positions, block_table=block_table,
                            out=buf["attn"], workspace=attn_ws, max_len=max_len or cache.ctx)
-        hk.sigmoid_gate_mul(buf["attn"], gate_view(qkv, c.n_heads, c.head_dim), out=buf["attn"])
-        return layer["out"](k, buf["attn"].view(-1, c.q_dim), buf["x"], defer=True)
+        attn = buf["attn"].view(-1, c.q_dim)
+        img = layer["out"].image(k, attn)
+        hk.sigmoid_gate_mul(buf["attn"], gate_view(qkv, c.n_heads, c.head_dim), out=buf["attn"], image=img)
+        return layer["out"](k, attn, buf["x"], defer=True, x_image=img)
 
     def _gdn(self, j, layer, h, h_image, positions, slots, state, buf, seq_len: int, runs: torch.Tensor | None = None):
         c, k, hk = self.cfg, self.k, self.hk
@@ -329,9 +331,10 @@ class FusedQwen35Decoder(DecoderBase):
         # a packed ssm_out in the file's column order reads its input in that order: the norm writes it so
         out_cols = layer.get("out_cols")
         z = z if isinstance(z, SplitSums) else z.unflatten(1, (Hv, c.gdn_v_dim))
-        y = hk.gated_rms_norm(o, z, layer["ssm_norm"], c.norm_eps, out_cols=out_cols,
-                              out=buf["gdn_y"] if out_cols is None else buf["gdn_y_file"])
-        return layer["out"](k, y, buf["x"], defer=True)
+        y = buf["gdn_y"] if out_cols is None else buf["gdn_y_file"]
+        img = layer["out"].image(k, y)
+        y = hk.gated_rms_norm(o, z, layer["ssm_norm"], c.norm_eps, out_cols=out_cols, out=y, image=img)
+        return layer["out"](k, y, buf["x"], defer=True, x_image=img)
 
     def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None,
                normed: torch.Tensor | None = None) -> torch.Tensor:

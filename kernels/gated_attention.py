@@ -27,6 +27,7 @@ from kernels.rmsnorm import rms_norm_ref
 from kernels.rope import _kv_index, apply_rope_ref, check_kv_write
 from kernels import pdl
 from kernels.triton_compat import tl, triton
+from kernels.x_image import XImage, check_image, image_args, image_offsets
 
 
 def split_gated_qkv(qkv: torch.Tensor, n_heads: int, kv_heads: int, head_dim: int):
@@ -67,9 +68,14 @@ def gated_rope_kv_write_ref(qkv, positions, slots, cos_sin_cache, k_cache, v_cac
     return q if q_out is None else q_out.copy_(q)
 
 
-def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None,
+                         image: XImage | None = None) -> torch.Tensor:
+    """o * sigmoid(gate); image: the result's [R, H * D] rows also written there (kernels/x_image.py)."""
     y = o * torch.sigmoid(gate)
-    return y if out is None else out.copy_(y)
+    y = y if out is None else out.copy_(y)
+    if image is not None:
+        image.write_ref(y.flatten(1))
+    return y
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,8 +166,9 @@ def gated_rope_kv_write_triton(qkv, positions, slots, cos_sin_cache, k_cache, v_
 
 
 @triton.jit
-def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, H, D, s_o0, s_o1, s_g0, s_g1, s_y0, s_y1, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):
+def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, H, D, s_o0, s_o1, s_g0, s_g1, s_y0, s_y1, img_ptr, img_q,
+                         BLOCK: tl.constexpr, IMG_BT: tl.constexpr = 1, IMG_NB: tl.constexpr = 1,
+                         HAS_IMG: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -171,10 +178,14 @@ def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, H, D, s_o0, s_o1, s_g0, s_g1, s_
     o = tl.load(o_ptr + r * s_o0 + h * s_o1 + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + r * s_g0 + h * s_g1 + offs, mask=mask, other=0.0).to(tl.float32)
     sg = (1.0 / (1.0 + tl.exp(-g))).to(act).to(tl.float32)
-    tl.store(out_ptr + r * s_y0 + h * s_y1 + offs, (o * sg).to(act), mask=mask)
+    y = (o * sg).to(act)
+    tl.store(out_ptr + r * s_y0 + h * s_y1 + offs, y, mask=mask)
+    if HAS_IMG:     # the output projection's staged x too (kernels/x_image.py): row r, column h * D + d
+        tl.store(img_ptr + image_offsets(r, h * D + offs, img_q, IMG_BT, IMG_NB), y, mask=mask)
 
 
-def sigmoid_gate_mul_triton(o: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def sigmoid_gate_mul_triton(o: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None,
+                            image: XImage | None = None) -> torch.Tensor:
     R, H, D = o.shape
     if gate.shape != o.shape or o.stride(2) != 1 or gate.stride(2) != 1:
         raise ValueError(f"o and gate must both be [R, H, D] with a contiguous last dim, got {tuple(o.shape)}, "
@@ -183,10 +194,14 @@ def sigmoid_gate_mul_triton(o: torch.Tensor, gate: torch.Tensor, out: torch.Tens
         out = torch.empty_like(o)
     if out.shape != o.shape or out.stride(2) != 1:
         raise ValueError("out must match o with a contiguous last dim")
+    if image is not None:
+        check_image(image, R, H * D, out.dtype, "sigmoid_gate_mul")
     if R == 0:
         return out
     BLOCK = triton.next_power_of_2(D)
+    img, img_q, img_bt, img_nb, has_img = image_args(image, out)
     _sigmoid_gate_kernel[(R, H)](o, gate, out, H, D, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1),
-                                 out.stride(0), out.stride(1), BLOCK=BLOCK, num_warps=1 if BLOCK <= 128 else 2,
+                                 out.stride(0), out.stride(1), img, img_q, BLOCK=BLOCK, IMG_BT=img_bt, IMG_NB=img_nb,
+                                 HAS_IMG=has_img, num_warps=1 if BLOCK <= 128 else 2,
                                  enable_fp_fusion=False, **pdl.triton_opts(o.device))
     return out

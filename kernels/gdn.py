@@ -71,6 +71,7 @@ from engine.models.qwen35 import L2NORM_EPS, Qwen35Model, l2norm
 from kernels import pdl
 from kernels.splitk import SplitSums, split_args, split_sum
 from kernels.triton_compat import tl, triton
+from kernels.x_image import XImage, check_image, image_args, image_offsets
 
 # channels per conv-ring program, one per lane: H200, one 27B GDN layer (10240 channels, 4 taps, fp32 ring), us per
 # call at B = 1 / 32 / 128: 128 -> 1.9 / 6.6 / 19.0, 256 -> 2.3 / 7.0 / 19.8, 1024 -> 3.3 / 7.3 / 20.4 (the earlier
@@ -438,7 +439,8 @@ def default_block_v(hv: int, dv: int) -> int:
 # the GDN layer's output: gated RMSNorm (norm first, then the SiLU gate), as Qwen35Model.gated_delta_net
 
 def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
-                       out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None,
+                       image: XImage | None = None) -> torch.Tensor:
     """o [R, Hv, Dv] fp32 (the delta rule's output), z [R, Hv, Dv] (the attn_gate projection, any row
     stride; or its GEMM's unreduced split-K partials, [R, Hv * Dv]): rms_norm(o) * weight * silu(z) per head in
     fp32, rounded once to z's dtype. Returns [R, Hv * Dv] (into `out` when given). out_cols [Hv * Dv]: column j of
@@ -452,13 +454,16 @@ def gated_rms_norm_ref(o: torch.Tensor, z: torch.Tensor | SplitSums, weight: tor
     y = (rms_norm_ref(o.float(), weight, eps) * F.silu(z.float())).to(z.dtype).flatten(1)
     if out_cols is not None:
         y = torch.empty_like(y).index_copy_(1, out_cols.long(), y)
+    if image is not None:
+        image.write_ref(y)
     return y if out is None else out.copy_(y)
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, cols_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0, s_zs,
-                       BLOCK: tl.constexpr, HAS_COLS: tl.constexpr = False, SPLIT: tl.constexpr = 0,
-                       RNE: tl.constexpr = False, PDL: tl.constexpr = False):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, cols_ptr, DV, eps, s_o0, s_o1, s_z0, s_z1, s_y0, s_zs, img_ptr,
+                       img_q, BLOCK: tl.constexpr, HAS_COLS: tl.constexpr = False, SPLIT: tl.constexpr = 0,
+                       RNE: tl.constexpr = False, IMG_BT: tl.constexpr = 1, IMG_NB: tl.constexpr = 1,
+                       HAS_IMG: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     # HAS_COLS: column j of the row goes to column cols[j] of y; SPLIT > 0: z is its GEMM's unreduced partials
     r = tl.program_id(0).to(tl.int64)
@@ -473,13 +478,17 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, cols_ptr, DV, eps, s_o0, s_o1
     col = h * DV + offs
     if HAS_COLS:
         col = tl.load(cols_ptr + col, mask=m, other=0)
-    tl.store(y_ptr + r * s_y0 + col, y.to(y_ptr.dtype.element_ty), mask=m)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * s_y0 + col, y, mask=m)
+    if HAS_IMG:     # the output projection's staged x too (kernels/x_image.py), at the same column
+        tl.store(img_ptr + image_offsets(r, col, img_q, IMG_BT, IMG_NB), y, mask=m)
 
 
 def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
-                          out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, out_cols: torch.Tensor | None = None,
+                          image: XImage | None = None) -> torch.Tensor:
     """gated_rms_norm_ref on the GPU; z's split-K partials ([R, Hv * Dv]) are summed where loaded, the same bits
-    as reducing them first."""
+    as reducing them first. image: the output also stored there (kernels/x_image.py: ssm_out's staged x)."""
     R, hv, dv = o.shape
     sums = z if isinstance(z, SplitSums) else None
     if sums is not None:
@@ -494,13 +503,17 @@ def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor | SplitSums, weight: 
         out = torch.empty(R, hv * dv, dtype=sums.dtype if sums is not None else z.dtype, device=z.device)
     assert out.shape == (R, hv * dv) and out.stride(1) == 1
     assert out_cols is None or (out_cols.shape == (hv * dv,) and out_cols.is_contiguous())
+    if image is not None:
+        check_image(image, R, hv * dv, out.dtype, "gated_rms_norm")
     if R == 0:
         return out
     BLOCK = _next_pow2(dv)
     s_split, split, rne = split_args(sums)
+    img, img_q, img_bt, img_nb, has_img = image_args(image, out)
     _gated_norm_kernel[(R, hv)](o, z, weight, out, out_cols if out_cols is not None else out, dv, float(eps),
-                                o.stride(0), o.stride(1), z.stride(0), z.stride(1), out.stride(0), s_split,
-                                BLOCK=BLOCK, HAS_COLS=out_cols is not None, SPLIT=split, RNE=rne,
+                                o.stride(0), o.stride(1), z.stride(0), z.stride(1), out.stride(0), s_split, img, img_q,
+                                BLOCK=BLOCK, HAS_COLS=out_cols is not None, SPLIT=split, RNE=rne, IMG_BT=img_bt,
+                                IMG_NB=img_nb, HAS_IMG=has_img,
                                 num_warps=1 if BLOCK <= 128 else 2,
                                 **pdl.triton_opts(o.device))
     return out

@@ -1,9 +1,10 @@
 """kernels/x_image.py: a ws GEMM's staged x written by the kernel that makes x.
 
 - the image's offsets are a permutation of the buffer (every element written once), partial tiles are refused;
-- the Triton producers (RMSNorm, residual add + RMSNorm in both its one-program and chunked forms, SwiGLU; plain
-  inputs and split-K partials) give the same outputs with an image as without, and the image is XImage.write_ref of
-  that output (tests/test_int4_wgmma_ws.py checks write_ref against the staging kernel's own image);
+- the Triton producers (RMSNorm, residual add + RMSNorm in both its one-program and chunked forms, SwiGLU, on plain
+  inputs and split-K partials; the gated norm with and without its column order, the sigmoid gate) give the same
+  outputs with an image as without, and the image is XImage.write_ref of that output (tests/test_int4_wgmma_ws.py
+  checks write_ref against the staging kernel's own image); the torch references write the same;
 - on the GPU, the hybrid decoder with every projection on the ws kernel makes the same tokens with the images as
   with the staging launches, and its GEMMs did take the images.
 """
@@ -93,6 +94,53 @@ def test_swiglu_stores_its_output_into_the_image(partials):
     got = swiglu_triton(gu, out=torch.empty_like(want), image=img)
     assert torch.equal(got, want), _msg("swiglu moved with an image")
     assert torch.equal(img.buf, _want(img, want)), _msg("swiglu's image is not its output's")
+
+
+@needs_kernel
+@pytest.mark.parametrize("permuted", [False, True])
+def test_gated_norm_stores_its_output_into_the_image(permuted):
+    from kernels.gdn import gated_rms_norm_triton
+
+    g = _gen(41 + permuted)
+    M, H, D, BT = 32, 4, 64, 16
+    o = _randn(g, M, H, D)
+    z = _randn(g, M, H, D, dtype=torch.bfloat16)
+    w = _randn(g, D, scale=0.5) + 1
+    cols = torch.randperm(H * D, generator=g).to(torch.int32).to(DEV) if permuted else None
+    want = gated_rms_norm_triton(o, z, w, 1e-6, out_cols=cols)
+    img = _image(M, H * D, BT)
+    got = gated_rms_norm_triton(o, z, w, 1e-6, out=torch.empty_like(want), out_cols=cols, image=img)
+    assert torch.equal(got, want), _msg("gated_rms_norm moved with an image")
+    assert torch.equal(img.buf, _want(img, want)), _msg("gated_rms_norm's image is not its output's")
+
+
+@needs_kernel
+def test_sigmoid_gate_stores_its_output_into_the_image():
+    from kernels.gated_attention import sigmoid_gate_mul_triton
+
+    g = _gen(47)
+    M, H, D, BT = 16, 2, 128, 16
+    o = _randn(g, M, H, D, dtype=torch.bfloat16)
+    gate = _randn(g, M, H, D, dtype=torch.bfloat16)
+    want = sigmoid_gate_mul_triton(o, gate)
+    img = _image(M, H * D, BT)
+    got = sigmoid_gate_mul_triton(o, gate, out=torch.empty_like(want), image=img)
+    assert torch.equal(got, want), _msg("sigmoid_gate_mul moved with an image")
+    assert torch.equal(img.buf, _want(img, want.flatten(1))), _msg("sigmoid_gate_mul's image is not its output's")
+
+
+def test_torch_producers_write_the_image():
+    """The references take the same argument (the torch backend's kernels), writing XImage.write_ref."""
+    from kernels.gated_attention import sigmoid_gate_mul_ref
+    from kernels.gdn import gated_rms_norm_ref
+
+    g = torch.Generator().manual_seed(5)
+    o, gate = torch.randn(16, 2, 64, generator=g), torch.randn(16, 2, 64, generator=g)
+    img = XImage(torch.zeros(16 * 128, dtype=torch.float16), 16, 128, 16)
+    y = sigmoid_gate_mul_ref(o.half(), gate.half(), image=img)
+    assert torch.equal(img.buf, _want(img, y.flatten(1)))
+    y = gated_rms_norm_ref(o, gate.half(), torch.ones(64), 1e-6, image=img)
+    assert torch.equal(img.buf, _want(img, y))
 
 
 @needs_kernel
