@@ -289,7 +289,8 @@ class FusedQwen35Decoder(DecoderBase):
             gate_up = layer["gate_up"](k, h, buf["gate_up"], defer=True, x_image=img)
             img = layer["down"].image(k, buf["act"])
             k.swiglu(gate_up, out=buf["act"], image=img)
-            x = layer["down"](k, buf["act"], buf["x"], defer=i + 1 < len(self.layers), x_image=img)  # the last: a tensor
+            # the last layer's down projection: a tensor
+            x = layer["down"](k, buf["act"], buf["x"], defer=i + 1 < len(self.layers), x_image=img)
         k.add_residual(x, res)
         return res
 

@@ -19,9 +19,9 @@ A bulk copy moves bytes as they lie, so x goes through the ring already in the o
 (wg_stage_x, one launch before the GEMM, M x K x 2 bytes read and written) writes that image per (batch tile, quad) into
 a workspace. The staging launch triggers its dependent at entry (PDL, kernels/pdl.py): the GEMM launches while x is
 staged and its producer issues the first stages' weight copies before it waits. In the fused decode steps the kernel
-that makes x (the residual add + RMSNorm, SwiGLU, the gated norm, the sigmoid gate) writes that image itself where image_for gives one (kernels/x_image.py),
-and the GEMM (x_image=) runs without the staging launch. The weights' records of one group for
-the tile's 256 rows are 4 KB contiguous in the packed layout ([G, N] records): one copy per group, padded by 32 bytes in
+that makes x (the residual add + RMSNorm, SwiGLU, the gated norm, the sigmoid gate) writes that image itself where
+image_for gives one (kernels/x_image.py), and the GEMM (x_image=) runs without the staging launch. The weights' records
+of one group for the tile's 256 rows are 4 KB contiguous in the packed layout ([G, N] records): one copy per group, padded by 32 bytes in
 shared memory so the 8 lanes of a quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales
 likewise, 512 bytes a row.
 
@@ -706,5 +706,5 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
         words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer)
 
 
-__all__ = ["w4a16_wgmma_ws", "image_for", "available", "supports", "aligned", "ws_config", "wg_equivalent", "reserve_workspace",
-           "source", "stage_bytes", "DEFAULTS", "T128", "MEASURED_T128", "WS_KERNEL"]
+__all__ = ["w4a16_wgmma_ws", "image_for", "available", "supports", "aligned", "ws_config", "wg_equivalent",
+           "reserve_workspace", "source", "stage_bytes", "DEFAULTS", "T128", "MEASURED_T128", "WS_KERNEL"]

@@ -213,7 +213,8 @@ def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Ten
 
 
 def add_rms_norm_triton(x: torch.Tensor | SplitSums, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                        out: torch.Tensor | None = None, image: XImage | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out: torch.Tensor | None = None,
+                        image: XImage | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x in place (in the residual's dtype), then normed = rms_norm(residual) * w.
     Returns (normed, residual). `out` must not alias x or residual. x may be a GEMM's unreduced split-K partials
     (kernels/splitk.py): they are summed in the kernel, the same bits as reducing them first. image: as

@@ -4,8 +4,8 @@ kernels/int4_wgmma_ws.py bulk-copies x into its ring as it lies, so x must first
 wgmma reads (the image: per (batch tile, quad of K), each row's weights' k pairs (j, j + 4), the 4 x 4 transpose of a
 unit's pieces, the 128-byte swizzle). Its staging launch (wg_stage_x) does that before every GEMM; a step's chain pays
 that launch 193 times at B = 32 on the 27B hybrid. Here the kernel that makes x (the residual add + RMSNorm, SwiGLU,
-the hybrid's gated norm and sigmoid gate) stores each element once more, at its place in the image, and the GEMM skips its staging launch: the same bytes, the
-same bits, one launch less per projection.
+the hybrid's gated norm and sigmoid gate) stores each element once more, at its place in the image, and the GEMM skips
+its staging launch: the same bytes, the same bits, one launch less per projection.
 
 An image covers x [M, K] for a GEMM of batch tile BT: M a multiple of BT and K of 128 (whole tiles and quads, so no
 element of the image is padding the staging launch would have zeroed). `XImage.offsets` (torch) and `image_offsets`
@@ -34,7 +34,8 @@ class XImage:
 
     def __post_init__(self):
         if self.M % self.BT or self.K % QUAD:
-            raise ValueError(f"XImage: x [{self.M}, {self.K}] is not whole batch tiles of {self.BT} and quads of {QUAD}")
+            raise ValueError(f"XImage: x [{self.M}, {self.K}] is not whole batch tiles of {self.BT} and quads of "
+                             f"{QUAD}")
         if self.buf.dim() != 1 or self.buf.element_size() != 2 or self.buf.numel() < self.numel:
             raise ValueError(f"XImage: buf must be a 1-D 16-bit tensor of >= {self.numel} elements")
 

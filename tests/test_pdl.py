@@ -287,7 +287,8 @@ def packed_file(tmp_path_factory):
     return path
 
 
-def _packed_run(path, B, policy):
+def _packed_run(path, B, policy, prompts=None):
+    """Greedy tokens of B streams (prompts, default one prompt B times) on the packed wide hybrid, graphed."""
     from engine.gguf_loader import load_gguf
     from engine.fused_qwen35 import FusedQwen35Decoder
     from engine.runner import GraphStepper
@@ -303,7 +304,7 @@ def _packed_run(path, B, policy):
         model = FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=128)
         kv = HybridCache.create(cfg, B + 1, 64, torch.bfloat16, "cuda", torch.float32)
         st = GraphStepper(model, kv, B, SamplingParams(), use_graphs=True)
-        return run_static(st, [prompt(72, 9)] * B, 16, ctx=64).outputs
+        return run_static(st, prompts or [prompt(72, 9)] * B, 16, ctx=64).outputs
     finally:
         disp.set_policy("invariant")
 

@@ -19,6 +19,7 @@ from kernels.splitk import SplitSums
 from kernels.x_image import XImage
 from tests.interpreter import run_in_interpreter
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, _gen, _msg, _randn, needs_kernel
+from tests.test_pdl import _packed_run, packed_file  # noqa: F401  (the packed wide hybrid, a fixture)
 
 
 def _image(M, K, BT, dtype=torch.bfloat16):
@@ -165,45 +166,12 @@ def test_cpu_kernels_in_interpreter_subprocess():
 # --------------------------------------------------------------------------------------------------
 # GPU: the hybrid decoder's steps with the images against the staging launches
 
-@pytest.fixture(scope="module")
-def packed_file(tmp_path_factory):
-    from engine.gguf_writer import random_weights, write_gguf
-    from tests.test_qwen35_packed import CASES
-
-    cfg, fmt = CASES["4x-value-heads-q4_k"]
-    path = tmp_path_factory.mktemp("x_image") / "wide-q4_k.gguf"
-    write_gguf(path, cfg, random_weights(cfg, seed=83), weight_type=fmt, seed=5)
-    return path
-
-
-def _tokens(path, B, images: bool, monkeypatch):
-    from engine.fused_qwen35 import FusedQwen35Decoder
-    from engine.gguf_loader import load_gguf
-    from engine.runner import GraphStepper
-    from engine.sampler import SamplingParams
-    from engine.state_pool import HybridCache
-    from engine.static_batch import run_static
-    from kernels import int4_dispatch as disp
-    from kernels.backend import get_step_kernels
-    from tests.test_fused_qwen35 import prompt
-
-    monkeypatch.setattr(disp, "PRODUCER_IMAGES", images)
-    disp.set_policy("cuda_wgmma_ws", B)
-    try:
-        cfg, w, _ = load_gguf(path, dtype=torch.bfloat16, device="cuda", progress=False, keep_quantized=True)
-        model = FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=128)
-        kv = HybridCache.create(cfg, B + 1, 64, torch.bfloat16, "cuda", torch.float32)
-        st = GraphStepper(model, kv, B, SamplingParams(), use_graphs=True)
-        out = run_static(st, [prompt(90 + i, 9) for i in range(B)], 12, ctx=64).outputs
-    finally:
-        disp.set_policy("invariant")
-    return out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [16, 32])
 def test_gpu_hybrid_tokens_with_images(packed_file, B, monkeypatch):
+    from kernels import int4_dispatch as disp
     from kernels import int4_wgmma_ws as ws
+    from tests.test_fused_qwen35 import prompt
 
     took, call = [], ws._StagedLaunch.__call__
 
@@ -212,8 +180,11 @@ def test_gpu_hybrid_tokens_with_images(packed_file, B, monkeypatch):
         return call(self, *args, **kw)
 
     monkeypatch.setattr(ws._StagedLaunch, "__call__", spy)
-    staged = _tokens(packed_file, B, False, monkeypatch)
+    prompts = [prompt(90 + i, 9) for i in range(B)]      # distinct rows: an image row out of place changes tokens
+    monkeypatch.setattr(disp, "PRODUCER_IMAGES", False)
+    staged = _packed_run(packed_file, B, "cuda_wgmma_ws", prompts)
     took_staged, took[:] = list(took), []
-    imaged = _tokens(packed_file, B, True, monkeypatch)
+    monkeypatch.setattr(disp, "PRODUCER_IMAGES", True)
+    imaged = _packed_run(packed_file, B, "cuda_wgmma_ws", prompts)
     assert took_staged and not any(took_staged) and any(took), "the images were not taken (or with the switch off)"
     assert imaged == staged
