@@ -589,11 +589,10 @@ __device__ __forceinline__ u32 byte_pair(u32 lo, u32 hi, int s) {
 #else
 #define WEIGHT_PAIR(w, w2, s) nib_pair(w, s)
 #endif
-// word p of the lane's group (q8_0: words 2p, 2p + 1) as the A fragments of two k16 steps (mma.m16n8k16's layout,
-// which is also a warp's part of wgmma's m64 A): the weights q * s + c, one packed fma per pair; lo takes pairs (0,4)
-// (1,5), hi (2,6) (3,7)
-__device__ __forceinline__ void quad_word(const QSlot& sl, const QScales& q, int p, int mt, u32 (&a_lo)[4],
-                                          u32 (&a_hi)[4]) {
+// word p of the lane's group (q8_0: words 2p, 2p + 1) as the A fragment of k16 step 2p + h (mma.m16n8k16's layout,
+// which is also a warp's part of wgmma's m64 A): the weights q * s + c, one packed fma per pair; h = 0 takes pairs
+// (0,4) (1,5), h = 1 (2,6) (3,7)
+__device__ __forceinline__ void quad_half(const QSlot& sl, const QScales& q, int p, int mt, int h, u32 (&a)[4]) {
 #if FMT == 3
     const uint4 va = p < 2 ? sl.wa[mt] : sl.wa2[mt], vb = p < 2 ? sl.wb[mt] : sl.wb2[mt];
     const u32 wa = p & 1 ? va.z : va.x, wa2 = p & 1 ? va.w : va.y;
@@ -602,10 +601,15 @@ __device__ __forceinline__ void quad_word(const QSlot& sl, const QScales& q, int
     const u32 wa = p == 0 ? sl.wa[mt].x : p == 1 ? sl.wa[mt].y : p == 2 ? sl.wa[mt].z : sl.wa[mt].w;
     const u32 wb = p == 0 ? sl.wb[mt].x : p == 1 ? sl.wb[mt].y : p == 2 ? sl.wb[mt].z : sl.wb[mt].w;
 #endif
-    a_lo[0] = fma2(WEIGHT_PAIR(wa, wa2, 0), q.sa[mt], q.ca[mt]); a_lo[1] = fma2(WEIGHT_PAIR(wb, wb2, 0), q.sb[mt], q.cb[mt]);
-    a_lo[2] = fma2(WEIGHT_PAIR(wa, wa2, 1), q.sa[mt], q.ca[mt]); a_lo[3] = fma2(WEIGHT_PAIR(wb, wb2, 1), q.sb[mt], q.cb[mt]);
-    a_hi[0] = fma2(WEIGHT_PAIR(wa, wa2, 2), q.sa[mt], q.ca[mt]); a_hi[1] = fma2(WEIGHT_PAIR(wb, wb2, 2), q.sb[mt], q.cb[mt]);
-    a_hi[2] = fma2(WEIGHT_PAIR(wa, wa2, 3), q.sa[mt], q.ca[mt]); a_hi[3] = fma2(WEIGHT_PAIR(wb, wb2, 3), q.sb[mt], q.cb[mt]);
+    a[0] = fma2(WEIGHT_PAIR(wa, wa2, 2 * h), q.sa[mt], q.ca[mt]); a[1] = fma2(WEIGHT_PAIR(wb, wb2, 2 * h), q.sb[mt], q.cb[mt]);
+    a[2] = fma2(WEIGHT_PAIR(wa, wa2, 2 * h + 1), q.sa[mt], q.ca[mt]);
+    a[3] = fma2(WEIGHT_PAIR(wb, wb2, 2 * h + 1), q.sb[mt], q.cb[mt]);
+}
+// both k16 steps of word p
+__device__ __forceinline__ void quad_word(const QSlot& sl, const QScales& q, int p, int mt, u32 (&a_lo)[4],
+                                          u32 (&a_hi)[4]) {
+    quad_half(sl, q, p, mt, 0, a_lo);
+    quad_half(sl, q, p, mt, 1, a_hi);
 }
 #endif
 """

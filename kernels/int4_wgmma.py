@@ -163,13 +163,32 @@ __device__ __forceinline__ unsigned long long x_desc0_swz(u32 base) {
 #endif
 
 // one quad on the warpgroup's tensor cores: per word, the A fragments of every tile, then one commit group of their
-// wgmmas; waiting for the word before only, so the next word's fragments are made while this one runs
+// wgmmas; waiting for the word before only, so the next word's fragments are made while this one runs. With
+// WG_STEP_GROUPS one commit group per k16 step instead (the same wgmmas in the same order: the same bits): only one
+// step's fragments are held for a wgmma in flight, which is what lets ptxas keep the wgmmas pipelined in 112
+// registers at 128 sequences (with a word's two steps per group it serializes them there, its warning C7512).
 // fresh: the quad starts a K range, so its first wgmma per tile writes acc (scale-d 0) instead of adding to it: no
 // instruction but a wgmma defines an accumulator inside the K loop (zeroing acc there makes ptxas serialize every
 // wgmma of the kernel, its warning C7515)
+#ifndef WG_STEP_GROUPS
+#define WG_STEP_GROUPS 0
+#endif
 __device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QSlot& sl, unsigned long long desc0,
                                               bool fresh = false) {
     const QScales q = quad_scales(sl);
+#if WG_STEP_GROUPS
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) quad_half(sl, q, s >> 1, mt, s & 1, a[mt]);
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) wgmma_rs(acc[mt], a[mt], X_DESC(desc0, s), s > 0 || !fresh);
+        wgmma_commit();
+        wgmma_wait<1>();
+    }
+#else
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         u32 a_lo[MT][4], a_hi[MT][4];
@@ -184,6 +203,7 @@ __device__ __forceinline__ void apply_quad_wg(float (&acc)[MT][4 * NB], const QS
         wgmma_commit();
         wgmma_wait<1>();
     }
+#endif
 }
 
 // lane (g, t) holds rows g, g + 8 of each of its tiles x sequences 8c + 2t, + 1: element j of tile mt

@@ -134,6 +134,17 @@ FRESH_MIN_BT = 128
 # direction (5120x12288 Q4_0 B = 8: 18.3 us with 4 stages, 19.4 with 8, 20.0 with 10; 34816x5120 B = 8: 44.4 / 43.1).
 MMA_MAX_BT = 8
 MMA_CWG = 2
+# batch tiles from which the consumers commit their wgmmas one k16 step at a time (int4_wgmma's WG_STEP_GROUPS, the
+# same wgmmas in the same order: the same bits) instead of a word's two steps together. At 128 sequences four
+# consumer warpgroups of 112 registers then keep their wgmmas pipelined, where with a word's two steps ptxas
+# serialized them (its C7512; tests/test_int4_wgmma_ws.py checks the offline build). Yet the pipelining buys little:
+# the other warpgroups' wgmmas had been filling the tensor pipe. H200 probe on e5f59ab (int4_gemm's method, us per call
+# at B = 128 without / with, every output bitwise equal): Q4_0 5120x17408 45.08 / 44.44, 5120x12288 35.02 / 34.62,
+# 16384x5120 44.32 / 43.71, 34816x5120 76.47 / 75.69, 5120x6144 24.63 / 24.30, 14336x5120 41.53 / 40.87, 17408x5120
+# 44.56 / 44.91; Q4_K 34816x5120 81.44 / 80.19, 16384x5120 45.62 / 46.08, 5120x17408 46.32 / 46.46. From 16
+# sequences (with the in-loop zeroing, C7515, which serializes anyway) within -2.7..+4.1% either way, and with
+# FRESH_MIN_BT 16 as well up to 5.7% slower (5120x17408 Q4_K B = 64 36.39 against 34.42): 128 only.
+STEP_GROUPS_MIN_BT = 128
 # The producer's weight and scale copies enter L2 as evict-first in a launch of one batch tile (each weight byte read
 # once; several batch tiles re-read them), so the stream does not push out x's staged image, which every row tile's
 # block reads, nor the partials around the call. H200 probe of the hint on bc9f50b (int4_gemm's method: graphed calls
@@ -540,18 +551,22 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
-           mt: int = 2, cwg: int = 2, x_in_gemm: bool | None = None, mma: bool = False) -> str:
+           mt: int = 2, cwg: int = 2, x_in_gemm: bool | None = None, mma: bool = False, fresh: bool | None = None,
+           step_groups: bool | None = None) -> str:
     """One instantiation: int4_wgmma's SOURCE_DEFINES lines (cwg consumer warpgroups of MT m64 tiles), then
     int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL. mma: the
-    consumers on mma.sync (CMMA) instead of wgmma."""
+    consumers on mma.sync (CMMA) instead of wgmma. fresh / step_groups (FRESH_WRITE, WG_STEP_GROUPS): by default
+    from FRESH_MIN_BT and STEP_GROUPS_MIN_BT."""
+    fresh = bt >= FRESH_MIN_BT if fresh is None else fresh
+    step_groups = bt >= STEP_GROUPS_MIN_BT if step_groups is None else step_groups
     head = int4_wgmma.source(fmt, bt, x_f16, out32, cwg, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
     defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
     x_in_gemm = X_IN_GEMM if x_in_gemm is None else x_in_gemm
     producer, consumer = REGS_X_IN_GEMM[cwg] if x_in_gemm else REGS[cwg]
     regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
             f"#define PRODUCER_REGS {producer}\n#define CONSUMER_REGS {consumer}\n#define X_IN_GEMM {int(x_in_gemm)}\n"
-            f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n#define FRESH_WRITE {int(bt >= FRESH_MIN_BT and not mma)}\n"
-            f"#define CMMA {int(mma)}\n")
+            f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n#define FRESH_WRITE {int(fresh and not mma)}\n"
+            f"#define CMMA {int(mma)}\n#define WG_STEP_GROUPS {int(step_groups and not mma)}\n")
     return defines + int4_mma.MMA_COMMON + regs + WS_PRELUDE + int4_wgmma.common_text(bt) + WS_KERNEL
 
 
@@ -619,10 +634,11 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
 
 @functools.lru_cache(maxsize=None)
 def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, cwg: int,
-             device: torch.device, x_in_gemm: bool = False, mma: bool = False):
+             device: torch.device, x_in_gemm: bool = False, mma: bool = False, fresh: bool = False,
+             step_groups: bool = False):
     if not available():
         raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma)
+    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma, fresh, step_groups)
     return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
             int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
 
@@ -696,7 +712,8 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
             raise ValueError(f"w4a16_wgmma_ws: x_image of [{x_image.M}, {x_image.K}] in batch tiles of {x_image.BT} "
                              f"is not this call's (x {tuple(x.shape)}, BT {cfg['BT']}); take it from image_for")
         return _StagedLaunch(cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0,
-                                           cfg["WG_MT"], cfg["CWG"], dev, cfg["x_in_gemm"], bool(cfg["MMA"])), x_image)
+                                           cfg["WG_MT"], cfg["CWG"], dev, cfg["x_in_gemm"], bool(cfg["MMA"]),
+                                           cfg["BT"] >= FRESH_MIN_BT, cfg["BT"] >= STEP_GROUPS_MIN_BT), x_image)
 
     return int4_cuda.run_packed(
         "w4a16_wgmma_ws", x, pw, out,

@@ -55,18 +55,22 @@ def test_ws_source_emulated_matches_wgmma_and_ref(seed, case):
 
 
 @needs_emu
+@pytest.mark.parametrize("form", [("FRESH_MIN_BT",), ("STEP_GROUPS_MIN_BT",), ("FRESH_MIN_BT", "STEP_GROUPS_MIN_BT")])
 @pytest.mark.parametrize("case", [EMU[1], EMU[2], EMU[4], EMU[5]], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
-def test_ws_fresh_write_emulated_matches_wgmma(seed, case, monkeypatch):
+def test_ws_fresh_write_and_step_groups_emulated_match_wgmma(seed, case, form, monkeypatch):
     """Every batch tile in the form that lets a segment's first quad write the accumulators (wgmma scale-d 0, no
-    zeroing in the K loop; FRESH_MIN_BT lowered to 1): int4_wgmma's bits still, over splits, stream-K segments and
-    four consumer warpgroups."""
-    monkeypatch.setattr(ws, "FRESH_MIN_BT", 1)
+    zeroing in the K loop; FRESH_MIN_BT lowered to 1), in the form that commits each k16 step's wgmmas as a group of
+    their own (STEP_GROUPS_MIN_BT lowered to 1), and in both: int4_wgmma's bits still, over splits, stream-K segments
+    and four consumer warpgroups."""
+    for attr in form:
+        monkeypatch.setattr(ws, attr, 1)
     N, K, fmt, Ms, config = case
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
     x = _x(seed, Ms[-1], K, xs, device="cpu")
     cfg = _plan(Ms[-1], N, K, fmt, config)
-    assert "#define FRESH_WRITE 1" in ws.source(fmt, cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0,
-                                                 cfg["WG_MT"], cfg["CWG"])
+    src = ws.source(fmt, cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"])
+    assert ("#define FRESH_WRITE 1" in src) == ("FRESH_MIN_BT" in form)
+    assert ("#define WG_STEP_GROUPS 1" in src) == ("STEP_GROUPS_MIN_BT" in form)
     y = cuda_emu.w4a16_wgmma_ws_emulated(x, pw, out32=True, config=config, seed=seed)
     want = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=ws.wg_equivalent(config), seed=seed + 1)
     assert torch.equal(y, want), f"{config}: not int4_wgmma's bits"
@@ -358,8 +362,9 @@ def _nvcc():
 def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config, x_in_gemm):
     """ptxas on the sm_90a build (offline, nvcc): from FRESH_MIN_BT sequences no wgmma serialization by accumulators
     defined inside the K loop (warning C7515, which zeroing them there causes on split-K builds of 16+ sequences;
-    smaller tiles keep that zeroing, measured no slower there: the module docstring); every build compiles, X_IN_GEMM's
-    too."""
+    smaller tiles keep that zeroing, measured no slower there: the module docstring), and from STEP_GROUPS_MIN_BT
+    none for lack of registers (C7512, which a word's two k16 steps per commit group cause at 128 sequences); every
+    build compiles, X_IN_GEMM's too."""
     import subprocess
 
     cfg = ws.ws_config(M, N, K, fmt, config)
@@ -378,6 +383,9 @@ def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config, x_i
         assert "C7515" not in log, log[-2000:]
     else:
         assert "#define FRESH_WRITE 0" in src
+    if cfg["BT"] >= ws.STEP_GROUPS_MIN_BT:       # one commit group per k16 step: no serialization for registers
+        assert "#define WG_STEP_GROUPS 1" in src
+        assert "C7512" not in log, log[-2000:]
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
