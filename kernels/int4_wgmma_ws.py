@@ -143,8 +143,10 @@ MMA_CWG = 2
 # 16384x5120 44.32 / 43.71, 34816x5120 76.47 / 75.69, 5120x6144 24.63 / 24.30, 14336x5120 41.53 / 40.87, 17408x5120
 # 44.56 / 44.91; Q4_K 34816x5120 81.44 / 80.19, 16384x5120 45.62 / 46.08, 5120x17408 46.32 / 46.46. From 16
 # sequences (with the in-loop zeroing, C7515, which serializes anyway) within -2.7..+4.1% either way, and with
-# FRESH_MIN_BT 16 as well up to 5.7% slower (5120x17408 Q4_K B = 64 36.39 against 34.42): 128 only.
-STEP_GROUPS_MIN_BT = 128
+# FRESH_MIN_BT 16 as well up to 5.7% slower (5120x17408 Q4_K B = 64 36.39 against 34.42). And in the graphed step
+# even 128 loses: the 27B hybrid Q4_0 at B = 128, switch_ab at f8b1ebc (the same tokens), 22.993 ms a step without
+# against 23.156 with. So off (a module switch for probes: a batch tile's size from which it applies).
+STEP_GROUPS_MIN_BT = 1 << 30
 # The producer's weight and scale copies enter L2 as evict-first in a launch of one batch tile (each weight byte read
 # once; several batch tiles re-read them), so the stream does not push out x's staged image, which every row tile's
 # block reads, nor the partials around the call. H200 probe of the hint on bc9f50b (int4_gemm's method: graphed calls
