@@ -446,8 +446,12 @@ def image_for(x: torch.Tensor, pw: PackedWeight):
 # kernels does. H200, 27B hybrid Q4_K at B = 32: a table that gave 5120x6144 the 128-row ws tiles (16.9 us in int4_gemm
 # against the two-blocks-per-SM wgmma's 17.2) ran 11.67 ms per step against 11.55 with the wgmma (2a1defd against
 # 656c769, harness runs; the one pick that differed), ~1.9 us over 64 calls.
-# Since 1e647ff most ws calls of a step take their x from the kernel before (PRODUCER_IMAGES) and skip that launch; the
-# charge was not re-measured, so the table's picks stay as recorded.
+# Since 1e647ff most ws calls of a step take their x from the kernel before (PRODUCER_IMAGES) and skip that launch
+# (and up to 8 sequences the ws kernel stages x itself). Yet without the charge the table is no better: H200 at
+# 10be1b0, switch_ab in one process, MEASURED regenerated from the same int4_gemm rows with CHAIN_US 0 (ws and ws
+# t128 then taken on eight shapes at some B) against this table, ms a step: Llama-3.2-1B Q4_0 B = 1 / 8 / 32 0.548 /
+# 0.662 / 0.881 against 0.548 / 0.674 / 0.885, Q8_0 0.680 / 0.823 / 0.987 against 0.662 / 0.827 / 0.965, the 27B
+# hybrid Q4_K at B = 32 11.102 against 11.158: -1.8% to +2.7%. Kept at 1 us.
 CHAIN_US = dict.fromkeys(WS_CONFIGS, 1.0)
 
 
