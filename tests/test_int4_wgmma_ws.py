@@ -362,9 +362,8 @@ def _nvcc():
 def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config, x_in_gemm):
     """ptxas on the sm_90a build (offline, nvcc): from FRESH_MIN_BT sequences no wgmma serialization by accumulators
     defined inside the K loop (warning C7515, which zeroing them there causes on split-K builds of 16+ sequences;
-    smaller tiles keep that zeroing, measured no slower there: the module docstring), and from STEP_GROUPS_MIN_BT
-    none for lack of registers (C7512, which a word's two k16 steps per commit group cause at 128 sequences); every
-    build compiles, X_IN_GEMM's too."""
+    smaller tiles keep that zeroing, measured no slower there: the module docstring); every build compiles, X_IN_GEMM's
+    too."""
     import subprocess
 
     cfg = ws.ws_config(M, N, K, fmt, config)
@@ -383,9 +382,32 @@ def test_sm90_compile_keeps_wgmmas_pipelined(tmp_path, fmt, N, K, M, config, x_i
         assert "C7515" not in log, log[-2000:]
     else:
         assert "#define FRESH_WRITE 0" in src
-    if cfg["BT"] >= ws.STEP_GROUPS_MIN_BT:       # one commit group per k16 step: no serialization for registers
-        assert "#define WG_STEP_GROUPS 1" in src
-        assert "C7512" not in log, log[-2000:]
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+@pytest.mark.parametrize("N, K", [(5120, 17408), (16384, 5120)])
+def test_sm90_compile_step_groups_keep_wgmmas_pipelined_at_128(tmp_path, fmt, N, K):
+    """ptxas on the sm_90a build at 128 sequences (four consumer warpgroups of 112 registers): with a word's two k16
+    steps per commit group it serializes the wgmmas for lack of registers (warning C7512); with one group per step
+    (WG_STEP_GROUPS, the STEP_GROUPS_MIN_BT switch) it does not."""
+    import subprocess
+
+    cfg = ws.ws_config(128, N, K, fmt)
+    assert cfg["BT"] == 128 and cfg["CWG"] == 4
+    logs = {}
+    for step in (False, True):
+        src = ws.source(fmt, cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"],
+                        False, step_groups=step)
+        assert f"#define WG_STEP_GROUPS {int(step)}" in src
+        cu = tmp_path / f"ws{int(step)}.cu"
+        cu.write_text(src)
+        r = subprocess.run([_nvcc(), "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu),
+                            "-o", str(tmp_path / "ws.cubin")], capture_output=True, text=True, timeout=300)
+        logs[step] = r.stdout + r.stderr
+        assert r.returncode == 0, logs[step][-2000:]
+    assert "C7512" in logs[False], logs[False][-2000:]
+    assert "C7512" not in logs[True], logs[True][-2000:]
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
