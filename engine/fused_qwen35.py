@@ -328,7 +328,7 @@ class FusedQwen35Decoder(DecoderBase):
         kk = conv[:, kd:2 * kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
         v = conv[:, 2 * kd:].view(R, Hv, c.gdn_v_dim)
         o = hk.gdn_step(q, kk, v, alpha, beta, layer["A"], layer["dt"], state.ssm[j], slots, positions, seq_len,
-                        out=buf["gdn_o"], runs=runs)
+                        out=buf["gdn_o"], runs=runs, log=state.log[j])
         # a packed ssm_out in the file's column order reads its input in that order: the norm writes it so
         out_cols = layer.get("out_cols")
         z = z if isinstance(z, SplitSums) else z.unflatten(1, (Hv, c.gdn_v_dim))

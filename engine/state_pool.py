@@ -11,6 +11,10 @@ A GDN layer keeps, per slot, no KV but two fixed-size tensors:
                                      d2384f5, ms a step with a bf16 / fp32 ring, the same tokens: B = 32 11.380 /
                                      11.483, B = 64 15.764 / 15.913, B = 128 24.286 / 24.575)
 where j indexes the GDN layers in order (`layers[j]` is the trunk layer index).
+  log[j]  UpdateLog or None          with a write-back period M > 1 (`writeback`), ssm[j] holds each slot's base
+                                     state and log[j] the (e, k, delta) of the tokens since (kernels/gdn.py's module
+                                     doc): the GDN step then writes the whole state on one token in M, the same bits.
+                                     The fused decoder reads it; the reference model keeps M = 1.
 
 The pool also counts the tokens each slot has absorbed, because a recurrence cannot skip or rewind:
 a forward whose row starts at position 0 begins a new sequence (the slot's state is zeroed first, the
@@ -27,6 +31,18 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 
+# Tokens per state write-back of the fused decoder's pools when the config leaves it to the engine
+# (kv_cache.state_writeback=0): measured on the H200 (experiments/hybrid_27b/README.md).
+WRITEBACK = 2
+
+
+def resolve_writeback(value: int) -> int:
+    """kv_cache.state_writeback as the period a pool is built with: 0 = the engine's WRITEBACK, else itself."""
+    if value < 0:
+        raise ConfigError(f"kv_cache.state_writeback={value}: give the tokens per state write-back (1 = every token, "
+                          "as the reference does) or 0 for the engine's default")
+    return int(value) or WRITEBACK
+
 
 def _slot_list(slots) -> list[int]:
     if isinstance(slots, torch.Tensor):
@@ -38,10 +54,12 @@ def _slot_list(slots) -> list[int]:
 
 class StatePool:
     def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device | str = "cpu",
-                 state_dtype: torch.dtype = torch.float32, conv_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, conv_dtype: torch.dtype = torch.float32, writeback: int = 1):
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"recurrent state dtype {state_dtype} not supported (float32 or bfloat16)")
-        self.cfg, self.num_slots = cfg, num_slots
+        if writeback < 1:
+            raise ConfigError(f"state write-back period {writeback}: it counts tokens per write, 1 or more")
+        self.cfg, self.num_slots, self.writeback = cfg, num_slots, writeback
         self.layers = cfg.gdn_layers
         self.index = {layer: j for j, layer in enumerate(self.layers)}
         ring = max(cfg.gdn_conv_kernel - 1, 0)
@@ -49,6 +67,13 @@ class StatePool:
                     for _ in self.layers]
         self.conv = [torch.zeros(num_slots, cfg.gdn_conv_dim, ring, dtype=conv_dtype, device=device)
                      for _ in self.layers]
+        if writeback > 1:
+            from kernels.gdn import UpdateLog
+
+            self.log = [UpdateLog.empty(num_slots, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim, writeback, device)
+                        for _ in self.layers]
+        else:
+            self.log = [None] * len(self.layers)
         self.seen = [0] * num_slots  # tokens absorbed per slot (host side: checked once per forward)
 
     @property
@@ -57,7 +82,17 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.ssm + self.conv)
+        return sum(t.numel() * t.element_size() for t in self.ssm + self.conv) + sum(g.nbytes for g in self.log if g)
+
+    def step_bytes_per_slot(self) -> float:
+        """Bytes one decode token of one slot moves through the pool, averaged over the write-back period: the
+        state read once and written on one token in M, the conv rings read and written, and (M > 1) a log entry
+        written on the other M - 1 tokens and on average (M - 1) / 2 entries read."""
+        state = sum(t[0].numel() * t.element_size() for t in self.ssm)
+        conv = sum(t[0].numel() * t.element_size() for t in self.conv)
+        M = self.writeback
+        entry = sum(g.nbytes for g in self.log if g) / self.num_slots / max(M - 1, 1)
+        return state * (1 + 1 / M) + 2 * conv + (entry * ((M - 1) / M + (M - 1) / 2) if M > 1 else 0.0)
 
     def reset(self, slots) -> None:
         """Zero the state and conv ring of the given slots (ids: tensor, list or int)."""
@@ -114,12 +149,12 @@ class HybridCache:
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_slots: int, ctx: int, dtype: torch.dtype, device: torch.device | str,
-               state_dtype: torch.dtype = torch.float32) -> HybridCache:
+               state_dtype: torch.dtype = torch.float32, writeback: int = 1) -> HybridCache:
         """Contiguous KV and a state pool for `num_slots` slots; KV and the conv rings in the activations' dtype."""
         from engine.kv_cache import ContiguousKVCache
 
         kv = drop_recurrent_kv(ContiguousKVCache(cfg, num_slots, ctx, dtype, device), cfg)
-        return cls(kv, StatePool(cfg, num_slots, device, state_dtype, conv_dtype=dtype))
+        return cls(kv, StatePool(cfg, num_slots, device, state_dtype, conv_dtype=dtype, writeback=writeback))
 
     @property
     def num_slots(self) -> int:

@@ -58,12 +58,13 @@ def runs_from_csv(name: str) -> pd.DataFrame:
 ROW_KEYS: dict[str, tuple[str, ...]] = {
     "int4_gemm": ("params.micro.n", "params.micro.k", "params.micro.fmt", "params.batch.size"),
     "hybrid_27b": ("params.engine.weights", "params.model.synthetic.weight_type", "params.engine.int4",
-                   "params.kv_cache.state_dtype", "params.scheduler.mode", "params.scheduler.prefill", "params.engine.pdl",
-                   "params.batch.size"),
+                   "params.kv_cache.state_dtype", "metrics.state_writeback", "params.scheduler.mode",
+                   "params.scheduler.prefill", "params.engine.pdl", "params.batch.size"),
     "int4_e2e": ("params.model.name", "params.engine.weights", "params.engine.pdl", "params.batch.size"),
 }
 # a key column that runs recorded before it existed lack, and the value they ran with
-ROW_KEY_DEFAULTS = {"params.engine.pdl": "False"}   # PDL came in with engine.pdl (kernels/pdl.py)
+ROW_KEY_DEFAULTS = {"params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
+                    "metrics.state_writeback": "1"}   # the state written every token until kv_cache.state_writeback
 
 
 def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
@@ -374,6 +375,8 @@ def hybrid_27b(df: pd.DataFrame):
         "int4 kernel": (df["params.engine.int4"].where(df["params.engine.weights"] == "packed", "—")
                         if "params.engine.int4" in df else "—"),
         "state": df["params.kv_cache.state_dtype"] if "params.kv_cache.state_dtype" in df else "float32",
+        # tokens per write of the whole state (kv_cache.state_writeback; rows from before it wrote every token)
+        "write-back": _opt(df, "metrics.state_writeback").fillna(1).astype(int),
         # continuous serving's prompts go through the decode step token by token, or in chunks ("chunked")
         "mode": df["params.scheduler.mode"] + (df["params.scheduler.prefill"] if "params.scheduler.prefill" in df
                                                else pd.Series("", index=df.index)).eq("chunked").map(
@@ -389,10 +392,11 @@ def hybrid_27b(df: pd.DataFrame):
         "bf16 state: greedy agree": _opt(df, "metrics.bf16_state_greedy_agree"),
         "bf16 state: logit err": _opt(df, "metrics.bf16_state_logit_err"),
         "verified": check(num(df, "metrics.verify_ok")),
-    }).sort_values(["weights", "type", "state", "mode", "PDL", "B"], ascending=[False, False, False, False, True, True])
+    }).sort_values(["weights", "type", "state", "write-back", "mode", "PDL", "B"],
+                   ascending=[False, False, False, True, False, True, True])
     standing = hybrid_27b_standing(d.assign(_start=df["start_time"] if "start_time" in df else ""))
-    md = d.to_markdown(index=False, floatfmt=("", "", "", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f", ".0%",
-                                              ".1e", ""))
+    md = d.to_markdown(index=False, floatfmt=("", "", "", "", ".0f", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f",
+                                              ".0%", ".1e", ""))
     return _standing(standing, md.replace("nan%", "—").replace("nan", "—")), None
 
 

@@ -46,14 +46,15 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
 
 def hybrid_floor_bytes(cfg: ModelConfig, weight_bytes: int, kv, batch: int, prompt_len: int, steps: int) -> float:
     """Mean bytes per decode step of a hybrid model (kv: a HybridCache): the weights as the decoder holds them
-    (`weight_bytes`, e.g. packed int4), plus per slot every GDN layer's recurrent state and conv ring read
-    once and written once, plus the attention layers' KV read over positions 0..pos and one row written."""
+    (`weight_bytes`, e.g. packed int4), plus per slot what every GDN layer's pool moves per token (the state read
+    once and written once, or once in M tokens with a write-back period M, plus its log; the conv ring read and
+    written: StatePool.step_bytes_per_slot), plus the attention layers' KV read over positions 0..pos and one row
+    written."""
     if steps == 0:
         return 0.0
     st = kv.state
-    state = st.nbytes / st.num_slots  # one slot's state + conv rings, all GDN layers
     attn = [i for i in range(cfg.n_layers) if i not in set(cfg.gdn_layers)]
     elem = kv.kv.k[attn[0]].element_size() if attn else 0
     kv_tok = len(attn) * 2 * cfg.kv_dim * elem
     mean_len = sum(prompt_len + s + 1 for s in range(steps)) / steps
-    return weight_bytes + batch * (2 * state + kv_tok * (mean_len + 1))
+    return weight_bytes + batch * (st.step_bytes_per_slot() + kv_tok * (mean_len + 1))

@@ -47,11 +47,25 @@ class Built:
     engine_cfg: object
     model: object = None
     state_dtype: torch.dtype = torch.float32  # hybrid models: the recurrent state pool's dtype
+    state_writeback: int = 0  # hybrid models: kv_cache.state_writeback (0: the engine's default, read per cache)
+
+    def writeback(self) -> int:
+        """The write-back period of the next state pool: the reference model's is always 1."""
+        from engine.state_pool import resolve_writeback
+
+        period = resolve_writeback(self.state_writeback)
+        if self.backend == "torch" and period != 1:
+            if self.state_writeback:     # asked for explicitly: refused rather than silently ignored
+                raise ConfigError(f"kv_cache.state_writeback={self.state_writeback} runs in the fused decoder "
+                                  "(engine.backend=triton); the torch reference writes the state every token: use 1")
+            return 1
+        return period
 
     def cache(self, slots: int, ctx: int):
         """A fresh KV cache of `slots` slots (a HybridCache: KV + recurrent state, for hybrid models)."""
         if self.cfg.arch == "qwen35":
-            return HybridCache.create(self.cfg, slots, ctx, self.dtype, self.device, self.state_dtype)
+            return HybridCache.create(self.cfg, slots, ctx, self.dtype, self.device, self.state_dtype,
+                                      writeback=self.writeback())
         return ContiguousKVCache(self.cfg, slots, ctx, self.dtype, self.device)
 
     def stepper(self, batch: int, sampling: SamplingParams, ctx: int, max_len: int | None = None):
@@ -116,6 +130,9 @@ def build(cfg) -> Built:
     dev, dtype, backend = resolve_engine(cfg.engine)
     if cfg.kv_cache.state_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"kv_cache.state_dtype={cfg.kv_cache.state_dtype!r}; choose float32 or bfloat16")
+    from engine.state_pool import resolve_writeback
+
+    resolve_writeback(int(cfg.kv_cache.state_writeback))     # a negative period is refused before the model loads
     packed = cfg.engine.weights == "packed"
     if packed:
         from kernels.int4_dispatch import set_policy
@@ -126,6 +143,7 @@ def build(cfg) -> Built:
     if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:  # a sweep's next job: same weights, no regeneration
         b = _IN_MEMORY["built"]
         b.state_dtype = DTYPES[cfg.kv_cache.state_dtype]
+        b.state_writeback = int(cfg.kv_cache.state_writeback)
         pdl.configure(bool(cfg.engine.pdl), cfg.batch.size, b.cfg.arch)   # as below: before any stepper is made
         return b
     _IN_MEMORY.clear()  # free the previous model before making another
@@ -150,7 +168,9 @@ def build(cfg) -> Built:
 
         check_hybrid_serving(mcfg, cfg.kv_cache.prefix)
     b = Built(mcfg, weights, tokenizer, dev, dtype, backend, gguf_path, 0.0, cfg.engine,
-              state_dtype=DTYPES[cfg.kv_cache.state_dtype])
+              state_dtype=DTYPES[cfg.kv_cache.state_dtype], state_writeback=int(cfg.kv_cache.state_writeback))
+    if mcfg.arch == "qwen35":
+        b.writeback()   # a period the backend cannot run is refused before any run
     if backend == "torch":
         b.model = build_model(mcfg, weights, get_ops("torch"))
     elif mcfg.arch == "qwen35":
@@ -338,7 +358,7 @@ def _hybrid_metrics(built: Built, kv, B: int, ids: list[int], single: StaticBatc
     position plus 16 decode steps (tokens from the fp32 run) through both pools: max |logit error| relative
     to the logit scale and the fraction of positions whose argmax agrees."""
     st = kv.state
-    out = {"state_mb_per_slot": st.nbytes / st.num_slots / 2**20}
+    out = {"state_mb_per_slot": st.nbytes / st.num_slots / 2**20, "state_writeback": float(st.writeback)}
     if built.state_dtype == torch.float32:
         return out
     bf16_state = built.state_dtype

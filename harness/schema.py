@@ -67,6 +67,9 @@ class KVCacheCfg:
     prefix: str = "off"  # off | pinned (the seed: the shared prefix prefilled once) | auto (hash-chain caching)
     pool_vs_peak: float = 0.0  # > 0: size the paged pool at this multiple of the peak block demand (host dry run)
     state_dtype: str = "float32"  # hybrid models' recurrent state pool: float32 | bfloat16
+    # hybrid models, fused decoder: tokens per write of the whole state (1 = every token; between writes a log of
+    # each token's rank-1 update, kernels/gdn.py); 0 = the engine's default (engine/state_pool.py WRITEBACK)
+    state_writeback: int = 0
 
 
 @dataclass

@@ -86,7 +86,8 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         from engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
 
         kv = HybridCache(drop_recurrent_kv(kv, built.cfg),
-                         StatePool(built.cfg, kv.num_slots, dev, built.state_dtype, conv_dtype=dt))
+                         StatePool(built.cfg, kv.num_slots, dev, built.state_dtype, conv_dtype=dt,
+                                   writeback=built.writeback()))
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
     sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids, prefix_burst(B, sc))
     # every position stays below the longest request's length: the attention grid is sized for it

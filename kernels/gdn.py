@@ -46,6 +46,20 @@ gdn_step_{ref,triton}(q, k, v, a, b, A, dt_bias, state, slots, positions=None, s
     columns a program on the flat grid (4 or 2 warps) lost at every B from 32 (B = 128: 25.138 / 24.428).
     Every program depends only on its own row, so results are batch invariant (bitwise).
 
+State write-back every M tokens (``log``: an UpdateLog of period M > 1; positions required). A step's new state is
+S_t = e_t S_{t-1} + k_t delta_t^T: the decayed old state plus one outer product. So the pool need not hold S after every
+token: it holds the base state S_b after the slot's last "aligned" token, and a log of the (e, k, delta) of each token
+since, which is 1 / 64 of a [Dk, Dv] state per token. A program rebuilds S_{t-1} from the base and the log in registers
+(r rank-1 updates, the same fp32 operations the step made, bf16 pools rounded after each as before), makes its token's
+step, and then writes either the log entry (256 + 512 bytes a value head) or, on an aligned token, the whole state. A
+decode step then reads the state once and writes it on one step in M, 1 + 1/M states of traffic instead of 2, with the
+same bits as writing it every step (tests/test_kernels_gdn.py checks both). Token p of slot s has phase (p + s) % M and
+is aligned at phase M - 1: the slot's own offset spreads the full writes evenly over the steps of a static batch, so
+every step moves the same bytes. A run of T tokens writes the state at its last aligned token and log entries for the
+tokens after it. A sequence's first M tokens need no old base: before its first aligned token the base is zero.
+Positions fix the phases, so a slot restarting at position 0 needs no reset, as before; without positions (the pools
+always continued) only M = 1 is defined.
+
 The two in one launch was tried at 2fce2d3 and not kept: each GDN program computing its own q, k, v (the conv of
 its key head's q / k channels and of its v columns, the same bits), its v ring rewritten by itself and the key head's
 q / k ring by the last of the key head's programs to count itself in on an atomic. It gave the two kernels' bits and
@@ -63,6 +77,8 @@ and accept non-contiguous row/head views (unit stride in the last dim): they can
 graph and replayed with new inputs/slots written in place.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +138,51 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+class UpdateLog(NamedTuple):
+    """The per-token updates a state pool written back every `period` tokens holds since each slot's base state
+    (module doc): entry j of a slot is the token of phase j. fp32 whatever the pool's dtype. k and e are kept once per
+    column block of the kernel (`copies`), so that each program reads and writes only its own entries: a run that
+    wraps past an aligned token rewrites entries another program of its head may not have replayed yet."""
+    k: torch.Tensor       # [slots, Hv, copies, period - 1, Dk]  the token's l2-normalised k (its value head's key head)
+    delta: torch.Tensor   # [slots, Hv, period - 1, Dv]          beta (v - (e S)^T k)
+    decay: torch.Tensor   # [slots, Hv, copies, period - 1]      e = exp(g)
+
+    @property
+    def period(self) -> int:
+        return self.k.shape[3] + 1
+
+    @property
+    def copies(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+    @classmethod
+    def empty(cls, slots: int, hv: int, dk: int, dv: int, period: int, device, block_v: int | None = None) -> UpdateLog:
+        """A zeroed log for the kernel's column blocks (block_v state columns a program; its default when None)."""
+        if period < 2:
+            raise ValueError(f"an update log needs a write-back period >= 2 (got {period}); period 1 keeps no log")
+        c = -(-dv // min(block_v or default_block_v(hv, dv), _next_pow2(dv)))
+        f = dict(dtype=torch.float32, device=device)
+        return cls(torch.zeros(slots, hv, c, period - 1, dk, **f), torch.zeros(slots, hv, period - 1, dv, **f),
+                   torch.zeros(slots, hv, c, period - 1, **f))
+
+
+def _check_log(log: UpdateLog, state: torch.Tensor, positions, copies: int | None = None) -> None:
+    if positions is None:
+        raise ValueError("a state written back every few tokens (an UpdateLog) needs positions: they set each token's "
+                         "phase; without positions only write-back period 1 is defined")
+    n, hv, dk, dv = state.shape
+    m, c = log.period - 1, log.copies if copies is None else copies
+    want = ((n, hv, c, m, dk), (n, hv, m, dv), (n, hv, c, m))
+    got = tuple(tuple(t.shape) for t in log)
+    if got != want or any(t.dtype != torch.float32 or not t.is_contiguous() for t in log):
+        raise ValueError(f"update log shapes {got} (fp32, contiguous) do not fit the state pool {tuple(state.shape)} "
+                         f"with {c} column blocks a head: want {want} (UpdateLog.empty with the kernel's block_v)")
+
+
 # --------------------------------------------------------------------------------------------------
 # torch references (the model's own functions; host reads allowed, as in every reference)
 
@@ -179,12 +240,20 @@ def conv_ring_update_ref(x: torch.Tensor, conv_state: torch.Tensor, conv_weight:
 
 def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                  positions: torch.Tensor | None = None, seq_len: int = 1,
-                 runs: torch.Tensor | None = None) -> torch.Tensor:
+                 runs: torch.Tensor | None = None, log: UpdateLog | None = None) -> torch.Tensor:
     """Qwen35Model.gated_delta_net's recurrence over runs of seq_len rows, or the ragged runs (see module doc); rows
     of runs with slot < 0 are skipped (output 0); runs starting at position 0 start from a zero state.
-    Returns o [R, Hv, Dv] fp32; `state` is updated in place."""
+    Returns o [R, Hv, Dv] fp32; `state` is updated in place (with `log`: written back every log.period tokens)."""
     R, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
+    if log is not None and log.period > 1:
+        _check_log(log, state, positions)
+        if runs is not None:
+            bounds = _run_bounds(runs, R, slots)
+        else:
+            _runs(R, seq_len, slots, positions)      # checks that the rows split into runs of seq_len
+            bounds = [(s, s + seq_len) for s in range(0, R, seq_len)]
+        return _written_back_ref(q, k, v, a, b, A, dt_bias, state, log, slots, positions, bounds)
     if runs is not None:
         out = torch.zeros(R, hv, dv, dtype=torch.float32, device=v.device)
         for s, e in _run_bounds(runs, R, slots):
@@ -205,6 +274,59 @@ def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Te
         rs = lambda t: t.reshape(n, T, *t.shape[1:])[live]  # noqa: E731
         out[live] = Qwen35Model.delta_rule(rs(qn), rs(kn), rs(v.float()), rs(g), rs(beta), state, run_slots[live])
     return out.reshape(R, hv, dv)
+
+
+def _written_back_ref(q, k, v, a, b, A, dt_bias, state, log: UpdateLog, slots, positions, bounds) -> torch.Tensor:
+    """The recurrence with the state written back every log.period tokens (module doc), one run at a time: the
+    definition of what the base state and the log hold."""
+    R, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    M = log.period
+    qn = (l2norm(q.float()) * dk ** -0.5).repeat_interleave(hv // hk, dim=1)
+    kv_ = l2norm(k.float()).repeat_interleave(hv // hk, dim=1)   # [R, Hv, Dk]
+    beta = torch.sigmoid(b.float())
+    e_all = (A.float() * F.softplus(a.float() + dt_bias.float())).exp()
+    rnd = (lambda t: t.to(state.dtype).float()) if state.dtype != torch.float32 else (lambda t: t)  # noqa: E731
+    out = torch.zeros(R, hv, dv, dtype=torch.float32, device=v.device)
+    for s0, s1 in bounds:
+        slot = int(slots[s0])
+        if slot < 0:
+            continue
+        p0, p_last = int(positions[s0]), int(positions[s0]) + (s1 - s0) - 1
+        S = materialize_state(state, log, slot, p0)
+        last_aligned = p_last - (p_last + slot + 1) % M
+        for row in range(s0, s1):
+            p = p0 + row - s0
+            S = S * e_all[row, :, None, None]
+            recall = (S * kv_[row, :, :, None]).sum(-2)          # S^T k  [Hv, Dv]
+            delta = beta[row, :, None] * (v[row].float() - recall)
+            S = rnd(S + kv_[row, :, :, None] * delta[:, None, :])
+            out[row] = (S * qn[row, :, :, None]).sum(-2)
+            ph = (p + slot) % M
+            if ph == M - 1:
+                if p == last_aligned:
+                    state[slot] = S.to(state.dtype)
+            elif p > last_aligned:                          # every column block's copy of k and e alike
+                log.k[slot, :, :, ph] = kv_[row, :, None]
+                log.decay[slot, :, :, ph] = e_all[row, :, None]
+                log.delta[slot, :, ph] = delta
+    return out
+
+
+def materialize_state(state: torch.Tensor, log: UpdateLog | None, slot: int, position: int) -> torch.Tensor:
+    """Slot `slot`'s state S after token position - 1 as fp32 [Hv, Dk, Dv], rebuilt from a pool written back every
+    log.period tokens (the pool's slot itself with no log): what the next token at `position` starts from."""
+    if log is None or log.period == 1:
+        return state[slot].float() if position > 0 else torch.zeros_like(state[slot], dtype=torch.float32)
+    M = log.period
+    r = (position + slot) % M
+    n = min(r, position)
+    S = state[slot].float() if position > r else torch.zeros_like(state[slot], dtype=torch.float32)
+    for j in range(r - n, r):
+        S = S * log.decay[slot, :, 0, j, None, None] + log.k[slot, :, 0, j, :, None] * log.delta[slot, :, j, None, :]
+        if state.dtype != torch.float32:
+            S = S.to(state.dtype).float()
+    return S
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,26 +445,57 @@ def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tenso
 
 @triton.jit
 def _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
-                HAS_POS: tl.constexpr):
+                HAS_POS: tl.constexpr, WB: tl.constexpr = 1):
     """Slot `slot`'s [BK, BV] fp32 tile of head h's state, columns vb * BV on; zeros for a run at position 0 (a new
-    sequence: the pool's old contents are not read) and for an empty run (slot -1)."""
+    sequence: the pool's old contents are not read) and for an empty run (slot -1). WB > 1 (written back every WB
+    tokens): the base state, zeros before the sequence's first aligned token."""
     kk = tl.arange(0, BK)
     vv = vb * BV + tl.arange(0, BV)
     sm = (kk < DK)[:, None] & (vv < DV)[None, :] & ((tl.zeros([BK, BV], tl.int64) + slot) >= 0)
     if HAS_POS:
-        sm = sm & (tl.load(pos_ptr + r0 + tl.zeros([BK, BV], tl.int64), mask=sm, other=0) != 0)
+        p0 = tl.load(pos_ptr + r0 + tl.zeros([BK, BV], tl.int64), mask=sm, other=0)
+        if WB > 1:
+            sm = sm & (p0 > (p0 + slot) % WB)
+        else:
+            sm = sm & (p0 != 0)
     sp_ptrs = s_ptr + ((tl.maximum(slot, 0) * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
     return tl.load(sp_ptrs, mask=sm, other=0.0, eviction_policy="evict_first").to(tl.float32)   # read once
 
 
 @triton.jit
+def _rank1(S, k, delta, s_ptr, BK: tl.constexpr, BV: tl.constexpr):
+    """S + k delta^T as one explicit fma per element (so a replayed update rounds exactly as the step did), then
+    rounded to the pool's dtype (bf16 pools: every token)."""
+    S = tl.fma(tl.broadcast_to(k[:, None], (BK, BV)), tl.broadcast_to(delta[None, :], (BK, BV)), S)
+    return S.to(s_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _replay_log(S, s_ptr, lk_ptr, ld_ptr, le_ptr, p0, slot, h, vb, kk, km, vv, vm, HV, DK, DV,
+                WB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr):
+    """The base state brought to token p0 - 1: the logged tokens since the slot's last aligned one, in order (this
+    program's own copies of k and e). A loop of r iterations, each one round trip for its entry's loads: unrolled
+    over all WB - 1 entries (masked loads, the dead ones' updates discarded by a select) it was slower, the select
+    holding a second state tile in registers (H200, 27B Q4_0 graphed steps, switch_ab, ms a step at WB = 2: B = 32
+    10.53 against 10.32, B = 128 23.29 against 22.20)."""
+    r = ((p0 + slot) % WB).to(tl.int32)
+    own = ((slot * HV + h) * NVB + vb) * (WB - 1)
+    for j in range(r - tl.minimum(r, p0.to(tl.int32)), r):
+        kj = tl.load(lk_ptr + (own + j) * DK + kk, mask=km, other=0.0)
+        dj = tl.load(ld_ptr + ((slot * HV + h) * (WB - 1) + j) * DV + vv, mask=vm, other=0.0)
+        S = _rank1(S * tl.load(le_ptr + own + j), kj, dj, s_ptr, BK, BV)
+    return S
+
+
+@triton.jit
 def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr, pos_ptr, run_ptr,
+                     lk_ptr, ld_ptr, le_ptr,
                      T, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                      stride_ar, stride_br, stride_or, stride_oh,
                      HV, DK, DV, scale, eps,
                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
                      HAS_POS: tl.constexpr, RAGGED: tl.constexpr = False, STATE_EARLY: tl.constexpr = False,
-                     PDL: tl.constexpr = False, NVB: tl.constexpr = 1):
+                     PDL: tl.constexpr = False, NVB: tl.constexpr = 1, WB: tl.constexpr = 1):
     pid = tl.program_id(0)      # column block fastest, then head, then run: a slot's state read as one stretch
     vb = pid % NVB
     h = (pid // NVB) % HV
@@ -351,7 +504,7 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
     # that is safe); the q / k / v / gate inputs, which the kernel before writes, only after it
     if STATE_EARLY:
         r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
-        S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS)
+        S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS, WB)
     pdl.enter(PDL)  # kernels/pdl.py
     if not STATE_EARLY:
         r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
@@ -366,7 +519,13 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
         dt = tl.load(dt_ptr + h).to(tl.float32)
         sp_ptrs = s_ptr + ((slot * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
         if not STATE_EARLY:
-            S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS)
+            S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS, WB)
+        if WB > 1:      # written back every WB tokens: the base plus the logged tokens since (module doc)
+            p0 = tl.load(pos_ptr + r0)
+            S = _replay_log(S, s_ptr, lk_ptr, ld_ptr, le_ptr, p0, slot, h, vb, kk, km, vv, vm, HV, DK, DV,
+                            WB, BK, BV, NVB)
+            p_last = p0 + T - 1
+            last_aligned = p_last - (p_last + slot + 1) % WB
         for t in range(0, T):
             r = r0 + t
             q = tl.load(q_ptr + r * stride_qr + hk * stride_qh + kk, mask=km, other=0.0).to(tl.float32)
@@ -378,24 +537,39 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
             sp = tl.where(x > SP_THRESH, x, tl.log(1.0 + tl.exp(tl.minimum(x, SP_THRESH))))
             g = A * sp
             beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + r * stride_br + h).to(tl.float32)))
-            S = S * tl.exp(g)
+            e = tl.exp(g)
+            S = S * e
             recall = tl.sum(S * k[:, None], axis=0)                       # S^T k  [BV]
             delta = beta * (v - recall)
-            S = S + k[:, None] * delta[None, :]
-            S = S.to(s_ptr.dtype.element_ty).to(tl.float32)               # bf16 pools: round every token
+            S = _rank1(S, k, delta, s_ptr, BK, BV)                        # bf16 pools: rounded every token
             o = tl.sum(S * q[:, None], axis=0)                            # S^T q after the update
             tl.store(o_ptr + r * stride_or + h * stride_oh + vv, o.to(o_ptr.dtype.element_ty), mask=vm)
-        tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")   # written once
+            if WB > 1:
+                p = p0 + t
+                ph = (p + slot) % WB
+                if ph == WB - 1:
+                    if p == last_aligned:       # the run's last aligned token: its state is the new base
+                        tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")
+                elif p > last_aligned:          # a token after it: its update goes to the log
+                    own = ((slot * HV + h) * NVB + vb) * (WB - 1) + ph
+                    tl.store(ld_ptr + ((slot * HV + h) * (WB - 1) + ph) * DV + vv, delta, mask=vm)
+                    tl.store(lk_ptr + own * DK + kk, k, mask=km)
+                    tl.store(le_ptr + own, e)
+        if WB == 1:
+            tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")   # written once
 
 
 def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor | None = None, seq_len: int = 1,
                     out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int = 4,
-                    runs: torch.Tensor | None = None, state_early: bool | None = None) -> torch.Tensor:
+                    runs: torch.Tensor | None = None, state_early: bool | None = None,
+                    log: UpdateLog | None = None) -> torch.Tensor:
+    """log: the pool's UpdateLog when it is written back every log.period > 1 tokens (module doc); needs positions."""
     R, hk, dk = q.shape
     _, hv, dv = v.shape
     assert k.shape == q.shape and hv % hk == 0
     assert state.shape[1:] == (hv, dk, dv) and state.is_contiguous(), state.shape
+    wb = 1 if log is None else log.period
     assert a.shape == (R, hv) and b.shape == (R, hv) and A.shape == (hv,) and dt_bias.shape == (hv,)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     assert slots.shape == (R,) and slots.is_contiguous()
@@ -410,14 +584,17 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
     if state_early is None:     # inside a CUDA graph's capture, up to STATE_BEFORE_WAIT_MAX_RUNS runs
         state_early = (n_runs <= STATE_BEFORE_WAIT_MAX_RUNS and v.is_cuda and torch.cuda.is_current_stream_capturing())
     nvb = triton.cdiv(dv, BV)
+    if wb > 1:
+        _check_log(log, state, positions, copies=nvb)
     _gdn_step_kernel[(n_runs * hv * nvb,)](q, k, v, a, b, A, dt_bias, state, out, slots,
-                           positions if positions is not None else slots, runs if runs is not None else slots, seq_len,
+                           positions if positions is not None else slots, runs if runs is not None else slots,
+                           *(log if wb > 1 else (state, state, state)), seq_len,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            a.stride(0), b.stride(0), out.stride(0), out.stride(1),
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
                            HAS_POS=positions is not None, RAGGED=runs is not None, STATE_EARLY=bool(state_early),
-                           NVB=nvb, num_warps=num_warps, **pdl.triton_opts(q.device))
+                           NVB=nvb, WB=wb, num_warps=num_warps, **pdl.triton_opts(q.device))
     return out
 
 

@@ -15,7 +15,7 @@ from kernels.splitk import SplitSums
 class HybridKernels:
     name: str
     conv_ring_update: Callable     # kernels/gdn.py: causal conv + SiLU over the slot's ring (position 0 = fresh)
-    gdn_step: Callable             # kernels/gdn.py: gates + delta rule in place in the state pool
+    gdn_step: Callable             # kernels/gdn.py: gates + delta rule in place in the state pool (+ its log)
     gated_rms_norm: Callable       # kernels/gdn.py: rms_norm(o) * w * silu(z)
     gated_rope_kv_write: Callable  # kernels/gated_attention.py: q/k norm, partial RoPE, KV write
     sigmoid_gate_mul: Callable     # kernels/gated_attention.py: o * sigmoid(gate)
@@ -34,8 +34,8 @@ def get_hybrid_kernels(backend: str) -> HybridKernels:
             y = conv_ring_update_ref(x, ring, w, slots, positions, seq_len, runs=runs)
             return y if out is None else out.copy_(y)
 
-        def gdn(q, k, v, a, b, A, dt, state, slots, positions=None, seq_len=1, out=None, runs=None):
-            y = gdn_step_ref(q, k, v, a, b, A, dt, state, slots, positions, seq_len, runs=runs)
+        def gdn(q, k, v, a, b, A, dt, state, slots, positions=None, seq_len=1, out=None, runs=None, log=None):
+            y = gdn_step_ref(q, k, v, a, b, A, dt, state, slots, positions, seq_len, runs=runs, log=log)
             return y if out is None else out.copy_(y)
 
         return HybridKernels("torch", conv, gdn, gated_rms_norm_ref, gated_rope_kv_write_ref, sigmoid_gate_mul_ref)

@@ -79,8 +79,8 @@ def fused(cfg, w, backend="torch", max_pos=128):
     return FusedQwen35Decoder(cfg, w, get_step_kernels(backend), max_pos=max_pos)
 
 
-def hybrid(cfg, slots, ctx=64, dtype=torch.float32, device="cpu", state_dtype=torch.float32):
-    return HybridCache.create(cfg, slots, ctx, dtype, device, state_dtype)
+def hybrid(cfg, slots, ctx=64, dtype=torch.float32, device="cpu", state_dtype=torch.float32, writeback=1):
+    return HybridCache.create(cfg, slots, ctx, dtype, device, state_dtype, writeback=writeback)
 
 
 def stepper(model, batch, ctx=64, graphs=False, **kw):
@@ -132,6 +132,23 @@ def test_greedy_matches_reference_model(ggufs, name, prefill):
     st, _ = stepper(fused(cfg, w), 3)  # 3 slots in the 4-row bucket: one padded row on the scratch slot
     got = run_static(st, [p] * 3, 12, prefill=prefill, ctx=64)
     assert verify_greedy(got.outputs, want).ok
+
+
+@pytest.mark.parametrize("writeback", [2, 3])
+def test_state_written_back_every_few_tokens(ggufs, writeback):
+    """The fused decoder (torch kernels) with its pools written back every few tokens: the reference model's greedy
+    tokens from batched and token prefill, and a refilled stepper restarts from zero; the reference model itself
+    refuses such a pool."""
+    cfg, w, _ = load(ggufs["3x-value-heads"])
+    p = prompt(5, 9)
+    ref = build_model(cfg, w, get_ops("torch"))
+    want = generate_static(ref, hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
+    st, kv = stepper(fused(cfg, w), 3, writeback=writeback)
+    assert kv.state.writeback == writeback and kv.state.log[0] is not None
+    for prefill in ("batched", "token", "batched"):     # the last a refill over the earlier sequences
+        assert verify_greedy(run_static(st, [p] * 3, 12, prefill=prefill, ctx=64).outputs, want).ok, prefill
+    with pytest.raises(ConfigError, match="written back every"):
+        ref.forward(torch.tensor([p]), torch.arange(9)[None], torch.tensor([0]), hybrid(cfg, 1, writeback=writeback))
 
 
 def test_static_refill_restarts_slots(ggufs):
@@ -336,9 +353,9 @@ def test_cpu_kernels_in_interpreter_subprocess():
 # GPU: Triton kernels, CUDA graphs
 
 
-def gpu_run(path, B, p, new, graphs=True, prefill="batched", state_dtype=torch.float32):
+def gpu_run(path, B, p, new, graphs=True, prefill="batched", state_dtype=torch.float32, writeback=1):
     cfg, w, _ = load(path, torch.bfloat16, "cuda")
-    st, _ = stepper(fused(cfg, w, "triton"), B, graphs=graphs, state_dtype=state_dtype)
+    st, _ = stepper(fused(cfg, w, "triton"), B, graphs=graphs, state_dtype=state_dtype, writeback=writeback)
     return run_static(st, [p] * B, new, prefill=prefill, ctx=64).outputs
 
 
@@ -449,6 +466,25 @@ def test_gpu_serving_chunked_prefill(ggufs, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", CONFIGS)
+def test_gpu_write_back_gives_the_same_tokens(ggufs, name):
+    """CUDA graphs, every B: the state written back every 4 tokens gives the greedy tokens of writing it every token,
+    with batched and token prefill, fp32 and bf16 state, and after a refill of the same stepper."""
+    p = prompt(27, 11)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        every = {B: gpu_run(ggufs[name], B, p, 24, state_dtype=state_dtype) for B in (1, 8)}
+        for B in (1, 8):
+            assert gpu_run(ggufs[name], B, p, 24, state_dtype=state_dtype, writeback=4) == every[B], (state_dtype, B)
+        assert gpu_run(ggufs[name], 8, p, 24, prefill="token", state_dtype=state_dtype, writeback=4) == every[8]
+    cfg, w, _ = load(ggufs[name], torch.bfloat16, "cuda")
+    st, _ = stepper(fused(cfg, w, "triton"), 4, graphs=True, writeback=3)
+    first = run_static(st, [prompt(28, 7)] * 4, 30, ctx=64).outputs
+    again = run_static(st, [p] * 4, 24, ctx=64).outputs
+    assert again == gpu_run(ggufs[name], 4, p, 24), "a refilled stepper written back every 3 tokens"
+    assert verify_greedy(first, first[0]).ok
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_state_runs(ggufs):
     p = prompt(26, 9)
     out = gpu_run(ggufs["3x-value-heads"], 4, p, 16, state_dtype=torch.bfloat16)
@@ -503,6 +539,19 @@ def test_harness_refuses_prefix_caching(tmp_path):
     with pytest.raises(ConfigError, match="prefix caching is not supported"):
         build(_job(tmp_path, "kv_cache.layout=paged", "kv_cache.prefix=auto", "scheduler=continuous"))
     build(_job(tmp_path, "kv_cache.layout=paged", "scheduler=continuous_chunked"))   # chunked prefill: ragged runs
+
+
+def test_harness_state_writeback_refusals(tmp_path):
+    """A negative write-back period, or one > 1 asked of the torch reference (it writes the state every token), is
+    refused before anything runs; the default (0) leaves the reference at 1."""
+    from harness.run import build
+
+    with pytest.raises(ConfigError, match="state_writeback=-1"):
+        build(_job(tmp_path, "kv_cache.state_writeback=-1"))
+    with pytest.raises(ConfigError, match="state_writeback=2 runs in the fused decoder"):
+        build(_job(tmp_path, "kv_cache.state_writeback=2"))
+    b = build(_job(tmp_path))
+    assert b.writeback() == 1 and b.cache(2, 32).state.writeback == 1
 
 
 def test_in_memory_weights_follow_the_loader_contract(ggufs):

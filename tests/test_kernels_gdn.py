@@ -13,6 +13,7 @@ printed in every failure message.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 
 import pytest
@@ -20,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.qwen35 import Qwen35Model, l2norm
-from kernels.gdn import conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref, gdn_step_triton
+from kernels.gdn import (UpdateLog, conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref, gdn_step_triton,
+                         materialize_state)
 from tests.interpreter import run_in_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -340,6 +342,85 @@ def test_ragged_runs_match_token_by_token():
                                  runs=torch.tensor(bad, dtype=torch.int32, device=DEV))
 
 
+# ------------------------------------------------------------------------------------------------
+# the state written back every M tokens (an UpdateLog beside the pool)
+
+def _write_back_steps(M, state_dtype, lens_per_step, salt, hk=2, hv=6, dk=16, dv=16, block_v=8, ragged=False):
+    """Steps of runs over SLOTS through four pools: the Triton kernel and the reference, each writing the state every
+    token and every M tokens. lens_per_step: per step, each slot's run length (0: no row this step; ragged steps only)
+    or a negative length: the slot restarts a sequence at position 0 with that many tokens. Checks per step: the two
+    Triton forms give the same bits, the references agree with them, and the rebuilt states equal the state written
+    every token."""
+    g = _gen(salt)
+    A, dt = -torch.exp(_randn(g, hv) * 0.5), _randn(g, hv) * 0.5
+    init = (_randn(g, N_SLOTS, hv, dk, dv) * 0.3).to(state_dtype)
+    pools = {f: init.clone() for f in ("te", "tl", "re", "rl")}
+    logs = {f: UpdateLog.empty(N_SLOTS, hv, dk, dv, M, DEV, block_v=block_v) for f in ("tl", "rl")}
+    for f in logs:                                   # stale entries from earlier sequences must never be read
+        for t in logs[f]:
+            t.copy_(_randn(g, *t.shape))
+    tol = TOL * 2 if state_dtype == torch.float32 else 3e-2
+    pos = {s: 0 for s in SLOTS}
+    for step, lens in enumerate(lens_per_step):
+        rows = []
+        for s, n in zip(SLOTS, lens):
+            if n < 0:
+                pos[s], n = 0, -n
+            rows += [(s, pos[s] + t) for t in range(n)]
+            pos[s] += n
+        R = len(rows)
+        slots = _slots([s for s, _ in rows])
+        positions = torch.tensor([p for _, p in rows], device=DEV)
+        kw = {"runs": torch.tensor([0, *itertools.accumulate(abs(n) for n in lens)], dtype=torch.int32, device=DEV)} \
+            if ragged else {"seq_len": abs(lens[0])}
+        c = _gdn_case(salt * 100 + step, R, hk, hv, dk, dv)
+        args = lambda f: _gdn_args(c, pools[f])  # noqa: E731
+        o = {"te": gdn_step_triton(*args("te"), slots, positions, block_v=block_v, **kw),
+             "tl": gdn_step_triton(*args("tl"), slots, positions, block_v=block_v, log=logs["tl"], **kw),
+             "re": gdn_step_ref(*args("re"), slots, positions, **kw),
+             "rl": gdn_step_ref(*args("rl"), slots, positions, log=logs["rl"], **kw)}
+        what = f"M={M} {state_dtype} step {step}"
+        assert _bitwise(o["tl"], o["te"]), _msg(f"{what}: written back every M tokens, the outputs changed bits")
+        _close(o["rl"], o["re"], f"{what}: reference every M tokens vs every token", tol)
+        _close(o["tl"], o["rl"], f"{what}: kernel vs reference, every M tokens", tol)
+        for s in SLOTS:
+            _close(materialize_state(pools["tl"], logs["tl"], s, pos[s]), pools["te"][s].float(),
+                   f"{what}: slot {s} rebuilt from its base and log", tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [2, 3, 5])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_write_back_every_m_tokens_keeps_the_bits(M, state_dtype):
+    """Runs of every length against the period (prefill runs across aligned tokens and short of them, decode steps,
+    a slot restarting at position 0 mid-way) over slots with different phases, every column block its own program."""
+    steps = [[5] * 3, [1] * 3, [1] * 3, [2] * 3, [1] * 3, [7] * 3, [1] * 3, [1] * 3, [1] * 3, [3] * 3]
+    _write_back_steps(M, state_dtype, steps, salt=90 + M)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [2, 4])
+def test_write_back_with_ragged_runs(M):
+    """A serving step's ragged runs: decode rows beside prompt chunks, a restart at position 0 and an idle slot."""
+    steps = [[3, 6, 1], [1, 2, 1], [1, 0, 5], [-4, 1, 1], [1, 1, 0], [2, 3, 1], [1, 1, 1]]
+    _write_back_steps(M, torch.float32, steps, salt=95 + M, ragged=True)
+
+
+@needs_kernel
+def test_write_back_refusals():
+    """A log without positions (no phases), or one laid out for other column blocks, is refused by name."""
+    c = _gdn_case(99, len(SLOTS), 2, 6, 16, 16)
+    slots, pos = _slots(SLOTS), torch.tensor([4, 4, 4], device=DEV)
+    log = UpdateLog.empty(N_SLOTS, 6, 16, 16, 4, DEV, block_v=8)
+    for fn in (gdn_step_triton, gdn_step_ref):
+        with pytest.raises(ValueError, match="needs positions"):
+            fn(*_gdn_args(c, c["state"].clone()), slots, log=log)
+    with pytest.raises(ValueError, match="column blocks"):
+        gdn_step_triton(*_gdn_args(c, c["state"].clone()), slots, pos, block_v=16, log=log)
+    with pytest.raises(ValueError, match="period >= 2"):
+        UpdateLog.empty(N_SLOTS, 6, 16, 16, 1, DEV)
+
+
 @needs_kernel
 def test_state_read_before_the_wait_keeps_the_bits():
     """The graphed form reads each run's state before its PDL wait (kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS):
@@ -410,6 +491,28 @@ def test_gpu_27b_shapes(B):
     _close(out, ref, f"27B conv out B={B}", tol=1e-4)
     assert _bitwise(ring, ring_ref), _msg("27B conv ring differs from the reference")
     _untouched(ring, ring0, used, "27B conv ring")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [2, 4, 8])
+def test_gpu_27b_write_back_keeps_the_bits(M):
+    """27B shapes, the default column blocks, 32 slots: a 22-token prefill run then 12 decode steps, writing the state
+    every M tokens gives the bits of writing it every token, and the rebuilt states equal it."""
+    B, P = 32, 22
+    slots = torch.arange(B, dtype=torch.int32, device=DEV)
+    pools = {f: torch.zeros(B, HV27, D27, D27, device=DEV) for f in ("every", "lazy")}
+    log = UpdateLog.empty(B, HV27, D27, D27, M, DEV)
+    for step in range(13):
+        T = P if step == 0 else 1
+        p0 = 0 if step == 0 else P + step - 1
+        c = _gdn_case(40 + step, B * T, HK27, HV27, D27, D27, n_slots=1)
+        rows, pos = slots.repeat_interleave(T), (p0 + torch.arange(T, device=DEV)).repeat(B)
+        a = gdn_step_triton(*_gdn_args(c, pools["every"]), rows, pos, seq_len=T)
+        b = gdn_step_triton(*_gdn_args(c, pools["lazy"]), rows, pos, seq_len=T, log=log)
+        assert _bitwise(a, b), _msg(f"27B M={M} step {step}: outputs changed bits")
+    end = P + 12
+    for s in range(0, B, 5):
+        _close(materialize_state(pools["lazy"], log, s, end), pools["every"][s], f"27B M={M} slot {s} rebuilt", 1e-5)
 
 
 @pytest.mark.gpu
