@@ -32,7 +32,9 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError
 
 # Tokens per state write-back of the fused decoder's pools when the config leaves it to the engine
-# (kv_cache.state_writeback=0): measured on the H200 (experiments/hybrid_27b/README.md).
+# (kv_cache.state_writeback=0). H200, 27B Q4_0 graphed steps, switch_ab, ms a step with 1 / 2 / 4 / 8 tokens a
+# write: B = 32 10.54 / 10.32 / 10.73 / 11.16, B = 128 23.09 / 22.20 / 23.78 / 25.50 (kernels/gdn.py says why
+# longer periods lose), the same tokens at every period.
 WRITEBACK = 2
 
 

@@ -59,6 +59,15 @@ every step moves the same bytes. A run of T tokens writes the state at its last 
 tokens after it. A sequence's first M tokens need no old base: before its first aligned token the base is zero.
 Positions fix the phases, so a slot restarting at position 0 needs no reset, as before; without positions (the pools
 always continued) only M = 1 is defined.
+What it buys is less than the bytes (H200, 27B Q4_0 graphed steps, switch_ab at f7cd3d6, one process, the same
+tokens, ms a step with M = 1 / 2 / 4 / 8): B = 32 10.54 / 10.32 / 10.73 / 11.16, B = 128 23.09 / 22.20 / 23.78 /
+25.50; B = 1 5.82 / 5.81, B = 8 7.24 / 7.14, B = 64 14.73 / 14.17 (M = 1 / 2). At B = 128 M = 2 moves 3/4 of the
+bytes yet saves 9% of the step's GDN time: without the writes the kernel is bound by what its programs keep in flight
+(one 32 KB tile each in registers, 161-168 registers a thread, three programs an SM), not by HBM, and every logged
+token replayed is a dependent round trip before the step, so longer periods lose. Also measured there and not kept:
+8 warps a program (111-147 registers; B = 128 26.6 ms at M = 2), 32 columns a program (23.68), a cap of 128
+registers (spilling 22 bytes: B = 128 22.08 against 22.29, B = 32 10.43 against 10.32), and the replay unrolled over
+the log with masked loads (_replay_log says why).
 
 The two in one launch was tried at 2fce2d3 and not kept: each GDN program computing its own q, k, v (the conv of
 its key head's q / k channels and of its v columns, the same bits), its v ring rewritten by itself and the key head's
@@ -131,6 +140,9 @@ STATE_BEFORE_WAIT_MAX_RUNS = 1
 # a program / 2 an SM) B = 8 7.529 / 7.549, B = 32 11.337 / 11.388, B = 64 15.907 / 16.010, B = 128 25.42-25.54 /
 # 25.18 (Q4_K 26.13 / 25.89): 1% at 128 sequences, a loss below. Three programs an SM ran in two waves (its registers
 # hold two).
+# the GDN step's launch: BLOCK_V state columns a program (default_block_v says why 64), GDN_WARPS warps
+BLOCK_V = 64
+GDN_WARPS = 4
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 
 
@@ -561,7 +573,7 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
 
 def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor | None = None, seq_len: int = 1,
-                    out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int = 4,
+                    out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int | None = None,
                     runs: torch.Tensor | None = None, state_early: bool | None = None,
                     log: UpdateLog | None = None) -> torch.Tensor:
     """log: the pool's UpdateLog when it is written back every log.period > 1 tokens (module doc); needs positions."""
@@ -594,7 +606,7 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
                            HAS_POS=positions is not None, RAGGED=runs is not None, STATE_EARLY=bool(state_early),
-                           NVB=nvb, WB=wb, num_warps=num_warps, **pdl.triton_opts(q.device))
+                           NVB=nvb, WB=wb, num_warps=num_warps or GDN_WARPS, **pdl.triton_opts(q.device))
     return out
 
 
@@ -609,7 +621,7 @@ def default_block_v(hv: int, dv: int) -> int:
     switch_ab, ms a step with 64 / 128 columns at 4 warps: B = 1 6.563 / 6.647, B = 32 11.408 / 11.816, B = 128
     24.268 / 25.051; with 8 warps 6.693 / 13.051 / 29.933), against the gated norm's whole cost, measured by skipping
     it (outputs wrong): 0.04 / 0.10 / 0.37 ms a step."""
-    return min(64, _next_pow2(dv))
+    return min(BLOCK_V, _next_pow2(dv))
 
 
 # --------------------------------------------------------------------------------------------------
