@@ -31,19 +31,21 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 
-# Tokens per state write-back of the fused decoder's pools when the config leaves it to the engine
+# Tokens per state write-back of the fused decoder's pools, per state dtype, when the config leaves it to the engine
 # (kv_cache.state_writeback=0). H200, 27B Q4_0 graphed steps, switch_ab, ms a step with 1 / 2 / 4 / 8 tokens a
-# write: B = 32 10.54 / 10.32 / 10.73 / 11.16, B = 128 23.09 / 22.20 / 23.78 / 25.50 (kernels/gdn.py says why
-# longer periods lose), the same tokens at every period.
-WRITEBACK = 2
+# write, fp32 state: B = 32 10.54 / 10.32 / 10.73 / 11.16, B = 128 23.09 / 22.20 / 23.78 / 25.50 (kernels/gdn.py says
+# why longer periods lose), the same tokens at every period. A bf16 state (half the bytes a tile) did not gain:
+# experiments/hybrid_27b/README.md has its A/B.
+WRITEBACK = {"float32": 2, "bfloat16": 1}
 
 
-def resolve_writeback(value: int) -> int:
-    """kv_cache.state_writeback as the period a pool is built with: 0 = the engine's WRITEBACK, else itself."""
+def resolve_writeback(value: int, state_dtype: torch.dtype = torch.float32) -> int:
+    """kv_cache.state_writeback as the period a pool is built with: 0 = the engine's WRITEBACK for the state dtype,
+    else itself."""
     if value < 0:
         raise ConfigError(f"kv_cache.state_writeback={value}: give the tokens per state write-back (1 = every token, "
                           "as the reference does) or 0 for the engine's default")
-    return int(value) or WRITEBACK
+    return int(value) or WRITEBACK[str(state_dtype).removeprefix("torch.")]
 
 
 def _slot_list(slots) -> list[int]:

@@ -53,7 +53,7 @@ class Built:
         """The write-back period of the next state pool: the reference model's is always 1."""
         from engine.state_pool import resolve_writeback
 
-        period = resolve_writeback(self.state_writeback)
+        period = resolve_writeback(self.state_writeback, self.state_dtype)
         if self.backend == "torch" and period != 1:
             if self.state_writeback:     # asked for explicitly: refused rather than silently ignored
                 raise ConfigError(f"kv_cache.state_writeback={self.state_writeback} runs in the fused decoder "
