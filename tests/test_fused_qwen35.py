@@ -151,6 +151,22 @@ def test_state_written_back_every_few_tokens(ggufs, writeback):
         ref.forward(torch.tensor([p]), torch.arange(9)[None], torch.tensor([0]), hybrid(cfg, 1, writeback=writeback))
 
 
+def test_write_back_traffic_and_size(ggufs):
+    """What a pool written back every M tokens holds and moves per token, against the one written every token: the
+    state read once and written 1/M of the time, a log entry written on the other tokens and (M - 1) / 2 replayed."""
+    cfg, _, _ = load(ggufs["3x-value-heads"])
+    every, lazy = StatePool(cfg, 3), StatePool(cfg, 3, writeback=4)
+    state = sum(t[0].numel() * 4 for t in every.ssm)
+    conv = sum(t[0].numel() * 4 for t in every.conv)
+    assert every.step_bytes_per_slot() == 2 * state + 2 * conv
+    entry = sum(lg.nbytes for lg in lazy.log) / 3 / 3      # one token's log entry of one slot, all layers
+    assert entry == len(cfg.gdn_layers) * 4 * cfg.gdn_v_heads * (cfg.gdn_k_dim + cfg.gdn_v_dim + 1)
+    assert lazy.step_bytes_per_slot() == pytest.approx(1.25 * state + 2 * conv + entry * (0.75 + 1.5))
+    assert lazy.nbytes == every.nbytes + 3 * 3 * entry
+    with pytest.raises(ConfigError, match="write-back period 0"):
+        StatePool(cfg, 3, writeback=0)
+
+
 def test_static_refill_restarts_slots(ggufs):
     """A stepper whose slots held other sequences (and longer ones) refilled at position 0 gives exactly
     what a fresh stepper gives: the kernels restart the recurrence, no reset call."""
