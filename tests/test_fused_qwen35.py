@@ -342,9 +342,11 @@ def test_triton_batch_streams_equal_single_stream(ggufs):
 
 
 @needs_kernel
-def test_triton_serving_chunked_prefill_matches_token_prefill(ggufs):
+@pytest.mark.parametrize("writeback", [1, 3])
+def test_triton_serving_chunked_prefill_matches_token_prefill(ggufs, writeback):
     """The Triton step (no graphs): chunked prefill's ragged runs and token prefill serve the same greedy outputs,
-    the single-stream outputs of the same engine (static, batched prefill)."""
+    the single-stream outputs of the same engine (static, batched prefill), with the serving pool's state written
+    every token or every 3 (slots refilled mid-way at other phases)."""
     dev = "cuda" if HAS_CUDA else "cpu"
     cfg, w, _ = load(ggufs["3x-value-heads"], torch.bfloat16, dev)
     model = fused(cfg, w, "triton")
@@ -355,7 +357,7 @@ def test_triton_serving_chunked_prefill_matches_token_prefill(ggufs):
         st, _ = stepper(model, 1)
         want[i] = run_static(st, [p], m, prefill="batched", ctx=64).outputs[0]
     for pf in ("token", "chunked"):
-        r = _serve(model, hybrid(cfg, 3, dtype=torch.bfloat16, device=dev), prompts, max_new, pf, 8)
+        r = _serve(model, hybrid(cfg, 3, dtype=torch.bfloat16, device=dev, writeback=writeback), prompts, max_new, pf, 8)
         assert {q.rid: q.output for q in r.finished} == want, pf
 
 
