@@ -49,9 +49,10 @@ gdn_step_{ref,triton}(q, k, v, a, b, A, dt_bias, state, slots, positions=None, s
 State write-back every M tokens (``log``: an UpdateLog of period M > 1; positions required). A step's new state is
 S_t = e_t S_{t-1} + k_t delta_t^T: the decayed old state plus one outer product. So the pool need not hold S after every
 token: it holds the base state S_b after the slot's last "aligned" token, and a log of the (e, k, delta) of each token
-since, which is 1 / 64 of a [Dk, Dv] state per token. A program rebuilds S_{t-1} from the base and the log in registers
-(r rank-1 updates, the same fp32 operations the step made, bf16 pools rounded after each as before), makes its token's
-step, and then writes either the log entry (256 + 512 bytes a value head) or, on an aligned token, the whole state. A
+since: at the 27B's heads (Dk = Dv = 128, two column blocks a head) 1.5 KB a value head and token against its 64 KB
+state. A program rebuilds S_{t-1} from the base and the log in registers (r rank-1 updates, the same fp32 operations
+the step made, bf16 pools rounded after each as before), makes its token's step, and then writes either its part of the
+log entry (its columns of delta, its own copy of k and e) or, on an aligned token, its tile of the whole state. A
 decode step then reads the state once and writes it on one step in M, 1 + 1/M states of traffic instead of 2, with the
 same bits as writing it every step (tests/test_kernels_gdn.py checks both). Token p of slot s has phase (p + s) % M and
 is aligned at phase M - 1: the slot's own offset spreads the full writes evenly over the steps of a static batch, so
