@@ -177,7 +177,7 @@ class UpdateLog(NamedTuple):
         """A zeroed log for the kernel's column blocks (block_v state columns a program; its default when None)."""
         if period < 2:
             raise ValueError(f"an update log needs a write-back period >= 2 (got {period}); period 1 keeps no log")
-        c = -(-dv // min(block_v or default_block_v(hv, dv), _next_pow2(dv)))
+        c = column_blocks(hv, dv, block_v)[1]
         f = dict(dtype=torch.float32, device=device)
         return cls(torch.zeros(slots, hv, c, period - 1, dk, **f), torch.zeros(slots, hv, period - 1, dv, **f),
                    torch.zeros(slots, hv, c, period - 1, **f))
@@ -593,10 +593,9 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
     assert out.shape == (R, hv, dv) and out.stride(2) == 1
     if R == 0:
         return out
-    BV = min(block_v or default_block_v(hv, dv), _next_pow2(dv))
+    BV, nvb = column_blocks(hv, dv, block_v)
     if state_early is None:     # inside a CUDA graph's capture, up to STATE_BEFORE_WAIT_MAX_RUNS runs
         state_early = (n_runs <= STATE_BEFORE_WAIT_MAX_RUNS and v.is_cuda and torch.cuda.is_current_stream_capturing())
-    nvb = triton.cdiv(dv, BV)
     if wb > 1:
         _check_log(log, state, positions, copies=nvb)
     _gdn_step_kernel[(n_runs * hv * nvb,)](q, k, v, a, b, A, dt_bias, state, out, slots,
@@ -609,6 +608,12 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
                            HAS_POS=positions is not None, RAGGED=runs is not None, STATE_EARLY=bool(state_early),
                            NVB=nvb, WB=wb, num_warps=num_warps or GDN_WARPS, **pdl.triton_opts(q.device))
     return out
+
+
+def column_blocks(hv: int, dv: int, block_v: int | None = None) -> tuple[int, int]:
+    """The GDN step's state columns per program (block_v, else the default) and its programs per value head."""
+    bv = min(block_v or default_block_v(hv, dv), _next_pow2(dv))
+    return bv, -(-dv // bv)
 
 
 def default_block_v(hv: int, dv: int) -> int:

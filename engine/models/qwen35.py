@@ -168,7 +168,7 @@ class Qwen35Model(DecoderBase):
         if state is None and self.cfg.gdn_layers:
             raise ConfigError("qwen35 keeps per-slot recurrent state: pass kv=HybridCache(kv, StatePool(...)) "
                               "or state=StatePool(...) (engine/state_pool.py)")
-        if state is not None and getattr(state, "writeback", 1) != 1:
+        if state is not None and state.writeback != 1:
             raise ConfigError(f"the reference qwen35 model reads and writes every slot's whole state each token; its "
                               f"pool is written back every {state.writeback} tokens (a fused-decoder option): build "
                               "it with writeback=1 (kv_cache.state_writeback=1)")
