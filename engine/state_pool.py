@@ -32,11 +32,12 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError
 
 # Tokens per state write-back of the fused decoder's pools, per state dtype, when the config leaves it to the engine
-# (kv_cache.state_writeback=0). H200, 27B Q4_0 graphed steps, switch_ab, ms a step with 1 / 2 / 4 / 8 tokens a
-# write, fp32 state: B = 32 10.54 / 10.32 / 10.73 / 11.16, B = 128 23.09 / 22.20 / 23.78 / 25.50 (kernels/gdn.py says
-# why longer periods lose), the same tokens at every period. A bf16 state (half the bytes a tile) did not gain:
-# experiments/hybrid_27b/README.md has its A/B.
-WRITEBACK = {"float32": 2, "bfloat16": 1}
+# (kv_cache.state_writeback=0). H200, 27B Q4_0 graphed steps, switch_ab in one process, the same tokens at every
+# period. With the written-back kernel capped at 128 registers (kernels/gdn.py GDN_MAXNREG), ms a step with 2 / 3 / 4 /
+# 8 tokens a write, fp32 state: B = 128 21.60 / 21.37 / 20.86 / 21.51, B = 32 10.28 / 10.18 / 10.11 / 10.24, B = 1
+# 5.76 at 3 and 4, 5.83 at 8. bf16 state, M = 1 / 2 / 4 (each M at its best cap): B = 128 20.00 / 20.07 / 20.80, B = 32
+# 9.85 / 9.91 / 10.05, so a bf16 pool keeps writing every token. experiments/hybrid_27b/README.md has the history.
+WRITEBACK = {"float32": 4, "bfloat16": 1}
 
 
 def resolve_writeback(value: int, state_dtype: torch.dtype = torch.float32) -> int:

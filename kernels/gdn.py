@@ -63,9 +63,11 @@ always continued) only M = 1 is defined.
 What it buys is less than the bytes (H200, 27B Q4_0 graphed steps, switch_ab at f7cd3d6, one process, the same
 tokens, ms a step with M = 1 / 2 / 4 / 8): B = 32 10.54 / 10.32 / 10.73 / 11.16, B = 128 23.09 / 22.20 / 23.78 /
 25.50; B = 1 5.82 / 5.81, B = 8 7.24 / 7.14, B = 64 14.73 / 14.17 (M = 1 / 2). At B = 128 M = 2 moves 3/4 of the
-bytes yet saves 9% of the step's GDN time: without the writes the kernel is bound by what its programs keep in flight
+bytes yet saved 9% of the step's GDN time: without the writes the kernel is bound by what its programs keep in flight
 (one 32 KB tile each in registers, 161-168 registers a thread, three programs an SM), not by HBM, and every logged
-token replayed is a dependent round trip before the step, so longer periods lose. Also measured there and not kept:
+token replayed is a dependent round trip before the step, so longer periods lost. Capped at 128 registers (four
+programs an SM; GDN_MAXNREG has the probe) M = 4 pays: 20.86 ms a step at B = 128, against 21.60 at M = 2, and fp32
+pools now default to it (engine/state_pool.py WRITEBACK). Also measured there and not kept:
 8 warps a program (111-147 registers; B = 128 26.6 ms at M = 2), 32 columns a program (23.68), a cap of 128
 registers (spilling 22 bytes: B = 128 22.08 against 22.29, B = 32 10.43 against 10.32), and the replay unrolled over
 the log with masked loads (_replay_log says why).
@@ -144,6 +146,16 @@ STATE_BEFORE_WAIT_MAX_RUNS = 1
 # the GDN step's launch: BLOCK_V state columns a program (default_block_v says why 64), GDN_WARPS warps
 BLOCK_V = 64
 GDN_WARPS = 4
+# Registers a thread of the written-back form (WB > 1) may use. Uncapped it takes ~160 (the tile, its replay and the
+# log's stores; 167-196 before DK and DV became compile-time constants), three programs an SM, whose loads leave too
+# few tiles in flight; capped at 128 (spilling 32-56 bytes a thread, Triton 3.6 for sm_90) four fit. H200 probe (27B layer, graphed, us a layer at B = 128 with M = 1 / 2 / 4,
+# uncapped / capped): 203.0 / 194.8 / 226.7 against 212.0 / 180.3 / 171.6, where the access pattern alone (the same
+# tiles read, and written on one token in M, no arithmetic) takes 195.8 / 143.4 / 117.9. In the 27B Q4_0 graphed step
+# (switch_ab, one process, the same tokens, ms a step uncapped / capped): M = 2 B = 128 22.40 / 21.60, B = 32 10.39 /
+# 10.28; M = 4 22.04 / 20.86 and 10.27 / 10.11; B = 8 7.10 / 7.14 at M = 2, 7.08 / 7.08 at M = 4. A cap of 96 (five
+# programs an SM, more spills) lost to 128 at every B and M (B = 128, M = 4: 21.40). The form written every token is
+# bound by its bytes and is left uncapped: a bf16 pool at M = 1 ran 20.00 / 20.15 ms uncapped / capped at B = 128.
+GDN_MAXNREG = 128
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 
 
@@ -505,7 +517,7 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
                      lk_ptr, ld_ptr, le_ptr,
                      T, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                      stride_ar, stride_br, stride_or, stride_oh,
-                     HV, DK, DV, scale, eps,
+                     HV, DK: tl.constexpr, DV: tl.constexpr, scale, eps,
                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
                      HAS_POS: tl.constexpr, RAGGED: tl.constexpr = False, STATE_EARLY: tl.constexpr = False,
                      PDL: tl.constexpr = False, NVB: tl.constexpr = 1, WB: tl.constexpr = 1):
@@ -606,8 +618,14 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
                            HAS_POS=positions is not None, RAGGED=runs is not None, STATE_EARLY=bool(state_early),
-                           NVB=nvb, WB=wb, num_warps=num_warps or GDN_WARPS, **pdl.triton_opts(q.device))
+                           NVB=nvb, WB=wb, num_warps=num_warps or GDN_WARPS, **_reg_cap(q.device, wb),
+                           **pdl.triton_opts(q.device))
     return out
+
+
+def _reg_cap(device: torch.device, wb: int) -> dict:
+    """The written-back form's register cap as a launch option (GDN_MAXNREG; none at WB = 1 or on the interpreter)."""
+    return {"maxnreg": GDN_MAXNREG} if GDN_MAXNREG and wb > 1 and device.type == "cuda" else {}
 
 
 def column_blocks(hv: int, dv: int, block_v: int | None = None) -> tuple[int, int]:

@@ -597,3 +597,15 @@ def test_gdn_step_rows_do_not_depend_on_the_batch_at_27b_shapes():
     out_one = gdn_step_triton(*_gdn_args(one, one["state"]), slots[:1])
     assert _bitwise(out_all[:1], out_one), _msg("slot 0's output changed with the batch size")
     assert _bitwise(c["state"][0], one["state"][0]), _msg("slot 0's new state changed with the batch size")
+
+
+def test_register_cap_only_for_the_written_back_form(monkeypatch):
+    """GDN_MAXNREG caps the written-back launch on CUDA; the form written every token and the interpreter run uncapped."""
+    from kernels import gdn
+
+    monkeypatch.setattr(gdn, "GDN_MAXNREG", 128)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert gdn._reg_cap(cuda, 4) == {"maxnreg": 128} and gdn._reg_cap(cuda, 2) == {"maxnreg": 128}
+    assert gdn._reg_cap(cuda, 1) == {} and gdn._reg_cap(cpu, 4) == {}
+    monkeypatch.setattr(gdn, "GDN_MAXNREG", None)
+    assert gdn._reg_cap(cuda, 4) == {}
