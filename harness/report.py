@@ -7,6 +7,7 @@ regenerate on any machine. Tables land in reports/<name>.md (and a plot where on
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -411,6 +412,11 @@ def _type_suffix(kind: str) -> str:
     return "" if kind == HYBRID_TARGET_TYPE else f", {kind.upper()}"
 
 
+def _share(x: float) -> str:
+    """A fraction of a target as a percentage rounded down to 0.1, so a row short of its target never reads 100%."""
+    return f"{math.floor(x * 1000 + 1e-9) / 10:.1f}%"
+
+
 def hybrid_27b_standing(d: pd.DataFrame) -> str:
     """Per B, the newest packed Q4 row of each mode, state and block type (tok/s; ✗ where it did not verify), against
     the target for static batching with fp32 state."""
@@ -432,7 +438,7 @@ def hybrid_27b_standing(d: pd.DataFrame) -> str:
     for kind in sorted(d["type"].unique(), key=lambda k: k != HYBRID_TARGET_TYPE):
         fp32 = d[d["column"] == "static, fp32 state" + _type_suffix(kind)].set_index("B")["aggregate tok/s"]
         t["reached" + ("" if kind == HYBRID_TARGET_TYPE else f" ({kind.upper()})")] = [
-            f"{fp32[b] / HYBRID_TARGETS[b]:.0%}" if b in HYBRID_TARGETS and b in fp32 else "—" for b in t.index]
+            _share(fp32[b] / HYBRID_TARGETS[b]) if b in HYBRID_TARGETS and b in fp32 else "—" for b in t.index]
     return t.reset_index().to_markdown(index=False)
 
 

@@ -142,7 +142,12 @@ STATE_BEFORE_WAIT_MAX_RUNS = 1
 # (on a machine slower than the recorded gdn_step rows'); in the 27B Q4_0 graphed step (switch_ab, ms a step, one item
 # a program / 2 an SM) B = 8 7.529 / 7.549, B = 32 11.337 / 11.388, B = 64 15.907 / 16.010, B = 128 25.42-25.54 /
 # 25.18 (Q4_K 26.13 / 25.89): 1% at 128 sequences, a loss below. Three programs an SM ran in two waves (its registers
-# hold two).
+# hold two). Nor with the next items' tiles staged through shared memory by Triton's pipeliner (tl.range with 2-4
+# stages, cp.async; the same bits): H200 probe at 37288e0, one 27B layer graphed, B = 128, write-back every 2 tokens,
+# us a layer: 211.6 at best (2 programs an SM, no stages; 218-220 with 2-3 stages) against this kernel's 194.8. The loop
+# holds 236-255 registers, so one or two programs an SM, and one program's arithmetic (q / k norms, two sums over Dk
+# through shared memory) runs ~3 us an item with nothing beside it; the same loop without the arithmetic reads and
+# writes the tiles in 148 us, as fast as the access pattern allows.
 # the GDN step's launch: BLOCK_V state columns a program (default_block_v says why 64), GDN_WARPS warps
 BLOCK_V = 64
 GDN_WARPS = 4
@@ -155,6 +160,9 @@ GDN_WARPS = 4
 # 10.28; M = 4 22.04 / 20.86 and 10.27 / 10.11; B = 8 7.10 / 7.14 at M = 2, 7.08 / 7.08 at M = 4. A cap of 96 (five
 # programs an SM, more spills) lost to 128 at every B and M (B = 128, M = 4: 21.40). The form written every token is
 # bound by its bytes and is left uncapped: a bf16 pool at M = 1 ran 20.00 / 20.15 ms uncapped / capped at B = 128.
+# Other launches at M = 4 in the same probe (us a layer at B = 128; they lay out the sums over Dk differently, so
+# other bits): 32 columns on one warp 169.9 (uncapped, spilling), 128 columns on four warps 182.8, 16 on one warp
+# 191.1. None beats the capped default by more than 1%, so the launch stays.
 GDN_MAXNREG = 128
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 

@@ -336,10 +336,10 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
     assert standing.startswith("### Where the targets stand")
     line32 = next(l for l in standing.splitlines() if l.startswith("|  32 "))
     assert "2,767" in line32 and "2,000" not in line32 and "9,999" not in line32, line32
-    assert "2,964" in line32 and "1,638 ✗" in line32 and "3,000" in line32 and "92%" in line32, line32
+    assert "2,964" in line32 and "1,638 ✗" in line32 and "3,000" in line32 and "92.2%" in line32, line32
     line8 = next(l for l in standing.splitlines() if l.startswith("|   8 "))
     assert "993" in line8 and "%" not in line8, line8          # no target at B = 8
-    assert "75%" in next(l for l in standing.splitlines() if l.startswith("|   1 "))
+    assert "75.1%" in next(l for l in standing.splitlines() if l.startswith("|   1 "))
     # the newest row stands whole: a newer run without a throughput does not borrow the older run's
     df = pd.concat([df, pd.DataFrame([row(7, 8, float("nan"), ok=0.0, t=3)])], ignore_index=True)
     standing = report.TABLES["hybrid_27b"](df)[0].split("### Every recorded row")[0]
@@ -350,8 +350,13 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
     md = report.TABLES["hybrid_27b"](pd.concat([df, pd.DataFrame([q40])], ignore_index=True))[0]
     head, line32 = (next(l for l in md.splitlines() if l.startswith(p)) for p in ("|   B ", "|  32 "))
     assert "static, fp32 state, Q4_0" in head and "reached (Q4_0)" in head, head
-    assert "2,767" in line32 and "92%" in line32 and "2,952" in line32 and "98%" in line32, line32
+    assert "2,767" in line32 and "92.2%" in line32 and "2,952" in line32 and "98.4%" in line32, line32
     assert "| q4_0 " in md and "| q4_k " in md
+    # a row just short of its target reads short, rounded down: 2,998.9 of 3,000 is 99.9%, not 100%
+    short = dict(row(9, 32, 2998.9, t=5))
+    line32 = next(l for l in report.TABLES["hybrid_27b"](pd.concat([df, pd.DataFrame([short])], ignore_index=True))[0]
+                  .splitlines() if l.startswith("|  32 "))
+    assert "99.9%" in line32 and "100" not in line32.split("3,000")[1], line32
 
 
 def test_int4_report_opens_with_the_targets_from_the_rows():
