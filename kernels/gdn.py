@@ -510,7 +510,12 @@ def _replay_log(S, s_ptr, lk_ptr, ld_ptr, le_ptr, p0, slot, h, vb, kk, km, vv, v
     program's own copies of k and e). A loop of r iterations, each one round trip for its entry's loads: unrolled
     over all WB - 1 entries (masked loads, the dead ones' updates discarded by a select) it was slower, the select
     holding a second state tile in registers (H200, 27B Q4_0 graphed steps, switch_ab, ms a step at WB = 2: B = 32
-    10.53 against 10.32, B = 128 23.29 against 22.20)."""
+    10.53 against 10.32, B = 128 23.29 against 22.20). Nor every entry loaded up front as one small tile each (so all
+    of them in flight beside the state's loads; entry j picked out by a sum with zeros, a dead entry the identity
+    update e = 1, k = delta = 0): with the 128-register cap it spills more and adds two sums and a layout change per
+    entry, each through shared memory (switch_ab at e395a4a, ms a step this loop / up front, M = 4: B = 128 20.87 /
+    26.25, B = 32 10.10 / 11.54, B = 1 5.77 / 5.85; M = 8: 21.50 / 35.03 at B = 128), and a 27B bitwise check at M = 4
+    failed (not pursued)."""
     r = ((p0 + slot) % WB).to(tl.int32)
     own = ((slot * HV + h) * NVB + vb) * (WB - 1)
     for j in range(r - tl.minimum(r, p0.to(tl.int32)), r):
