@@ -67,10 +67,10 @@ bytes yet saved 9% of the step's GDN time: without the writes the kernel is boun
 (one 32 KB tile each in registers, 161-168 registers a thread, three programs an SM), not by HBM, and every logged
 token replayed is a dependent round trip before the step, so longer periods lost. Capped at 128 registers (four
 programs an SM; GDN_MAXNREG has the probe) M = 4 pays: 20.86 ms a step at B = 128, against 21.60 at M = 2, and fp32
-pools now default to it (engine/state_pool.py WRITEBACK). Also measured there and not kept:
-8 warps a program (111-147 registers; B = 128 26.6 ms at M = 2), 32 columns a program (23.68), a cap of 128
-registers (spilling 22 bytes: B = 128 22.08 against 22.29, B = 32 10.43 against 10.32), and the replay unrolled over
-the log with masked loads (_replay_log says why).
+pools now default to it (engine/state_pool.py WRITEBACK). At f7cd3d6 the same cap at M = 2 alone had looked like
+noise (spilling 22 bytes: B = 128 22.08 against 22.29, B = 32 10.43 against 10.32), so it was not taken then. Also
+measured there and not kept: 8 warps a program (111-147 registers; B = 128 26.6 ms at M = 2), 32 columns a program
+(23.68), and the replay unrolled over the log with masked loads (_replay_log says why).
 
 The two in one launch was tried at 2fce2d3 and not kept: each GDN program computing its own q, k, v (the conv of
 its key head's q / k channels and of its v columns, the same bits), its v ring rewritten by itself and the key head's
@@ -153,9 +153,10 @@ BLOCK_V = 64
 GDN_WARPS = 4
 # Registers a thread of the written-back form (WB > 1) may use. Uncapped it takes ~160 (the tile, its replay and the
 # log's stores; 167-196 before DK and DV became compile-time constants), three programs an SM, whose loads leave too
-# few tiles in flight; capped at 128 (spilling 32-56 bytes a thread, Triton 3.6 for sm_90) four fit. H200 probe (27B layer, graphed, us a layer at B = 128 with M = 1 / 2 / 4,
-# uncapped / capped): 203.0 / 194.8 / 226.7 against 212.0 / 180.3 / 171.6, where the access pattern alone (the same
-# tiles read, and written on one token in M, no arithmetic) takes 195.8 / 143.4 / 117.9. In the 27B Q4_0 graphed step
+# few tiles in flight; capped at 128 (spilling 32-56 bytes a thread, Triton 3.6 for sm_90) four fit. H200 probe (27B
+# layer, graphed, us a layer at B = 128 with M = 1 / 2 / 4, uncapped / capped): 203.0 / 194.8 / 226.7 against
+# 212.0 / 180.3 / 171.6, where the access pattern alone (the same tiles read, and written on one token in M, no
+# arithmetic) takes 195.8 / 143.4 / 117.9. In the 27B Q4_0 graphed step
 # (switch_ab, one process, the same tokens, ms a step uncapped / capped): M = 2 B = 128 22.40 / 21.60, B = 32 10.39 /
 # 10.28; M = 4 22.04 / 20.86 and 10.27 / 10.11; B = 8 7.10 / 7.14 at M = 2, 7.08 / 7.08 at M = 4. A cap of 96 (five
 # programs an SM, more spills) lost to 128 at every B and M (B = 128, M = 4: 21.40). The form written every token is

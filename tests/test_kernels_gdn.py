@@ -600,7 +600,8 @@ def test_gdn_step_rows_do_not_depend_on_the_batch_at_27b_shapes():
 
 
 def test_register_cap_only_for_the_written_back_form(monkeypatch):
-    """GDN_MAXNREG caps the written-back launch on CUDA; the form written every token and the interpreter run uncapped."""
+    """GDN_MAXNREG caps the written-back launch on CUDA; the form written every token and the interpreter run
+    uncapped."""
     from kernels import gdn
 
     monkeypatch.setattr(gdn, "GDN_MAXNREG", 128)
