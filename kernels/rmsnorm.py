@@ -138,7 +138,10 @@ def _num_warps(block: int) -> int:
 # bits follow D alone). H200, the 27B hybrid (5120 columns), against one program per row in the same job: 137.1 against
 # 136.0 tok/s at B = 1 and 2,289 against 2,230 at B = 32; the norm 3.3 / 4.5 us a call at B = 1 / 32 (the
 # one-program norm took 7 us at B = 32, and at B = 1 a reduce launch before it). A first version whose last program
-# normalized the row chunk by chunk (an L2 round trip each) took 9 us and lost 9% at B = 1.
+# normalized the row chunk by chunk (an L2 round trip each) took 9 us and lost 9% at B = 1. Other chunk widths, H200
+# switch_ab on the 27B Q4_0 at d0e7841 (kernels.rmsnorm.CHUNK, one process, the same tokens), ms a step with 512 / 256 /
+# 128 / 1024: B = 1 5.749 / 5.803 / 5.875 / 5.891, B = 32 10.056 / 10.154 / 10.388 / 10.038, B = 128 20.834 / 21.264 /
+# 22.116 / 20.808. More, smaller programs lose; 1024 gains nothing above B = 1.
 # A one-program row reads all S partials of its row; with few rows and more than SPLIT_ROW_BYTES
 # of partials a row, the GEMM's own reduce (spread over many programs) runs first instead. H200, in-kernel sum against
 # reduce first (two commits; the second also gave SwiGLU over partials 256-column programs): the 27B hybrid (5120
