@@ -67,7 +67,7 @@ ring, the split-K sum inside the kernel (last block or cluster), the folded form
 policies, several row tiles in a row per warp, dequantizing before the PDL wait, the ring filled after x's copies,
 leaner Q4_K scale arithmetic, deeper rings, a stream-K grid whose warps all end together (there was no tail for it
 to remove), fewer splits of more than GMAX groups each (fewer warps streaming a weight lose more than the partials
-cost).
+cost), x loaded straight into registers a ring slot ahead instead of staged (slower almost everywhere).
 
 Batch invariance: the split and P (and so every sum's order) come from (N, K, fmt) only; BT only sets how much x
 is staged, which mma columns are live and how many column blocks a lane runs, and the columns of an mma are

@@ -141,7 +141,7 @@ def _num_warps(block: int) -> int:
 # normalized the row chunk by chunk (an L2 round trip each) took 9 us and lost 9% at B = 1. Other chunk widths, H200
 # switch_ab on the 27B Q4_0 at d0e7841 (kernels.rmsnorm.CHUNK, one process, the same tokens), ms a step with 512 / 256 /
 # 128 / 1024: B = 1 5.749 / 5.803 / 5.875 / 5.891, B = 32 10.056 / 10.154 / 10.388 / 10.038, B = 128 20.834 / 21.264 /
-# 22.116 / 20.808. More, smaller programs lose; 1024 gains nothing above B = 1.
+# 22.116 / 20.808. More, smaller programs lose everywhere; 1024 loses at B = 1 and is even with 512 above it.
 # A one-program row reads all S partials of its row; with few rows and more than SPLIT_ROW_BYTES
 # of partials a row, the GEMM's own reduce (spread over many programs) runs first instead. H200, in-kernel sum against
 # reduce first (two commits; the second also gave SwiGLU over partials 256-column programs): the 27B hybrid (5120
