@@ -163,7 +163,9 @@ GDN_WARPS = 4
 # bound by its bytes and is left uncapped: a bf16 pool at M = 1 ran 20.00 / 20.15 ms uncapped / capped at B = 128.
 # Other launches at M = 4 in the same probe (us a layer at B = 128; they lay out the sums over Dk differently, so
 # other bits): 32 columns on one warp 169.9 (uncapped, spilling), 128 columns on four warps 182.8, 16 on one warp
-# 191.1. None beats the capped default by more than 1%, so the launch stays.
+# 191.1. None beats the capped default by more than 1%, so the launch stays. Nor at few sequences, where 64 columns
+# leave 36 of 132 SMs idle at B = 1 (switch_ab at c2102e3, 27B Q4_0, ms a step with 64 / 32 columns on 4 warps / 32
+# on 2 / 64 on 2): B = 1 5.734 / 5.778 / 5.764 / 6.049, B = 8 7.073 / 7.104 / 7.070 / 7.773, the same tokens.
 GDN_MAXNREG = 128
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus default (beta=1): x above it passes through
 

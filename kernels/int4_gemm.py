@@ -572,6 +572,9 @@ MEASURED: dict[tuple[int, int, str], dict[str, int]] = {
     # BLOCK_K 64 / 128, split 1 / 2 / 4, W16 or not) at B = 32 / 64 / 128. None reached it at 128; the best per shape
     # was 1.06x / 1.21x / 1.31x / 1.12x / 1.26x / 1.35x its time (2048x2048: 11.4 against 10.7 us with the rule's own
     # choice, BLOCK_N 64, split 4), so the rule stays. These shapes are a few microseconds of launch and latency.
+    # 3072x576 at B = 128 again at c2102e3 (2026-12-03, 168 more choices: BLOCK_N 32 / 64, BLOCK_M 32 / 64, BLOCK_K 64 /
+    # 128, 3-6 stages, 2 / 4 / 8 warps, W16 or not, one split): best 6.99 us (BLOCK_N 64, BLOCK_M 64, BLOCK_K 128, 4 or
+    # 5 stages, W16; the rule 9.28) against dequantize + cuBLAS 6.96-7.06 in the same process: a tie, not taken.
 }
 _SHAPE_KEYS = {"BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "MAX_BLOCK_M", "DEQ_ASM", "FOLD", "W16"}
 

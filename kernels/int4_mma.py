@@ -226,7 +226,8 @@ MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
 # B = 1 and 8 on every one of these shapes (576x576: 2.85 / 3.13 us against 2.46 / 2.57): a variant of its own, not a
 # replacement. Not enough at 128 sequences where the weight is larger (3072x576 8.2 us at best against 7.0,
 # 2048x2048 13.8 against 10.6: from there the wgmma kernels' tiles of 128 sequences do better; 3072x576 again at
-# 660af4f with two row tiles per warp, 16 or 32 rows of blocks, rings of 2 or 4: 7.80 us at best against 6.96).
+# 660af4f with two row tiles per warp, 16 or 32 rows of blocks, rings of 2 or 4: 7.80 us at best against 6.96; at
+# c2102e3 RT16 2-16 x U16 2 / 4 x MINB16 1 / 2 x BTMAX 16 / 32 x MT16 1 / 2: 7.78 at best, RT16 16, U16 2).
 # Nor does a split of its own help the large shapes at 16 sequences (the issue's B = 16 target): H200 probe at
 # 660af4f, 1 / 2 / 3 times the fewest splits x RT16 4-16 x MT16 1-2 x U16 1-4 x MINB16 1-2 in batch tiles of 16, best
 # 32.6 / 30.2 / 20.7 us on 17408x5120 / 5120x17408 / 5120x12288 Q4_0 against cuda_wgmma_x2's 29.1 / 26.1 / 20.1.

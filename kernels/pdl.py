@@ -44,6 +44,11 @@ int4_gemm's method, us per call without / with): it pays at 16 sequences (960x57
 B = 128: 576x1536 9.1 / 8.1, 960x576 6.4 / 6.9), and so are the steps (switch_ab, one process, ms per step:
 SmolLM2-135M shapes Q4_1 B = 32 0.954 / 0.973, B = 128 1.359 / 1.304; Llama-3.2-1B Q4_0 0.942 / 0.950 and 1.371 /
 1.369): not kept.
+What a boundary costs at the least (H200 probe at c2102e3, 2026-12-03: graphed chains of a trivial Triton kernel,
+each loading and storing 512 floats a program, us per kernel with 1 / 10 / 132 programs): without PDL 1.00 / 1.04 /
+1.16, with PDL 0.76 / 0.81 / 1.11, with PDL and the early trigger 0.84 / 0.78 / 0.84. So a graphed step of n kernels
+spends about 0.8 n us on boundaries alone (the 27B hybrid at B = 1: 763 kernels, up to ~0.6 ms of a 5.8 ms step) however
+short its kernels are.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
