@@ -46,9 +46,9 @@ SmolLM2-135M shapes Q4_1 B = 32 0.954 / 0.973, B = 128 1.359 / 1.304; Llama-3.2-
 1.369): not kept.
 What a boundary costs at the least (H200 probe at c2102e3, 2026-12-03: graphed chains of a trivial Triton kernel,
 each loading and storing 512 floats a program, us per kernel with 1 / 10 / 132 programs): without PDL 1.00 / 1.04 /
-1.16, with PDL 0.76 / 0.81 / 1.11, with PDL and the early trigger 0.84 / 0.78 / 0.84. So a graphed step of n kernels
-spends about 0.8 n us on boundaries alone (the 27B hybrid at B = 1: 763 kernels, up to ~0.6 ms of a 5.8 ms step) however
-short its kernels are.
+1.16, with PDL 0.76 / 0.81 / 1.11, with PDL and the early trigger 0.84 / 0.78 / 0.84. So a graphed step of n
+kernels spends about 0.8 n us on boundaries alone (the 27B hybrid at B = 1: 763 kernels, up to ~0.6 ms of a 5.8 ms
+step) however short its kernels are.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
