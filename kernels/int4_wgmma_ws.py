@@ -25,9 +25,8 @@ of one group for the tile's 256 rows are 4 KB contiguous in the packed layout ([
 shared memory so the 8 lanes of a quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales
 likewise, 512 bytes a row.
 
-Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB + the made scale words 4.1 KB (below), rounded to
-1 KB; four stages fill 224 KB. Q8_0's records are 32 bytes (a group's 8 KB for 256 rows), so three of its 67 KB stages
-fit.
+Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB. Q8_0's
+records are 32 bytes (a group's 8 KB for 256 rows), so three of its 67 KB stages fit.
 Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
 addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
 
@@ -35,12 +34,6 @@ Accumulators: a split-K build that zeroes its accumulators inside the consumers'
 wgmma of the kernel (its warning C7515: each wgmma waits for the one before). In batch tiles of FRESH_MIN_BT (128:
 more than 64 sequences) a segment's first quad writes the accumulators instead (wgmma scale-d 0; no C7515), which pays
 there and not in smaller tiles; tests/test_int4_wgmma_ws.py checks the offline sm_90a build wherever nvcc is found.
-
-PREP_SCALES (Q4_K, wherever x is staged outside the GEMM): the producer warpgroup's warps 1-3, idle otherwise, wait
-on each stage's full barrier, turn its raw scales (the super-group's d and dmin, each group's 6-bit sc and mn) into
-one word per row and group, the scale and offset rounded to x's dtype, and arrive on the stage's ready barrier,
-which the consumers wait on as well. The consumers then spend two prmts a row on what took them three loads and
-the fp32 products (about 30 of a quad's 226 instructions): the same values, so the same bits.
 
 X_IN_GEMM, in batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences: no staging launch; the producer warpgroup's warps
 1-3 load x, put it in the ring's order and store it into each stage, each arriving on the stage's barrier after a
@@ -86,9 +79,6 @@ REGS = {2: (40, 232), 4: (24, 112)}         # consumer warpgroups -> (producer, 
 # the producer and 104 for the consumers (128 x (96 - 56) given back cover 512 x (104 - 96)); nvcc 13.0 offline: at
 # 24 / 112 or 32 / 112 the stagers spilled 32-184 bytes, at 56 / 104 only the LM head's stream-K build does (24 bytes)
 REGS_X_IN_GEMM = {2: (40, 232), 4: (56, 104)}
-# with PREP_SCALES the scale makers' loop spills at 24 (nvcc 13.0 offline: 12-48 bytes a thread at 32 sequences, 8 at
-# 128); at 32 none does, and 128 x (96 - 32) given back still cover 512 x (112 - 96)
-REGS_PREP = {2: (40, 232), 4: (32, 112)}
 # the tiles: two m64 per warpgroup; halved to one where that turns a wave of a few tiles into stream-K over all the
 # SMs (17408x5120: 68 tiles of 256 rows on 132 SMs, 53 against 68 us at B = 128)
 DEFAULTS = {"SK_HALVE": 1}
@@ -170,12 +160,6 @@ STEP_GROUPS_MIN_BT = 1 << 30
 # at B = 1 (5120x17408 Q4_0 17.75 / 18.47, 34816x5120 Q4_K exact form 50.3 / 59.8) and the B = 1 step 4% slower:
 # not used there. Module switch (probes compare it off).
 WEIGHT_EVICT_FIRST = True
-# Q4_K's scales made by the producer warpgroup's idle warps 1-3 (prep_scales: the consumers read one ready word a row and
-# group from the stage) instead of by every consumer lane from the raw d, dmin and sub-scale bytes: the same values,
-# so the same bits. Not with X_IN_GEMM, whose stagers are those warps. Module switch, 0 off, 1 on; for probes (outputs
-# wrong but 5): 2 the consumers skip the ready wait, 3 the scale makers only wait and arrive, 4 they return at once and
-# the consumers skip the wait (the consumers' side alone), 5 one arrive per scale-making warp
-PREP_SCALES = 1
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
 WS_PRELUDE = r"""
@@ -211,13 +195,10 @@ WS_KERNEL = r"""
 #define NSR (FMT == 1 ? 8 : FMT == 2 ? 6 : 4)   /* per quad: q4_0, q8_0 d[4]; q4_1 d[4] m[4]; q4_k d, dmin, sub[4] */
 #define W_OFF XQ_BYTES
 #define S_OFF (W_OFF + 4 * WGRP_BYTES)
-#define PROW_BYTES (ROWS * 4 + 32)              /* PREP_SCALES: one group's (scale, offset) words, padded (banks) */
-#define P_OFF (S_OFF + NSR * SROW_BYTES)
-#define WS_STAGE ((P_OFF + (PREP_SCALES ? 4 * PROW_BYTES : 0) + 1023) / 1024 * 1024)   /* x stays 1024-aligned */
+#define WS_STAGE ((S_OFF + NSR * SROW_BYTES + 1023) / 1024 * 1024)   /* x stays 1024-aligned (the swizzle) */
 #define BAR_OFF (STAGES * WS_STAGE)
 #undef SMEM_TOTAL
-/* + full[STAGES], empty[STAGES], the stream-K ticket, PREP_SCALES: ready[STAGES], sfull[STAGES] */
-#define SMEM_TOTAL (BAR_OFF + 16 * STAGES + 16 + (PREP_SCALES ? 16 * STAGES : 0))
+#define SMEM_TOTAL (BAR_OFF + 16 * STAGES + 16)  /* + full[STAGES], empty[STAGES], the stream-K ticket */
 
 #ifndef ONEPASS_HOST_EMU
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
@@ -317,7 +298,7 @@ __device__ __forceinline__ bool next_seg(Segs& s, int& nt, int& q0, int& q1) {
 }
 
 // the producer's copies of quad qn's weights and scales for the tile at row n0t (rows valid rows) into stage st
-__device__ __forceinline__ void copy_weights(u32 st, u32 bar, u32 sbar, const u32* __restrict__ qw, const u16* __restrict__ sc,
+__device__ __forceinline__ void copy_weights(u32 st, u32 bar, const u32* __restrict__ qw, const u16* __restrict__ sc,
                                              const u16* __restrict__ mn, const u16* __restrict__ sub, int N, int G,
                                              int n0t, int rows, int qn)
 {
@@ -326,7 +307,7 @@ __device__ __forceinline__ void copy_weights(u32 st, u32 bar, u32 sbar, const u3
         const i64 e = (i64)min(4 * qn + q, G - 1) * N + n0t;   // past K (the last quad): a valid group, x is zero
         bulk_copy_w(st + W_OFF + q * WGRP_BYTES, qw + (RB / 4) * e, rows * RB, bar);
 #if FMT == 2
-        bulk_copy_w(st + S_OFF + (2 + q) * SROW_BYTES, sub + e, rows * 2, sbar);
+        bulk_copy_w(st + S_OFF + (2 + q) * SROW_BYTES, sub + e, rows * 2, bar);
 #else
         bulk_copy_w(st + S_OFF + q * SROW_BYTES, sc + e, rows * 2, bar);
 #if FMT == 1
@@ -336,8 +317,8 @@ __device__ __forceinline__ void copy_weights(u32 st, u32 bar, u32 sbar, const u3
     }
 #if FMT == 2
     const i64 so = (i64)(min(4 * qn, G - 1) >> 3) * N + n0t;   // a quad lies in one super-group of 8
-    bulk_copy_w(st + S_OFF, sc + so, rows * 2, sbar);
-    bulk_copy_w(st + S_OFF + SROW_BYTES, mn + so, rows * 2, sbar);
+    bulk_copy_w(st + S_OFF, sc + so, rows * 2, bar);
+    bulk_copy_w(st + S_OFF + SROW_BYTES, mn + so, rows * 2, bar);
 #endif
 }
 
@@ -354,10 +335,7 @@ __device__ __forceinline__ void stage_quad(QSlot& sl, const unsigned char* st, i
         sl.wa2[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + ra * RB + 16);
         sl.wb2[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + rb * RB + 16);
 #endif
-#if PREP_SCALES
-        const u32* pr = reinterpret_cast<const u32*>(st + P_OFF + t * PROW_BYTES);
-        sl.ra[mt][0] = pr[ra]; sl.rb[mt][0] = pr[rb];
-#elif FMT == 2
+#if FMT == 2
         sl.ra[mt][0] = SROW(0)[ra]; sl.rb[mt][0] = SROW(0)[rb];
         sl.ra[mt][1] = SROW(1)[ra]; sl.rb[mt][1] = SROW(1)[rb];
         sl.ra[mt][2] = SROW(2 + t)[ra]; sl.rb[mt][2] = SROW(2 + t)[rb];
@@ -372,24 +350,6 @@ __device__ __forceinline__ void stage_quad(QSlot& sl, const unsigned char* st, i
 }
 
 #define STAGERS 96                              /* X_IN_GEMM: the producer warpgroup's warps 1-3 */
-#if PREP_SCALES
-// Q4_K: the producer warpgroup's warps 1-3 turn a stage's raw scales (d, dmin of the super-group, each group's sc | mn
-// << 8) into each row's and group's scale and offset rounded to x's dtype, one word (scale | offset << 16) at
-// P_OFF + q * PROW_BYTES + 4 r: quad_scales' values, made by warps that are otherwise idle, so the consumers' loop
-// (what bounds the kernel) spends two prmts a row on them instead of three loads and the arithmetic
-__device__ __forceinline__ void prep_scales(unsigned char* st, int r0) {
-    const u16* s = reinterpret_cast<const u16*>(st + S_OFF);
-    for (int r = r0; r < ROWS; r += STAGERS) {
-        u32 raw[NRAW] = {s[r], s[SROW_BYTES / 2 + r], 0u};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            raw[2] = s[(2 + q) * (SROW_BYTES / 2) + r];
-            *reinterpret_cast<u32*>(st + P_OFF + q * PROW_BYTES + 4 * r) =
-                prmt(pack2(slot_scale(raw)), pack2(slot_min(raw)), 0x5410u);
-        }
-    }
-}
-#endif
 #if X_IN_GEMM
 // quad qn of x for the batch tile at row m0 into a stage: the units wg_stage_x writes, each stager thread its share
 __device__ __forceinline__ void stage_x_quad(unsigned char* st, const u16* __restrict__ x, int sxm, int M, int G,
@@ -466,19 +426,11 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 #endif
     const u32 sbase = smem_addr(smem);
     const u32 full0 = sbase + BAR_OFF, empty0 = full0 + 8 * STAGES;
-#if PREP_SCALES
-    const u32 ready0 = full0 + 16 * STAGES + 16;  // the stage's (scale, offset) words are made
-    const u32 sfull0 = ready0 + 8 * STAGES;        // its raw scales have landed (before its weights and x may)
-#endif
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1 + (X_IN_GEMM ? STAGERS : 0));   // the producer's arrive (with the stage's
                                                                         // bytes), and each stager's
             mbar_init(empty0 + 8 * s, CMMA ? 4 * CWG : CWG);   // one arrive per consumer warpgroup (CMMA: warp)
-#if PREP_SCALES
-            mbar_init(ready0 + 8 * s, PREP_PROBE == 5 ? STAGERS / 32 : STAGERS);   // each scale maker's (5: warp's)
-            mbar_init(sfull0 + 8 * s, 1);                       // the producer's, with the scales' bytes
-#endif
         }
         mbar_init_fence();
     }
@@ -507,26 +459,6 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
             return;
         }
 #endif
-#if PREP_SCALES
-        if (threadIdx.x >= 32) {                // the scale makers: each stage once its copies have landed
-            if (PREP_PROBE == 4) return;
-            int i = 0;
-            while (next_seg(segs, nt, q0, q1)) {
-                for (int qn = q0; qn < q1; ++qn, ++i) {
-                    const int s = i % STAGES;   // the consumers give the stage back only after its ready phase
-                    mbar_wait(sfull0 + 8 * s, (i / STAGES) & 1);
-                    if (PREP_PROBE != 3) prep_scales(smem + s * WS_STAGE, (int)threadIdx.x - 32);
-#if PREP_PROBE == 5
-                    __syncwarp();               // the warp's stores, then one arrive for all of them
-                    if ((threadIdx.x & 31) == 0) mbar_arrive(ready0 + 8 * s);
-#else
-                    mbar_arrive(ready0 + 8 * s);
-#endif
-                }
-            }
-            return;
-        }
-#endif
         if (threadIdx.x != 0) return;           // thread 0: every bulk copy (X_IN_GEMM: weights only, no PDL wait)
 #if !X_IN_GEMM
         const unsigned char* xb = reinterpret_cast<const unsigned char*>(xs16) + (i64)bt * segs.Q * XQ_BYTES;
@@ -535,7 +467,7 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
         int i = 0;
         while (next_seg(segs, nt, q0, q1)) {
             const int n0t = nt * ROWS, rows = min(ROWS, N - n0t);
-            const u32 wbytes = 4 * rows * RB + (PREP_SCALES ? 0 : NSR * rows * 2);
+            const u32 wbytes = 4 * rows * RB + NSR * rows * 2;
             for (int qn = q0; qn < q1; ++qn, ++i) {
                 const int s = i % STAGES;
                 const u32 st = sbase + s * WS_STAGE, full = full0 + 8 * s;
@@ -549,15 +481,10 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
                 if (i >= STAGES) mbar_wait(empty0 + 8 * s, ((i / STAGES) + 1) & 1);
 #if X_IN_GEMM
                 mbar_expect_tx(full, wbytes);
-                copy_weights(st, full, full, qw, sc, mn, sub, N, G, n0t, rows, qn);
+                copy_weights(st, full, qw, sc, mn, sub, N, G, n0t, rows, qn);
 #else
                 mbar_expect_tx(full, wbytes + XQ_BYTES);
-#if PREP_SCALES
-                mbar_expect_tx(sfull0 + 8 * s, NSR * rows * 2);     // the raw scales: the scale makers start on them
-                copy_weights(st, full, sfull0 + 8 * s, qw, sc, mn, sub, N, G, n0t, rows, qn);
-#else
-                copy_weights(st, full, full, qw, sc, mn, sub, N, G, n0t, rows, qn);
-#endif
+                copy_weights(st, full, qw, sc, mn, sub, N, G, n0t, rows, qn);
                 if (i < STAGES) pend[i] = qn;
                 else bulk_copy(st, xb + (i64)qn * XQ_BYTES, XQ_BYTES, full);
 #endif
@@ -595,9 +522,6 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
         for (int qn = q0; qn < q1; ++qn, ++i) {
             const int s = i % STAGES;
             mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
-#if PREP_SCALES && PREP_PROBE != 2 && PREP_PROBE != 4
-            mbar_wait(ready0 + 8 * s, (i / STAGES) & 1);
-#endif
             QSlot sl;
             stage_quad(sl, smem + s * WS_STAGE, r0 + (lane >> 2), t);
 #if CMMA
@@ -629,29 +553,19 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 """
 
 
-def prep_scales(fmt: str, x_in_gemm: bool) -> bool:
-    """Whether a build makes Q4_K's scales in the producer warpgroup (PREP_SCALES; not where it stages x)."""
-    return int(PREP_SCALES) if fmt == "q4_k" and not x_in_gemm else 0
-
-
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
            mt: int = 2, cwg: int = 2, x_in_gemm: bool | None = None, mma: bool = False, fresh: bool | None = None,
-           step_groups: bool | None = None, prep: bool | None = None) -> str:
+           step_groups: bool | None = None) -> str:
     """One instantiation: int4_wgmma's SOURCE_DEFINES lines (cwg consumer warpgroups of MT m64 tiles), then
     int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL. mma: the
     consumers on mma.sync (CMMA) instead of wgmma. fresh / step_groups (FRESH_WRITE, WG_STEP_GROUPS): by default
-    from FRESH_MIN_BT and STEP_GROUPS_MIN_BT; prep (PREP_SCALES): by default prep_scales(fmt, x_in_gemm)."""
+    from FRESH_MIN_BT and STEP_GROUPS_MIN_BT."""
     fresh = bt >= FRESH_MIN_BT if fresh is None else fresh
     step_groups = bt >= STEP_GROUPS_MIN_BT if step_groups is None else step_groups
     head = int4_wgmma.source(fmt, bt, x_f16, out32, cwg, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
+    defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
     x_in_gemm = X_IN_GEMM if x_in_gemm is None else x_in_gemm
-    prep = prep_scales(fmt, x_in_gemm) if prep is None else prep
-    if prep and (fmt != "q4_k" or x_in_gemm):
-        raise ValueError(f"int4_wgmma_ws: PREP_SCALES is for Q4_K with x staged outside the GEMM, not {fmt}"
-                         f"{' with X_IN_GEMM' if x_in_gemm else ''}")
-    # before int4_mma's common code, whose quad_scales reads the made words instead
-    defines = "\n".join(head[:SOURCE_DEFINES]) + f"\n#define PREP_SCALES {int(bool(prep))}\n#define PREP_PROBE {int(prep)}\n"
-    producer, consumer = (REGS_X_IN_GEMM if x_in_gemm else REGS_PREP if prep else REGS)[cwg]
+    producer, consumer = REGS_X_IN_GEMM[cwg] if x_in_gemm else REGS[cwg]
     regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
             f"#define PRODUCER_REGS {producer}\n#define CONSUMER_REGS {consumer}\n#define X_IN_GEMM {int(x_in_gemm)}\n"
             f"#define STAGE_TRIGGER {int(STAGE_TRIGGER)}\n#define FRESH_WRITE {int(fresh and not mma)}\n"
@@ -677,13 +591,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def stage_bytes(bt: int, fmt: str, mt: int = 2, prep: bool = False) -> int:
-    """One ring stage (WS_STAGE): x for the batch tile, 4 groups of the tile's 128 MT rows' records, the scale rows
-    (prep: and the 4 groups' made scale words)."""
+def stage_bytes(bt: int, fmt: str, mt: int = 2) -> int:
+    """One ring stage (WS_STAGE): x for the batch tile, 4 groups of the tile's 128 MT rows' records, the scale rows."""
     nb, rows = _cdiv(bt, 8), 128 * mt
     nsr = {"q4_0": 4, "q4_1": 8, "q4_k": 6, "q8_0": 4}[fmt]
     rb = 4 * WORDS_PER_GROUP[fmt]                 # a record's bytes
-    raw = 8 * 256 * nb + 4 * (rows * rb + 32) + nsr * (rows * 2 + 16) + (4 * (rows * 4 + 32) if prep else 0)
+    raw = 8 * 256 * nb + 4 * (rows * rb + 32) + nsr * (rows * 2 + 16)
     return _cdiv(raw, 1024) * 1024
 
 
@@ -708,18 +621,15 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
         raise ValueError(f"int4_wgmma_ws: CWG={cwg}: two or four consumer warpgroups")
     if cfg["MT"] == 1:
         cwg = 2                                 # tiles of 128 rows: one m64 per warpgroup already
-    x_in = X_IN_GEMM or cfg["BT"] <= X_IN_GEMM_MAX_BT
-    prep = prep_scales(fmt, x_in)
-    sb = stage_bytes(cfg["BT"], fmt, cfg["MT"], prep)
-    per_stage = sb + 16 + (16 if prep else 0)     # + its full, empty (and ready, sfull) barriers
-    fit = min(MAX_STAGES, (SMEM_LIMIT - 16) // per_stage)
+    sb = stage_bytes(cfg["BT"], fmt, cfg["MT"])
+    fit = min(MAX_STAGES, (SMEM_LIMIT - 16) // (sb + 16))
     stages = int((config or {}).get("STAGES") or fit)
     if not 2 <= stages <= fit:
         raise ValueError(f"int4_wgmma_ws: STAGES={stages} for BT={cfg['BT']} {fmt}: 2..{fit} stages of {sb} B fit")
     quads, nb = _cdiv(K // GROUP, 4), _cdiv(cfg["BT"], 8)
+    x_in = X_IN_GEMM or cfg["BT"] <= X_IN_GEMM_MAX_BT
     # the staging launch: one thread per unit (row, word: four 16-byte pieces) of each (batch tile, quad); the image
-    cfg.update(MMA=mma, STAGES=stages, MINB=1, smem=stages * per_stage + 16, block=128 * (cwg + 1), stage_bytes=sb,
-               prep=int(prep),
+    cfg.update(MMA=mma, STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
                CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg, quads=quads, stage_units=cfg["n_bt"] * quads * 32 * nb,
                x_staged=0 if x_in else cfg["n_bt"] * quads * 8 * 256 * nb, x_in_gemm=x_in)
     return cfg
@@ -728,10 +638,10 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
 @functools.lru_cache(maxsize=None)
 def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, cwg: int,
              device: torch.device, x_in_gemm: bool = False, mma: bool = False, fresh: bool = False,
-             step_groups: bool = False, prep: int = 0):
+             step_groups: bool = False):
     if not available():
         raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma, fresh, step_groups, prep)
+    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma, fresh, step_groups)
     return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
             int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
 
@@ -806,8 +716,7 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
                              f"is not this call's (x {tuple(x.shape)}, BT {cfg['BT']}); take it from image_for")
         return _StagedLaunch(cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0,
                                            cfg["WG_MT"], cfg["CWG"], dev, cfg["x_in_gemm"], bool(cfg["MMA"]),
-                                           cfg["BT"] >= FRESH_MIN_BT, cfg["BT"] >= STEP_GROUPS_MIN_BT,
-                                           cfg["prep"]), x_image)
+                                           cfg["BT"] >= FRESH_MIN_BT, cfg["BT"] >= STEP_GROUPS_MIN_BT), x_image)
 
     return int4_cuda.run_packed(
         "w4a16_wgmma_ws", x, pw, out,

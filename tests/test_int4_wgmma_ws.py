@@ -174,49 +174,6 @@ def test_ws_launch_rules():
     assert not ws.aligned(_weight("q4_0", 36, 256, 0, device="cpu")[0])
 
 
-def test_ws_prep_scales_rules(monkeypatch):
-    """PREP_SCALES: Q4_K builds whose producer warpgroup does not stage x make the scales there (the ring's stages
-    grow by the made words, the shared memory by a ready barrier each); other formats, tiles of up to
-    X_IN_GEMM_MAX_BT and the switch off do not; a source asked for it elsewhere is refused."""
-    for M, N, K, config in [(32, 5120, 17408, None), (128, 16384, 5120, ws.T128), (128, 34816, 5120, None)]:
-        c = _plan(M, N, K, "q4_k", config)
-        assert c["prep"] == 1 and not c["x_in_gemm"]
-        assert c["stage_bytes"] == ws.stage_bytes(c["BT"], "q4_k", c["MT"], True) > ws.stage_bytes(c["BT"], "q4_k", c["MT"])
-        assert c["smem"] == c["STAGES"] * (c["stage_bytes"] + 32) + 16 <= ws.SMEM_LIMIT and c["STAGES"] >= 4
-        src = ws.source("q4_k", c["BT"], False, True, c["STAGES"], 1, c["workers"] > 0, c["WG_MT"], c["CWG"],
-                        c["x_in_gemm"], bool(c["MMA"]), prep=bool(c["prep"]))
-        assert "#define PREP_SCALES 1" in src
-        assert f"#define PRODUCER_REGS {ws.REGS_PREP[c['CWG']][0]}" in src
-        assert src.index("#define PREP_SCALES") < src.index("QScales quad_scales")    # before int4_mma's code
-    assert _plan(32, 5120, 17408, "q4_0")["prep"] == 0 and _plan(32, 5120, 17408, "q8_0")["prep"] == 0
-    assert _plan(8, 5120, 17408, "q4_k")["prep"] == 0                      # the stagers hold warps 1-3
-    with pytest.raises(ValueError, match="PREP_SCALES"):
-        ws.source("q4_0", 32, False, True, 4, prep=True)
-    with pytest.raises(ValueError, match="PREP_SCALES"):
-        ws.source("q4_k", 8, False, True, 4, x_in_gemm=True, prep=True)
-    monkeypatch.setattr(ws, "PREP_SCALES", False)
-    c = _plan(32, 5120, 17408, "q4_k")
-    assert c["prep"] == 0 and c["smem"] == c["STAGES"] * (c["stage_bytes"] + 16) + 16
-    assert "#define PREP_SCALES 0" in ws.source("q4_k", 32, False, True, 4)
-
-
-@needs_emu
-@pytest.mark.parametrize("case", [EMU[2], EMU[3], EMU[5], (264, 1024, "q4_k", (20,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})],
-                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
-def test_ws_prep_scales_on_and_off_emulated_give_the_same_bits(seed, case, monkeypatch):
-    """Q4_K's scales made by the producer warpgroup (PREP_SCALES) or by each consumer lane: the same bits as
-    int4_wgmma's emulated kernel either way, over stream-K, four consumer warpgroups, splits and 128-row tiles."""
-    N, K, fmt, Ms, config = case
-    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
-    x = _x(seed, Ms[-1], K, xs, device="cpu")
-    want = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=ws.wg_equivalent(config), seed=seed + 1)
-    for on in (True, False):
-        monkeypatch.setattr(ws, "PREP_SCALES", on)
-        assert _plan(Ms[-1], N, K, fmt, config)["prep"] == int(on and Ms[-1] > ws.X_IN_GEMM_MAX_BT)
-        y = cuda_emu.w4a16_wgmma_ws_emulated(x, pw, out32=True, config=config, seed=seed)
-        assert torch.equal(y, want), f"PREP_SCALES={on} {config}: not int4_wgmma's bits"
-
-
 def test_ws_weights_evict_first_in_one_batch_tile(monkeypatch):
     """The GEMM launch asks for its evict-first build (WEIGHT_EVICT) where one batch tile reads every weight byte once,
     not where several tiles re-read them, and not with the switch off; the staging launch never does."""
@@ -451,34 +408,6 @@ def test_sm90_compile_step_groups_keep_wgmmas_pipelined_at_128(tmp_path, fmt, N,
         assert r.returncode == 0, logs[step][-2000:]
     assert "C7512" in logs[False], logs[False][-2000:]
     assert "C7512" not in logs[True], logs[True][-2000:]
-
-
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
-@pytest.mark.parametrize("N, K, M, config", [(5120, 17408, 128, None), (34816, 5120, 32, None),
-                                             (5120, 17408, 32, None), (16384, 5120, 128, ws.T128)])
-def test_sm90_compile_prep_scales_without_spills(tmp_path, N, K, M, config):
-    """ptxas on the sm_90a Q4_K builds with PREP_SCALES: the scale makers' loop fits REGS_PREP's producer registers
-    (at 24 it spilled), so the kernel spills nothing where the build without it does not either."""
-    import re
-    import subprocess
-
-    cfg = ws.ws_config(M, N, K, "q4_k", config)
-    assert cfg["prep"] == 1
-    spills = {}
-    for prep in (False, True):
-        src = ws.source("q4_k", cfg["BT"], False, True, cfg["STAGES"], 1, cfg["workers"] > 0, cfg["WG_MT"],
-                        cfg["CWG"], False, bool(cfg["MMA"]), prep=prep)
-        cu = tmp_path / f"ws{int(prep)}.cu"
-        cu.write_text(src)
-        r = subprocess.run([_nvcc(), "-arch=sm_90a", "-cubin", "-Xptxas", "-v", str(cu),
-                            "-o", str(tmp_path / "ws.cubin")], capture_output=True, text=True, timeout=300)
-        log = r.stdout + r.stderr
-        assert r.returncode == 0, log[-2000:]
-        found = re.search(r"Function properties for w4a16_wgmma_ws\n.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
-                          log)
-        assert found, log[-2000:]
-        spills[prep] = (int(found.group(1)), int(found.group(2)))
-    assert spills[False] == (0, 0) and spills[True] == (0, 0), spills
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (a CUDA toolkit compiles the source offline)")
