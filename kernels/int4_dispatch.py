@@ -224,7 +224,10 @@ def rule(M: int, N: int, K: int, fmt: str, policy: str) -> str:
 # in the step and not taken (the same method at 289e08c, ms a step, baseline first): B = 32, 5120x6144 on ws 10.761 /
 # the exact kernel 10.878 / cuda_wgmma_x2 10.775, 16384x5120 on the 128-row ws tiles 10.960; B = 1, the folded kernel
 # instead of the exact one on 34816x5120 / 14336x5120 / the LM head 5.926 / 5.902 / 5.875 against 5.821; B = 128,
-# 5120x17408 on ws instead of its 128-row tiles 23.109 against 22.979.
+# 5120x17408 on ws instead of its 128-row tiles 23.109 against 22.979. The same two tried on the 27B Q4_K, whose rows
+# are older (16633a2, before the x images), at f39e45f (switch_ab, the table's picks first, three rounds): B = 32,
+# 5120x6144 on ws instead of cuda_wgmma_x2 10.634 / 10.620; B = 128, 5120x17408 on the 128-row tiles instead of ws
+# 21.696 / 21.762. Within noise and slower: not taken.
 STEP_PICKS: dict[tuple[int, int, str], dict[int, str]] = {
     (16384, 5120, "q4_0"): {1: "cuda_wgmma_ws"},
     (5120, 6144, "q4_0"): {1: "cuda_mma_fold"},
