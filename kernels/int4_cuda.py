@@ -615,7 +615,7 @@ def reserve_splits(device: torch.device | str, shapes, max_rows: int, plan) -> N
 # host entry point
 
 def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None, plan, kernel,
-               x_needs_copy, words_per_pair: int, defer: bool = False):
+               x_needs_copy, words_per_pair: int, defer: bool = False, sub: torch.Tensor | None = None):
     """The host path shared by the CUDA W4A16 kernels (this one and kernels/int4_mma.py), whose kernels take the
     same arguments (x, qweight, scales, mins, sub, y, sxm, sym, sys, M, N, G, groups per split, n_bt, n_nt):
     argument checks, empty shapes, copies of x / out the kernel cannot read or write in place, then one launch
@@ -625,7 +625,8 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
     plan(M, N, K, fmt) -> the launch dict; kernel(cfg, x_f16, out32, device) -> the compiled kernel;
     x_needs_copy(x) -> whether x must be made contiguous first; words_per_pair: the kernel's int32 index
     reaches G * N * words_per_pair. defer: with several splits, return the partials unreduced as a
-    kernels.splitk.SplitSums (out is then not written) for the consumer to add."""
+    kernels.splitk.SplitSums (out is then not written) for the consumer to add. sub: what the kernel's sub argument
+    points at instead of the weight's own (int4_wgmma_ws's ready Q4_K scale words)."""
     assert isinstance(pw, PackedWeight), f"{name}: pw must be a PackedWeight, got {type(pw).__name__}"
     assert x.dim() == 2 and x.shape[1] == pw.K, f"{name}: x {tuple(x.shape)} vs weight [{pw.N}, {pw.K}]"
     assert x.dtype in _DTYPES, f"{name}: x dtype {x.dtype} not supported (bf16 / fp16)"
@@ -643,13 +644,14 @@ def run_packed(name: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tensor |
     if x_needs_copy(x):
         x = x.contiguous()
     if out.stride(1) != 1:
-        return out.copy_(run_packed(name, x, pw, None, plan, kernel, x_needs_copy, words_per_pair))
+        return out.copy_(run_packed(name, x, pw, None, plan, kernel, x_needs_copy, words_per_pair, sub=sub))
     cfg = plan(M, N, K, pw.fmt)
     x_f16 = x.dtype == torch.float16
     out32 = out.dtype == torch.float32
     G = K // GROUP
     c = pw.mins if pw.mins is not None else pw.scales
-    sub = pw.sub if pw.sub is not None else pw.scales
+    if sub is None:
+        sub = pw.sub if pw.sub is not None else pw.scales
     assert sub.data_ptr() % 2 == 0, f"{name}: the kernel reads sub's (sc, mn) pairs as 16-bit words"
     assert G * N * words_per_pair < 2 ** 31, f"{name}: {G} x {N} (group, row) pairs overflow the kernel's int32 index"
     S, dev = cfg["SPLIT_K"], x.device

@@ -570,11 +570,17 @@ __device__ __forceinline__ QScales quad_scales(const QSlot& sl) {
     QScales q;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
+#if defined(READY_SCALES) && READY_SCALES
+        // int4_wgmma_ws's ready words (scale | offset << 16), already rounded: each half into both halves of a pair
+        q.sa[mt] = prmt(sl.ra[mt][0], 0u, 0x1010u); q.sb[mt] = prmt(sl.rb[mt][0], 0u, 0x1010u);
+        q.ca[mt] = prmt(sl.ra[mt][0], 0u, 0x3232u); q.cb[mt] = prmt(sl.rb[mt][0], 0u, 0x3232u);
+#else
         q.sa[mt] = pack2(slot_scale(sl.ra[mt])); q.sb[mt] = pack2(slot_scale(sl.rb[mt]));
 #if FMT != 0
         q.ca[mt] = pack2(slot_min(sl.ra[mt])); q.cb[mt] = pack2(slot_min(sl.rb[mt]));
 #else
         q.ca[mt] = 0x80008000u; q.cb[mt] = 0x80008000u;
+#endif
 #endif
     }
     return q;

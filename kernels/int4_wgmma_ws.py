@@ -25,8 +25,9 @@ of one group for the tile's 256 rows are 4 KB contiguous in the packed layout ([
 shared memory so the 8 lanes of a quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit distinct banks; the scales
 likewise, 512 bytes a row.
 
-Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + scales 3.1 KB, rounded to 1 KB; four stages fill 208 KB. Q8_0's
-records are 32 bytes (a group's 8 KB for 256 rows), so three of its 67 KB stages fit.
+Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + the ready scale words 4.1 KB (READY_SCALES; the raw scales took
+3.1), rounded to 1 KB; four stages fill 212 KB. Q8_0's records are 32 bytes (a group's 8 KB for 256 rows), so three of
+its 67 KB stages fit.
 Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
 addresses); elsewhere w4a16_wgmma_ws runs int4_wgmma's kernel, which computes the same bits.
 
@@ -54,6 +55,7 @@ Nor are the copies the bound at 32-128 sequences: without x's (or the weights') 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -161,6 +163,14 @@ STEP_GROUPS_MIN_BT = 1 << 30
 # at B = 1 (5120x17408 Q4_0 17.75 / 18.47, 34816x5120 Q4_K exact form 50.3 / 59.8) and the B = 1 step 4% slower:
 # not used there. Module switch (probes compare it off).
 WEIGHT_EVICT_FIRST = True
+# Q4_K in batch tiles that stage x outside the GEMM (above X_IN_GEMM_MAX_BT): the ring carries each (group, row)'s
+# scale and offset ready-made (ready_words: d * sc and -(dmin * mn), rounded to x's dtype, one word), made once per
+# weight and dtype, instead of the raw d, dmin and 6-bit (sc, mn) bytes, which every consumer lane turned into the
+# same two values (about 30 of a quad's 226 instructions). The same values, so the same bits; 4 bytes a (group, row)
+# copied instead of 3, and 4 more held per (group, row) beside the raw scales, which every other kernel reads.
+# Module switch (probes compare it off).
+READY_SCALES = True
+_READY = weakref.WeakKeyDictionary()           # PackedWeight -> {x's dtype: its ready words}
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
 WS_PRELUDE = r"""
@@ -194,9 +204,12 @@ WS_KERNEL = r"""
 #define WGRP_BYTES (ROWS * RB + 32)             /* one group's records for the tile's rows, padded (banks) */
 #define SROW_BYTES (ROWS * 2 + 16)              /* one row of 16-bit scale words for the tile's rows, padded */
 #define NSR (FMT == 1 ? 8 : FMT == 2 ? 6 : 4)   /* per quad: q4_0, q8_0 d[4]; q4_1 d[4] m[4]; q4_k d, dmin, sub[4] */
+#define PROW_BYTES (ROWS * 4 + 32)              /* READY_SCALES: one group's ready words for the tile's rows, padded */
+#define SC_STAGE (READY_SCALES ? 4 * PROW_BYTES : NSR * SROW_BYTES)   /* a stage's scales */
+#define SC_ROW_BYTES (READY_SCALES ? 16 : 2 * NSR)   /* what one row's scales of a quad copy */
 #define W_OFF XQ_BYTES
 #define S_OFF (W_OFF + 4 * WGRP_BYTES)
-#define WS_STAGE ((S_OFF + NSR * SROW_BYTES + 1023) / 1024 * 1024)   /* x stays 1024-aligned (the swizzle) */
+#define WS_STAGE ((S_OFF + SC_STAGE + 1023) / 1024 * 1024)   /* x stays 1024-aligned (the swizzle) */
 #define BAR_OFF (STAGES * WS_STAGE)
 #undef SMEM_TOTAL
 #define SMEM_TOTAL (BAR_OFF + 16 * STAGES + 16)  /* + full[STAGES], empty[STAGES], the stream-K ticket */
@@ -307,7 +320,9 @@ __device__ __forceinline__ void copy_weights(u32 st, u32 bar, const u32* __restr
     for (int q = 0; q < 4; ++q) {
         const i64 e = (i64)min(4 * qn + q, G - 1) * N + n0t;   // past K (the last quad): a valid group, x is zero
         bulk_copy_w(st + W_OFF + q * WGRP_BYTES, qw + (RB / 4) * e, rows * RB, bar);
-#if FMT == 2
+#if READY_SCALES
+        bulk_copy_w(st + S_OFF + q * PROW_BYTES, reinterpret_cast<const u32*>(sub) + e, rows * 4, bar);
+#elif FMT == 2
         bulk_copy_w(st + S_OFF + (2 + q) * SROW_BYTES, sub + e, rows * 2, bar);
 #else
         bulk_copy_w(st + S_OFF + q * SROW_BYTES, sc + e, rows * 2, bar);
@@ -316,7 +331,7 @@ __device__ __forceinline__ void copy_weights(u32 st, u32 bar, const u32* __restr
 #endif
 #endif
     }
-#if FMT == 2
+#if FMT == 2 && !READY_SCALES
     const i64 so = (i64)(min(4 * qn, G - 1) >> 3) * N + n0t;   // a quad lies in one super-group of 8
     bulk_copy_w(st + S_OFF, sc + so, rows * 2, bar);
     bulk_copy_w(st + S_OFF + SROW_BYTES, mn + so, rows * 2, bar);
@@ -336,7 +351,10 @@ __device__ __forceinline__ void stage_quad(QSlot& sl, const unsigned char* st, i
         sl.wa2[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + ra * RB + 16);
         sl.wb2[mt] = *reinterpret_cast<const uint4*>(st + W_OFF + t * WGRP_BYTES + rb * RB + 16);
 #endif
-#if FMT == 2
+#if READY_SCALES
+        const u32* pr = reinterpret_cast<const u32*>(st + S_OFF + t * PROW_BYTES);
+        sl.ra[mt][0] = pr[ra]; sl.rb[mt][0] = pr[rb];
+#elif FMT == 2
         sl.ra[mt][0] = SROW(0)[ra]; sl.rb[mt][0] = SROW(0)[rb];
         sl.ra[mt][1] = SROW(1)[ra]; sl.rb[mt][1] = SROW(1)[rb];
         sl.ra[mt][2] = SROW(2 + t)[ra]; sl.rb[mt][2] = SROW(2 + t)[rb];
@@ -468,7 +486,7 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
         int i = 0;
         while (next_seg(segs, nt, q0, q1)) {
             const int n0t = nt * ROWS, rows = min(ROWS, N - n0t);
-            const u32 wbytes = 4 * rows * RB + NSR * rows * 2;
+            const u32 wbytes = 4 * rows * RB + SC_ROW_BYTES * rows;
             for (int qn = q0; qn < q1; ++qn, ++i) {
                 const int s = i % STAGES;
                 const u32 st = sbase + s * WS_STAGE, full = full0 + 8 * s;
@@ -556,16 +574,21 @@ w4a16_wgmma_ws(const u16* __restrict__ xs16, const u32* __restrict__ qw, const u
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
            mt: int = 2, cwg: int = 2, x_in_gemm: bool | None = None, mma: bool = False, fresh: bool | None = None,
-           step_groups: bool | None = None) -> str:
+           step_groups: bool | None = None, ready: bool | None = None) -> str:
     """One instantiation: int4_wgmma's SOURCE_DEFINES lines (cwg consumer warpgroups of MT m64 tiles), then
     int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL. mma: the
     consumers on mma.sync (CMMA) instead of wgmma. fresh / step_groups (FRESH_WRITE, WG_STEP_GROUPS): by default
-    from FRESH_MIN_BT and STEP_GROUPS_MIN_BT."""
+    from FRESH_MIN_BT and STEP_GROUPS_MIN_BT; ready (READY_SCALES: the sub argument then points at ready_words):
+    by default ready_scales(fmt, x_in_gemm)."""
     fresh = bt >= FRESH_MIN_BT if fresh is None else fresh
     step_groups = bt >= STEP_GROUPS_MIN_BT if step_groups is None else step_groups
     head = int4_wgmma.source(fmt, bt, x_f16, out32, cwg, mt, 1, stages, 1, swz, sk).split("\n", SOURCE_DEFINES)
-    defines = "\n".join(head[:SOURCE_DEFINES]) + "\n"
     x_in_gemm = X_IN_GEMM if x_in_gemm is None else x_in_gemm
+    ready = ready_scales(fmt, x_in_gemm) if ready is None else ready
+    if ready and fmt != "q4_k":
+        raise ValueError(f"int4_wgmma_ws: ready scale words are for Q4_K, not {fmt}")
+    # before int4_mma's common code, whose quad_scales then spreads the ready words
+    defines = "\n".join(head[:SOURCE_DEFINES]) + f"\n#define READY_SCALES {int(bool(ready))}\n"
     producer, consumer = REGS_X_IN_GEMM[cwg] if x_in_gemm else REGS[cwg]
     regs = (f"#define CWG {cwg}                                   /* consumer warpgroups; warpgroup 0 produces */\n"
             f"#define PRODUCER_REGS {producer}\n#define CONSUMER_REGS {consumer}\n#define X_IN_GEMM {int(x_in_gemm)}\n"
@@ -592,19 +615,44 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def stage_bytes(bt: int, fmt: str, mt: int = 2) -> int:
-    """One ring stage (WS_STAGE): x for the batch tile, 4 groups of the tile's 128 MT rows' records, the scale rows."""
+def stage_bytes(bt: int, fmt: str, mt: int = 2, ready: bool = False) -> int:
+    """One ring stage (WS_STAGE): x for the batch tile, 4 groups of the tile's 128 MT rows' records, the scale rows
+    (ready: 4 rows of ready words instead)."""
     nb, rows = _cdiv(bt, 8), 128 * mt
     nsr = {"q4_0": 4, "q4_1": 8, "q4_k": 6, "q8_0": 4}[fmt]
     rb = 4 * WORDS_PER_GROUP[fmt]                 # a record's bytes
-    raw = 8 * 256 * nb + 4 * (rows * rb + 32) + nsr * (rows * 2 + 16)
+    scales = 4 * (rows * 4 + 32) if ready else nsr * (rows * 2 + 16)
+    raw = 8 * 256 * nb + 4 * (rows * rb + 32) + scales
     return _cdiv(raw, 1024) * 1024
+
+
+def ready_scales(fmt: str, x_in_gemm: bool) -> bool:
+    """Whether a build reads ready-made Q4_K scale words (READY_SCALES: not in the batch tiles that stage x in the GEMM,
+    where a call streams its weight once and the extra byte a (group, row) would cost more than it saves)."""
+    return bool(READY_SCALES) and fmt == "q4_k" and not x_in_gemm
+
+
+def ready_words(pw: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A Q4_K weight's scale and offset per (group, row) as the kernel applies them: d * sc and -(dmin * mn) in fp32,
+    each rounded to dtype (x's), scale in the low half of an int32 word and offset in the high half, [G, N]. Made on
+    the weight's device at the first call (cached per weight and dtype)."""
+    if pw.fmt != "q4_k":
+        raise ValueError(f"int4_wgmma_ws: ready scale words are Q4_K's, not {pw.fmt}'s")
+    per = _READY.setdefault(pw, {})
+    if dtype not in per:
+        G = pw.K // GROUP
+        d = pw.scales.float().repeat_interleave(8, dim=0)[:G]        # a super-group's d for its 8 groups
+        dmin = pw.mins.float().repeat_interleave(8, dim=0)[:G]
+        sub = pw.sub.float()                                          # [G, N, 2]: sc, mn
+        pair = torch.stack([d * sub[..., 0], -(dmin * sub[..., 1])], dim=-1).to(dtype)   # the kernel's rounding
+        per[dtype] = pair.view(torch.int32).reshape(G, pw.N).contiguous()
+    return per[dtype]
 
 
 def wg_equivalent(config: dict | None = None) -> dict:
     """The int4_wgmma config whose split, stream-K and tiles this kernel's config runs (so its bits): two
     warpgroups, DEFAULTS, then config (without STAGES and CWG, this kernel's own)."""
-    c = {k: v for k, v in {**DEFAULTS, **(config or {})}.items() if k not in ("STAGES", "CWG", "MMA")}
+    c = {k: v for k, v in {**DEFAULTS, **(config or {})}.items() if k not in ("STAGES", "CWG", "MMA", "READY")}
     return {**c, "WGS": 2, "MT": c.get("MT", 2)}
 
 
@@ -612,7 +660,9 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
     """int4_wgmma's launch for wg_equivalent(config) (its split or stream-K, tiles and batch tile: the same bits),
     with this kernel's block and ring: STAGES (config) or as many as fit. The tile's 128 MT rows go to two consumer
     warpgroups of MT m64 tiles, or with CWG 4 (config; tiles of 256 rows only) to four of one ("CWG", "WG_MT").
-    MMA (config, else batch tiles of up to MMA_MAX_BT): the consumers on mma.sync, MMA_CWG of them by default."""
+    MMA (config, else batch tiles of up to MMA_MAX_BT): the consumers on mma.sync, MMA_CWG of them by default.
+    READY (config, default 1): 0 keeps Q4_K's raw scales where ready_scales would give the ring ready words
+    ("ready")."""
     cfg = int4_wgmma.wg_config(M, N, K, fmt, wg_equivalent(config))
     mma = int((config or {}).get("MMA", cfg["BT"] <= MMA_MAX_BT))
     if mma not in (0, 1):
@@ -622,27 +672,30 @@ def ws_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
         raise ValueError(f"int4_wgmma_ws: CWG={cwg}: two or four consumer warpgroups")
     if cfg["MT"] == 1:
         cwg = 2                                 # tiles of 128 rows: one m64 per warpgroup already
-    sb = stage_bytes(cfg["BT"], fmt, cfg["MT"])
+    x_in = X_IN_GEMM or cfg["BT"] <= X_IN_GEMM_MAX_BT
+    if (config or {}).get("READY", 1) not in (0, 1):
+        raise ValueError(f"int4_wgmma_ws: READY={config['READY']}: 0 (raw Q4_K scales) or 1 (ready words)")
+    ready = ready_scales(fmt, x_in) and (config or {}).get("READY", 1) == 1
+    sb = stage_bytes(cfg["BT"], fmt, cfg["MT"], ready)
     fit = min(MAX_STAGES, (SMEM_LIMIT - 16) // (sb + 16))
     stages = int((config or {}).get("STAGES") or fit)
     if not 2 <= stages <= fit:
         raise ValueError(f"int4_wgmma_ws: STAGES={stages} for BT={cfg['BT']} {fmt}: 2..{fit} stages of {sb} B fit")
     quads, nb = _cdiv(K // GROUP, 4), _cdiv(cfg["BT"], 8)
-    x_in = X_IN_GEMM or cfg["BT"] <= X_IN_GEMM_MAX_BT
     # the staging launch: one thread per unit (row, word: four 16-byte pieces) of each (batch tile, quad); the image
     cfg.update(MMA=mma, STAGES=stages, MINB=1, smem=stages * (sb + 16) + 16, block=128 * (cwg + 1), stage_bytes=sb,
                CWG=cwg, WG_MT=cfg["MT"] * 2 // cwg, quads=quads, stage_units=cfg["n_bt"] * quads * 32 * nb,
-               x_staged=0 if x_in else cfg["n_bt"] * quads * 8 * 256 * nb, x_in_gemm=x_in)
+               x_staged=0 if x_in else cfg["n_bt"] * quads * 8 * 256 * nb, x_in_gemm=x_in, ready=int(ready))
     return cfg
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool, mt: int, cwg: int,
              device: torch.device, x_in_gemm: bool = False, mma: bool = False, fresh: bool = False,
-             step_groups: bool = False):
+             step_groups: bool = False, ready: bool = False):
     if not available():
         raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma, fresh, step_groups)
+    src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma, fresh, step_groups, ready)
     return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
             int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
 
@@ -709,6 +762,16 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
         raise ValueError(f"w4a16_wgmma_ws: format {pw.fmt} not supported (only {FORMATS}); use the Triton kernel")
     if isinstance(pw, PackedWeight) and not aligned(pw):
         return int4_wgmma.w4a16_wgmma(x, pw, out, config=wg_equivalent(config), defer=defer)
+    sub = None
+    if isinstance(pw, PackedWeight) and x.dim() == 2 and x.shape[1] == pw.K and \
+            ws_config(x.shape[0], pw.N, pw.K, pw.fmt, config)["ready"]:
+        have = _READY.get(pw, {}).get(x.dtype)
+        if have is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # made inside a capture, the words would be filled only by the graph's replays: the raw build instead,
+            # which computes the same bits (the warm-up before a capture makes them)
+            config = {**(config or {}), "READY": 0}
+        else:
+            sub = have if have is not None else ready_words(pw, x.dtype)
 
     def launch(cfg, x_f16, out32, dev):
         if x_image is not None and (cfg["x_in_gemm"] or (x_image.M, x_image.K, x_image.BT, x_image.Q) != (
@@ -717,14 +780,15 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
                              f"is not this call's (x {tuple(x.shape)}, BT {cfg['BT']}); take it from image_for")
         return _StagedLaunch(cfg, _kernels(pw.fmt, cfg["BT"], x_f16, out32, cfg["STAGES"], cfg["workers"] > 0,
                                            cfg["WG_MT"], cfg["CWG"], dev, cfg["x_in_gemm"], bool(cfg["MMA"]),
-                                           cfg["BT"] >= FRESH_MIN_BT, cfg["BT"] >= STEP_GROUPS_MIN_BT), x_image)
+                                           cfg["BT"] >= FRESH_MIN_BT, cfg["BT"] >= STEP_GROUPS_MIN_BT,
+                                           bool(cfg["ready"])), x_image)
 
     return int4_cuda.run_packed(
         "w4a16_wgmma_ws", x, pw, out,
         plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
         kernel=launch,
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
-        words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer)
+        words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer, sub=sub)
 
 
 __all__ = ["w4a16_wgmma_ws", "image_for", "available", "supports", "aligned", "ws_config", "wg_equivalent",

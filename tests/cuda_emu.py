@@ -9,6 +9,7 @@ about the tensor cores' own summation order (the GPU tests do)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import shutil
@@ -463,7 +464,10 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
     M, K = x.shape
     cfg = ws.ws_config(M, pw.N, K, pw.fmt, config)
     src = ws.source(pw.fmt, cfg["BT"], x.dtype == torch.float16, out32 or cfg["SPLIT_K"] > 1, cfg["STAGES"], 1,
-                    cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"], cfg["x_in_gemm"], bool(cfg["MMA"]))
+                    cfg["workers"] > 0, cfg["WG_MT"], cfg["CWG"], cfg["x_in_gemm"], bool(cfg["MMA"]),
+                    ready=bool(cfg["ready"]))
+    if cfg["ready"]:                           # the kernel's sub argument: the ready scale words, as on the GPU
+        pw = dataclasses.replace(pw, sub=ws.ready_words(pw, x.dtype).view(torch.uint8))
     head, body = _split_defines(src, ws.SOURCE_DEFINES)
     if cfg["x_in_gemm"]:                       # one launch: the GEMM stages x itself
         return _run_tensor_core(x, pw, cfg, [head, body], SHIM_WG + SHIM_WS, "w4a16_wgmma_ws", out32, seed)

@@ -174,6 +174,73 @@ def test_ws_launch_rules():
     assert not ws.aligned(_weight("q4_0", 36, 256, 0, device="cpu")[0])
 
 
+def test_ws_ready_scales_rules(monkeypatch):
+    """READY_SCALES: Q4_K builds whose batch tiles stage x outside the GEMM carry ready scale words (4 rows of 4-byte
+    words a stage instead of 6 of 2 bytes); other formats, tiles of up to X_IN_GEMM_MAX_BT, READY 0 and the switch
+    off do not; the words go in before int4_mma's code; a bad READY or a ready build of another format is refused."""
+    for M, N, K, config in [(32, 5120, 17408, None), (128, 16384, 5120, ws.T128), (128, 34816, 5120, {"CWG": 4})]:
+        c = _plan(M, N, K, "q4_k", config)
+        assert c["ready"] == 1 and not c["x_in_gemm"] and c["STAGES"] >= 4 and c["smem"] <= ws.SMEM_LIMIT
+        assert c["stage_bytes"] == ws.stage_bytes(c["BT"], "q4_k", c["MT"], True)
+        raw = _plan(M, N, K, "q4_k", {**(config or {}), "READY": 0})
+        assert raw["ready"] == 0 and raw["stage_bytes"] == ws.stage_bytes(c["BT"], "q4_k", c["MT"])
+        assert {k: raw[k] for k in ("SPLIT_K", "grid", "BT", "MT")} == {k: c[k] for k in ("SPLIT_K", "grid", "BT", "MT")}
+        src = ws.source("q4_k", c["BT"], False, True, c["STAGES"], 1, c["workers"] > 0, c["WG_MT"], c["CWG"],
+                        c["x_in_gemm"], bool(c["MMA"]))
+        assert "#define READY_SCALES 1" in src and src.index("#define READY_SCALES") < src.index("QScales quad_scales")
+    assert ws.stage_bytes(128, "q4_k", 2, True) - ws.stage_bytes(128, "q4_k", 2) == 1024  # 4.1 KB against 3.1
+    assert "READY" not in ws.wg_equivalent({"READY": 0})
+    for fmt in ("q4_0", "q4_1", "q8_0"):
+        assert _plan(32, 5120, 17408, fmt)["ready"] == 0
+    assert _plan(8, 5120, 17408, "q4_k")["ready"] == 0                       # x staged in the GEMM
+    with pytest.raises(ValueError, match="READY=2"):
+        _plan(32, 5120, 17408, "q4_k", {"READY": 2})
+    with pytest.raises(ValueError, match="ready scale words"):
+        ws.source("q4_0", 32, False, True, 4, ready=True)
+    with pytest.raises(ValueError, match="ready scale words"):
+        ws.ready_words(_weight("q4_0", 264, 256, 0, device="cpu")[0], torch.bfloat16)
+    monkeypatch.setattr(ws, "READY_SCALES", False)
+    assert _plan(32, 5120, 17408, "q4_k")["ready"] == 0
+    assert "#define READY_SCALES 0" in ws.source("q4_k", 32, False, True, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ready_words_are_the_affine_scale_and_offset_rounded(seed, dtype):
+    """ready_words: per (group, row) the scale d * sc (low half) and offset -(dmin * mn) (high half) of
+    engine/quant_pack.py's affine form, each rounded to x's dtype, bit for bit (the offset's -0 too); made once per
+    weight and dtype."""
+    from engine.quant_pack import _affine
+
+    pw, _ = _weight("q4_k", 264, 1024, seed % 1000, device="cpu")
+    _, s, c = _affine(pw)                                       # [N, G, 1]
+    words = ws.ready_words(pw, dtype)
+    assert words.shape == (1024 // 32, 264) and words.dtype == torch.int32 and words.is_contiguous()
+    halves = words.view(dtype).reshape(1024 // 32, 264, 2)
+    for got, want in ((halves[..., 0], s), (halves[..., 1], c)):
+        want = want.squeeze(-1).t().to(dtype)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert ws.ready_words(pw, dtype) is words
+    assert ws.ready_words(pw, torch.float16 if dtype == torch.bfloat16 else torch.bfloat16) is not words
+
+
+@needs_emu
+@pytest.mark.parametrize("case", [EMU[2], EMU[3], EMU[5], (264, 1024, "q4_k", (20,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+def test_ws_ready_and_raw_scales_emulated_give_the_same_bits(seed, case):
+    """Q4_K's ready scale words or its raw scales in the ring: int4_wgmma's emulated bits either way, over stream-K,
+    four consumer warpgroups, splits and 128-row tiles, bf16 and fp16 x."""
+    N, K, fmt, Ms, config = case
+    pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
+    for dtype in (torch.bfloat16, torch.float16):
+        x = _x(seed, Ms[-1], K, xs, device="cpu").to(dtype)
+        want = cuda_emu.w4a16_wgmma_emulated(x, pw, out32=True, config=ws.wg_equivalent(config), seed=seed + 1)
+        for ready in (1, 0):
+            cfg = {**config, "READY": ready}
+            assert _plan(Ms[-1], N, K, fmt, cfg)["ready"] == ready
+            y = cuda_emu.w4a16_wgmma_ws_emulated(x, pw, out32=True, config=cfg, seed=seed)
+            assert torch.equal(y, want), f"READY={ready} {dtype} {config}: not int4_wgmma's bits"
+
+
 def test_ws_weights_evict_first_in_one_batch_tile(monkeypatch):
     """The GEMM launch asks for its evict-first build (WEIGHT_EVICT) where one batch tile reads every weight byte once,
     not where several tiles re-read them, and not with the switch off; the staging launch never does."""
@@ -343,6 +410,33 @@ def test_gpu_ws_reads_a_prestaged_image(seed, config):
 @pytest.mark.parametrize("shape", [(2048, 8192), (34816, 5120)], ids=["split", "stream_k"])
 def test_ws_strided_and_graph_capture(seed, shape):
     gpu_strided_and_graph_capture(ws.w4a16_wgmma_ws, seed, *shape, "q4_k", weights=folded_weights)
+
+
+@pytest.mark.gpu
+@needs_wg
+def test_ws_ready_words_never_made_inside_a_capture(seed):
+    """A Q4_K weight captured before any eager call runs the raw-scale build in the graph (the same bits, nothing
+    allocated, no ready words made: made there they would be filled only by replays); the next eager call makes the
+    words and keeps the bits."""
+    pw, xs = _weight("q4_k", 5120, 17408, seed % 1000, device="cuda")
+    x = _x(seed, 32, 17408, xs, device="cuda")
+    out = torch.empty(32, 5120, dtype=x.dtype, device="cuda")
+    assert _plan(32, 5120, 17408, "q4_k")["ready"] == 1
+    raw = ws.w4a16_wgmma_ws(x, pw, config={"READY": 0})          # compiles the raw build before the capture
+    assert pw not in ws._READY
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        before = torch.cuda.memory_allocated()
+        ws.w4a16_wgmma_ws(x, pw, out)
+        after = torch.cuda.memory_allocated()
+    assert after == before and pw not in ws._READY
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, raw)
+    assert torch.equal(ws.w4a16_wgmma_ws(x, pw), raw) and torch.bfloat16 in ws._READY[pw]
+    assert torch.equal(raw, int4_wgmma.w4a16_wgmma(x, pw, torch.empty(32, 5120, dtype=x.dtype, device="cuda"),
+                                                   config=ws.wg_equivalent()))
 
 
 def _nvcc():
