@@ -60,12 +60,14 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
     "int4_gemm": ("params.micro.n", "params.micro.k", "params.micro.fmt", "params.batch.size"),
     "hybrid_27b": ("params.engine.weights", "params.model.synthetic.weight_type", "params.engine.int4",
                    "params.kv_cache.state_dtype", "metrics.state_writeback", "params.scheduler.mode",
-                   "params.scheduler.prefill", "params.engine.pdl", "params.batch.size"),
-    "int4_e2e": ("params.model.name", "params.engine.weights", "params.engine.pdl", "params.batch.size"),
+                   "params.scheduler.prefill", "params.engine.pdl", "params.engine.ready_scales", "params.batch.size"),
+    "int4_e2e": ("params.model.name", "params.engine.weights", "params.engine.pdl", "params.engine.ready_scales",
+                 "params.batch.size"),
 }
 # a key column that runs recorded before it existed lack, and the value they ran with
 ROW_KEY_DEFAULTS = {"params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
-                    "metrics.state_writeback": "1"}   # the state written every token until kv_cache.state_writeback
+                    "metrics.state_writeback": "1",   # the state written every token until kv_cache.state_writeback
+                    "params.engine.ready_scales": "False"}   # Q4_K's ready scale words came with engine.ready_scales
 
 
 def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
@@ -340,11 +342,13 @@ def int4_e2e(df: pd.DataFrame):
         "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
         "weights on GPU (MiB)": _opt(df, "metrics.weights_mb"),
         "GGUF file (MiB)": _opt(df, "metrics.gguf_mb"),
+        # beside the weights: Q4_K's scale words made once per weight (engine.ready_scales; rows before it: none)
+        "+ ready Q4_K scales (MiB)": _opt(df, "metrics.ready_scales_mb").fillna(0.0),
         "load (s)": num(df, "metrics.load_s"),
         "floor reached": _opt(df, "metrics.floor_frac"),
         "verified": check(num(df, "metrics.verify_ok")),
     }).sort_values(["model", "B", "weights", "PDL"], ascending=[True, True, False, True])
-    md = d.to_markdown(index=False, floatfmt=("", "", "", ".0f", ",.0f", ".3f", ",.0f", ",.0f", ".1f", ".0%", ""))
+    md = d.to_markdown(index=False, floatfmt=("", "", "", ".0f", ",.0f", ".3f", ",.0f", ",.0f", ",.0f", ".1f", ".0%", ""))
     return md.replace("nan%", "—").replace("nan", "—"), None
 
 
@@ -383,6 +387,7 @@ def hybrid_27b(df: pd.DataFrame):
                                                else pd.Series("", index=df.index)).eq("chunked").map(
             {True: ", chunked", False: ""}),
         "PDL": _pdl(df),
+        "Q4_K scales": _q4k_scales(df),
         "B": num(df, "params.batch.size").astype(int),
         "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
         # static: p50 of the step's wall time; continuous: the mean device time of a serving step
@@ -393,12 +398,24 @@ def hybrid_27b(df: pd.DataFrame):
         "bf16 state: greedy agree": _opt(df, "metrics.bf16_state_greedy_agree"),
         "bf16 state: logit err": _opt(df, "metrics.bf16_state_logit_err"),
         "verified": check(num(df, "metrics.verify_ok")),
-    }).sort_values(["weights", "type", "state", "write-back", "mode", "PDL", "B"],
-                   ascending=[False, False, False, True, False, True, True])
+    }).sort_values(["weights", "type", "state", "write-back", "mode", "PDL", "Q4_K scales", "B"],
+                   ascending=[False, False, False, True, False, True, False, True])
     standing = hybrid_27b_standing(d.assign(_start=df["start_time"] if "start_time" in df else ""))
-    md = d.to_markdown(index=False, floatfmt=("", "", "", "", ".0f", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%", ",.1f",
-                                              ".0%", ".1e", ""))
+    md = d.to_markdown(index=False, floatfmt=("", "", "", "", ".0f", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%",
+                                              ",.1f", ".0%", ".1e", ""))
     return _standing(standing, md.replace("nan%", "—").replace("nan", "—")), None
+
+
+def _q4k_scales(df: pd.DataFrame) -> pd.Series:
+    """The packed Q4_K rows' engine.ready_scales: "ready" (the GEMMs in batch tiles above 8 sequences read scale words
+    made once per weight, kernels/int4_wgmma_ws.py) or "file" (only the file's scales, as every run before the
+    setting); "—" for other rows."""
+    ready = (df["params.engine.ready_scales"].astype(str) if "params.engine.ready_scales" in df
+             else pd.Series("False", index=df.index)).str.lower().eq("true")
+    packed = df["params.engine.weights"].eq("packed") if "params.engine.weights" in df else pd.Series(False, index=df.index)
+    q4k = (df["params.model.synthetic.weight_type"].fillna("q4_k") if "params.model.synthetic.weight_type" in df
+           else pd.Series("q4_k", index=df.index)).eq("q4_k")
+    return ready.map({True: "ready", False: "file"}).where(packed & q4k, "—")
 
 
 # the hybrid_27b targets: aggregate tok/s with Q4 weights (packed, the invariant kernels) and fp32 state, verified;

@@ -138,7 +138,11 @@ def build(cfg) -> Built:
         from kernels.int4_dispatch import set_policy
 
         set_policy(cfg.engine.int4, max_batch=cfg.batch.size)   # the invariant pick for this engine's batch
-    engine_key = {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if k != "pdl"}  # same weights either way
+    from kernels.int4_wgmma_ws import configure_ready
+
+    configure_ready(bool(cfg.engine.ready_scales))   # read at each GEMM call, as the steppers made below warm up
+    engine_key = {k: v for k, v in OmegaConf.to_container(cfg.engine).items()
+                  if k not in ("pdl", "ready_scales")}  # same weights either way
     memo = (OmegaConf.to_yaml(cfg.model), str(engine_key), cfg.kv_cache.ctx, cfg.scheduler.mode)
     if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:  # a sweep's next job: same weights, no regeneration
         b = _IN_MEMORY["built"]
@@ -228,6 +232,14 @@ def pdl_active(dev: torch.device, backend: str) -> int:
     return pdl.mode(dev) if backend == "triton" else 0
 
 
+def ready_scales_mb(dev: torch.device) -> float:
+    """MiB the ready Q4_K scale words hold on dev (engine.ready_scales; made at each weight's first GEMM call), beside
+    the weights' own bytes (weights_mb)."""
+    from kernels.int4_wgmma_ws import ready_bytes
+
+    return ready_bytes(dev) / 2**20 if dev.type == "cuda" else 0.0
+
+
 def peak_mem_mb(dev: torch.device) -> float:
     if dev.type == "cuda":
         return torch.cuda.max_memory_allocated(dev) / 2**20
@@ -283,7 +295,8 @@ def run_job(cfg, out_dir: Path) -> float:
         from harness.serve_job import run_serving
 
         metrics, artifacts, vline, perf = run_serving(cfg, built, ids, stop_ids, sampling)
-        metrics.update(peak_mem_mb=peak_mem_mb(dev), prompt_len=len(ids), load_s=built.load_s)
+        metrics.update(peak_mem_mb=peak_mem_mb(dev), prompt_len=len(ids), load_s=built.load_s,
+                       ready_scales_mb=ready_scales_mb(dev))
         print(f"[verify] {vline}")
         print(perf)
         tags = {"workload_hash": workload_digest([ids], w), "model_file": built.gguf_path.name, "backend": built.backend,
@@ -316,6 +329,7 @@ def run_job(cfg, out_dir: Path) -> float:
         "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
         "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),
         "kv_cache_mb": kv.nbytes / 2**20, "load_s": built.load_s, "weights_mb": weights_mb(built.weights),
+        "ready_scales_mb": ready_scales_mb(dev),
         "gguf_mb": file_mb(built.gguf_path),
     }
     metrics.update({k: float(v) for k, v in verdict.detail.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -334,7 +348,8 @@ def run_job(cfg, out_dir: Path) -> float:
     perf = (f"[perf] B={B}: {tput:,.1f} tok/s aggregate ({tput / B:,.1f} per stream, {metrics['speedup_vs_single']:.2f}x "
             f"single stream at {single_tput:,.1f} tok/s); step p50 {metrics['step_ms_p50']:.3f} ms, "
             f"p90 {metrics['step_ms_p90']:.3f} ms over {metrics['steps']} steps; prefill {metrics['prefill_ms']:.1f} ms; "
-            f"peak mem {metrics['peak_mem_mb']:.0f} MB")
+            f"peak mem {metrics['peak_mem_mb']:.0f} MB"
+            + (f" (ready Q4_K scale words {metrics['ready_scales_mb']:,.0f} MB of it)" if metrics["ready_scales_mb"] else ""))
     if "floor_frac" in metrics:
         perf += f"; floor {metrics['step_floor_ms']:.3f} ms/step ({metrics['floor_frac']:.0%} reached)"
     print(perf)

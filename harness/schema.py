@@ -112,6 +112,7 @@ class EngineCfg:
     threads: int = 0  # CPU threads for torch; 0 = leave torch's default
     weights: str = "dequant"  # dequant (GGUF -> dtype at load) | packed (Q4_0/Q4_1/Q4_K/Q8_0 projections stay quantized)
     pdl: bool = True  # programmatic dependent launch between a step's kernels where the GPU has it (sm_90+; kernels/pdl.py); early trigger up to pdl.early_max_batch(arch)
+    ready_scales: bool = True  # packed Q4_K projections in batch tiles above 8 sequences read each (group, row)'s scale and offset made once per weight (kernels/int4_wgmma_ws.py READY_SCALES: ~19% more weight memory, logged as metrics.ready_scales_mb); false: only the file's scales
     int4: str = "invariant"  # packed projections: invariant (one kernel per shape, the fastest batch-invariant one at batch.size) | fastest | triton | cuda | cuda_mma | cuda_mma_fold | cuda_mma_fold_lat | cuda_wgmma | cuda_wgmma_x2 | cuda_wgmma_ws | cuda_wgmma_ws_t128 | dequant_cublas (kernels/int4_dispatch.py)
 
 

@@ -632,6 +632,21 @@ def ready_scales(fmt: str, x_in_gemm: bool) -> bool:
     return bool(READY_SCALES) and fmt == "q4_k" and not x_in_gemm
 
 
+def configure_ready(on: bool) -> None:
+    """READY_SCALES for the jobs that follow (engine.ready_scales); off also frees the words already made."""
+    global READY_SCALES
+    READY_SCALES = bool(on)
+    if not on:
+        _READY.clear()
+
+
+def ready_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes the ready scale words made so far hold (on device, or on every device)."""
+    dev = None if device is None else torch.device(device)
+    return sum(t.numel() * t.element_size() for per in list(_READY.values()) for t in per.values()
+               if dev is None or (t.device.type, t.device.index or 0) == (dev.type, dev.index or 0))
+
+
 def ready_words(pw: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """A Q4_K weight's scale and offset per (group, row) as the kernel applies them: d * sc and -(dmin * mn) in fp32,
     each rounded to dtype (x's), scale in the low half of an int32 word and offset in the high half, [G, N]. Made on
@@ -792,4 +807,5 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
 
 
 __all__ = ["w4a16_wgmma_ws", "image_for", "available", "supports", "aligned", "ws_config", "wg_equivalent",
+           "ready_scales", "ready_words", "configure_ready", "ready_bytes",
            "reserve_workspace", "source", "stage_bytes", "DEFAULTS", "T128", "MEASURED_T128", "WS_KERNEL"]

@@ -17,7 +17,8 @@ from harness.app import CONF_DIR
 from harness.run import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXED_METRICS = {"throughput_tok_s", "per_stream_tok_s", "step_ms_p50", "step_ms_p90", "steps", "verify_ok", "peak_mem_mb"}
+FIXED_METRICS = {"throughput_tok_s", "per_stream_tok_s", "step_ms_p50", "step_ms_p90", "steps", "verify_ok", "peak_mem_mb",
+                 "ready_scales_mb"}
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
@@ -56,6 +57,19 @@ def test_misspelled_experiment_is_refused_not_run_as_the_default():
     assert cfg_of().model.name == "smollm2-135m"          # no experiment: the default job still composes
 
 
+def test_engine_ready_scales_sets_the_kernels_switch(tmp_path, monkeypatch):
+    """engine.ready_scales=false turns int4_wgmma_ws's READY_SCALES off for the job (and frees words already made);
+    the default turns it back on."""
+    from harness.run import build
+    from kernels import int4_wgmma_ws as ws
+
+    monkeypatch.setattr(ws, "READY_SCALES", ws.READY_SCALES)   # restored after the test
+    build(cfg_of(*tiny(tmp_path, "engine.ready_scales=false")))
+    assert ws.READY_SCALES is False and not ws._READY
+    build(cfg_of(*tiny(tmp_path)))
+    assert ws.READY_SCALES is True
+
+
 def test_misspelled_override_names_the_key():
     with pytest.raises(ConfigCompositionException) as e:
         cfg_of("batch.sise=4")
@@ -75,6 +89,7 @@ def test_run_logs_fixed_metrics_and_report_regenerates(tmp_path, monkeypatch):
     assert FIXED_METRICS <= {c.removeprefix("metrics.") for c in df.columns if c.startswith("metrics.")}
     row = df.iloc[0]
     assert row["metrics.verify_ok"] == 1.0 and row["params.batch.size"] == "2"
+    assert row["params.engine.ready_scales"] == "True" and row["metrics.ready_scales_mb"] == 0.0   # CPU: none made
     for tag in ("git_commit", "git_dirty", "device", "torch_version", "triton_version", "workload_hash"):
         assert row[f"tags.{tag}"]
     artifacts = {a.path for a in mlflow.MlflowClient(uri).list_artifacts(row["run_id"])}
@@ -357,6 +372,28 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
     line32 = next(l for l in report.TABLES["hybrid_27b"](pd.concat([df, pd.DataFrame([short])], ignore_index=True))[0]
                   .splitlines() if l.startswith("|  32 "))
     assert "99.9%" in line32 and "100" not in line32.split("3,000")[1], line32
+
+
+def test_hybrid_rows_keyed_and_labelled_by_ready_scales():
+    """engine.ready_scales is part of a hybrid_27b row's key (rows recorded before it count as off) and shown for
+    packed Q4_K rows: a rerun with the setting on does not replace the recorded row without it."""
+    def row(t, ready=None, kind="q4_k"):
+        r = {"run_id": f"r{t}", "start_time": f"2026-12-03 1{t}:00:00", "params.engine.weights": "packed",
+             "params.model.synthetic.weight_type": kind, "params.engine.int4": "invariant",
+             "params.kv_cache.state_dtype": "float32", "metrics.state_writeback": 4.0, "params.scheduler.mode": "static",
+             "params.scheduler.prefill": "batched", "params.engine.pdl": "True", "params.batch.size": "32",
+             "metrics.throughput_tok_s": 2987.0 + t, "metrics.verify_ok": 1.0, "metrics.pdl": 4.0}
+        return r if ready is None else {**r, "params.engine.ready_scales": ready}
+    recorded = pd.DataFrame([row(0), row(1, kind="q4_0")])
+    merged = report.merge_runs("hybrid_27b", recorded, pd.DataFrame([row(2, "True")]))
+    assert sorted(merged["run_id"]) == ["r0", "r1", "r2"]
+    merged = report.merge_runs("hybrid_27b", merged, pd.DataFrame([row(3, "False")]))
+    assert sorted(merged["run_id"]) == ["r1", "r2", "r3"]                     # off replaces the row from before it
+    md, _ = report.TABLES["hybrid_27b"](merged)
+    head, _, *lines = [[c.strip() for c in l.split("|")[1:-1]]
+                       for l in md.split("### Every recorded row")[1].splitlines() if l.startswith("|")]
+    col = head.index("Q4_K scales")
+    assert sorted((r[head.index("type")], r[col]) for r in lines) == [("q4_0", "—"), ("q4_k", "file"), ("q4_k", "ready")]
 
 
 def test_int4_report_opens_with_the_targets_from_the_rows():

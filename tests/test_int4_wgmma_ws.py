@@ -223,6 +223,23 @@ def test_ready_words_are_the_affine_scale_and_offset_rounded(seed, dtype):
     assert ws.ready_words(pw, torch.float16 if dtype == torch.bfloat16 else torch.bfloat16) is not words
 
 
+def test_ready_words_counted_and_freed(seed, monkeypatch):
+    """ready_bytes counts the words made (per device); configure_ready(False) turns the switch off and frees them."""
+    monkeypatch.setattr(ws, "READY_SCALES", ws.READY_SCALES)
+    monkeypatch.setattr(ws, "_READY", type(ws._READY)())
+    pw, _ = _weight("q4_k", 264, 512, seed % 1000, device="cpu")
+    assert ws.ready_bytes() == 0
+    ws.ready_words(pw, torch.bfloat16)
+    assert ws.ready_bytes("cpu") == ws.ready_bytes() == 264 * 512 // 32 * 4
+    if torch.cuda.is_available():
+        assert ws.ready_bytes("cuda") == 0
+    ws.configure_ready(False)
+    assert ws.READY_SCALES is False and ws.ready_bytes() == 0
+    assert _plan(32, 5120, 17408, "q4_k")["ready"] == 0
+    ws.configure_ready(True)
+    assert _plan(32, 5120, 17408, "q4_k")["ready"] == 1
+
+
 @needs_emu
 @pytest.mark.parametrize("case", [EMU[2], EMU[3], EMU[5], (264, 1024, "q4_k", (20,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
