@@ -49,7 +49,8 @@ streaming, and the time follows the consumers' instruction count (226 a quad and
 kept: one commit group per two or four words (or per k16 step, which keeps the wgmmas pipelined at 128 sequences:
 STEP_GROUPS_MIN_BT), tensor-map copies, fewer ring stages, consumers reading the next quad ahead, wgmma groups left in
 flight, two consumer warpgroups at 64-128 sequences, batch tiles of 64 at 128, x staged in the GEMM above 8 sequences,
-Q4_K's scales made by the producer warpgroup's idle warps (7-10% slower steps: their barrier waits).
+Q4_K's scales made by the producer warpgroup's idle warps (7-10% slower steps, however they waited); made once per
+weight instead (READY_SCALES), they pay.
 Nor are the copies the bound at 32-128 sequences: without x's (or the weights') copies a call is within 2% as fast.
 """
 from __future__ import annotations
