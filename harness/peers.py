@@ -2,6 +2,7 @@
 (torch.compile'd by transformers), built from the very weights our engine runs."""
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
@@ -9,8 +10,21 @@ import torch
 from engine.config import ModelConfig
 
 
+def import_transformers():
+    """transformers, or an ImportError that names the clash with this project's kernels/ package: transformers 5.25+
+    imports Hugging Face's `kernels` package, and the project root on sys.path puts kernels/ in its place."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as e:
+        if "'kernels'" not in str(e):
+            raise
+        raise ImportError(f"transformers could not import Hugging Face's `kernels` package: this project's kernels/ "
+                          f"package shadows it ({e}). Install transformers<5.25 (the test extra pins it: pip install "
+                          f"-e '.[test]') or uninstall the `kernels` package.") from e
+
+
 def hf_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
-    import transformers
+    transformers = import_transformers()
 
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
@@ -75,9 +89,7 @@ def hf_serving_rate(model, requests: list[tuple[list[int], int]], warmup: int = 
     """HF transformers continuous batching (`init_continuous_batching`, paged attention): every request
     with its own max_new_tokens, greedy; generated tokens over the wall time from first submission
     to last result, after a short warm-up batch."""
-    from transformers import GenerationConfig
-
-    gc = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=None, pad_token_id=0)
+    gc = import_transformers().GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=None, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=gc)
     manager.start()
     try:

@@ -44,3 +44,26 @@ def test_peer_continuous_batching_matches_our_greedy(tiny_ggufs):
         ours = generate_static(model, ContiguousKVCache(cfg, 1, 32, torch.float32, "cpu"), [prompt], n, SamplingParams())
         assert ours.outputs[0] == theirs
     assert peer["peer_tok_s"] > 0
+
+
+def test_transformers_kernels_clash_names_the_fix(monkeypatch):
+    """An ImportError from transformers about the `kernels` package (this project's kernels/ shadowing Hugging Face's)
+    comes back naming the clash and the fix; any other ImportError passes through unchanged."""
+    import importlib
+
+    from harness import peers
+
+    def failing(message):
+        def import_module(name, *a, **k):
+            raise ImportError(message)
+        return import_module
+
+    monkeypatch.setattr(importlib, "import_module",
+                        failing("cannot import name 'CUDAProperties' from 'kernels' (/repo/kernels/__init__.py)"))
+    with pytest.raises(ImportError, match=r"shadows it .*transformers<5.25.*uninstall the `kernels` package"):
+        peers.import_transformers()
+    monkeypatch.setattr(importlib, "import_module", failing("No module named 'safetensors'"))
+    with pytest.raises(ImportError, match="^No module named 'safetensors'$"):
+        peers.import_transformers()
+    monkeypatch.undo()
+    assert peers.import_transformers().__name__ == "transformers"
