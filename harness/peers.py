@@ -89,7 +89,8 @@ def hf_serving_rate(model, requests: list[tuple[list[int], int]], warmup: int = 
     """HF transformers continuous batching (`init_continuous_batching`, paged attention): every request
     with its own max_new_tokens, greedy; generated tokens over the wall time from first submission
     to last result, after a short warm-up batch."""
-    gc = import_transformers().GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests), eos_token_id=None, pad_token_id=0)
+    gc = import_transformers().GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in requests),
+                                                eos_token_id=None, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=gc)
     manager.start()
     try:

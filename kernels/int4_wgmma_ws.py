@@ -778,14 +778,22 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
         raise ValueError(f"w4a16_wgmma_ws: format {pw.fmt} not supported (only {FORMATS}); use the Triton kernel")
     if isinstance(pw, PackedWeight) and not aligned(pw):
         return int4_wgmma.w4a16_wgmma(x, pw, out, config=wg_equivalent(config), defer=defer)
+    planned = {}
+
+    def plan(M, N, K, fmt):                     # once per call: the ready check below and run_packed share it
+        if (M, N, K, fmt) not in planned:
+            planned[(M, N, K, fmt)] = ws_config(M, N, K, fmt, config)
+        return planned[(M, N, K, fmt)]
+
     sub = None
     if isinstance(pw, PackedWeight) and x.dim() == 2 and x.shape[1] == pw.K and \
-            ws_config(x.shape[0], pw.N, pw.K, pw.fmt, config)["ready"]:
+            plan(x.shape[0], pw.N, pw.K, pw.fmt)["ready"]:
         have = _READY.get(pw, {}).get(x.dtype)
         if have is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
             # made inside a capture, the words would be filled only by the graph's replays: the raw build instead,
             # which computes the same bits (the warm-up before a capture makes them)
             config = {**(config or {}), "READY": 0}
+            planned.clear()
         else:
             sub = have if have is not None else ready_words(pw, x.dtype)
 
@@ -801,7 +809,7 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
 
     return int4_cuda.run_packed(
         "w4a16_wgmma_ws", x, pw, out,
-        plan=lambda M, N, K, fmt: ws_config(M, N, K, fmt, config),
+        plan=plan,
         kernel=launch,
         x_needs_copy=lambda x: x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16,
         words_per_pair=WORDS_PER_GROUP[pw.fmt], defer=defer, sub=sub)
