@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from onepass.engine.config import ModelConfig, RopeScaling
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def tiny_ggufs(tmp_path_factory) -> dict[str, Path]:
     """f32 GGUF files for the tiny llama and qwen3 shapes, written once per session."""
-    from engine.gguf_writer import random_weights, write_gguf
+    from onepass.engine.gguf_writer import random_weights, write_gguf
 
     d = tmp_path_factory.mktemp("tiny")
     out = {}

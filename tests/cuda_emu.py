@@ -1,4 +1,4 @@
-"""Run the CUDA sources of kernels/int4_cuda.py, kernels/int4_mma.py and kernels/int4_wgmma.py on the CPU: the same source text
+"""Run the CUDA sources of onepass/kernels/int4_cuda.py, onepass/kernels/int4_mma.py and onepass/kernels/int4_wgmma.py on the CPU: the same source text
 compiled by g++ with a shim (blocks one after another, each block's threads as std::threads meeting at a
 std::barrier for __syncthreads, __shared__ as function statics shared by the block's threads (dynamic shared
 memory: one buffer of the host's size, checked against the kernel's; cp.async as an immediate copy), the inline-PTX
@@ -90,7 +90,7 @@ extern "C" void launch_reduce(int grid, const float* ws, void* y, int sym, int M
 """
 
 
-# the extra helpers of kernels/int4_mma.py's source
+# the extra helpers of onepass/kernels/int4_mma.py's source
 SHIM_MMA = r"""
 static inline unsigned ld_word(const unsigned* p) { return *p; }
 static unsigned char* g_smem;          // the block's dynamic shared memory
@@ -184,7 +184,7 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
 }
 """
 
-# kernels/int4_wgmma.py's helpers: a warpgroup's 128 threads exchange their A fragments, B comes from the block's
+# onepass/kernels/int4_wgmma.py's helpers: a warpgroup's 128 threads exchange their A fragments, B comes from the block's
 # shared memory through the descriptor (PTX ISA: start address, leading-dimension offset = between the two k halves'
 # core matrices, stride-dimension offset = between 8-row blocks, each core matrix 8 rows x 16 B; 16 B units, no
 # swizzle; or the 128-byte swizzle, layout type 1), each k16 step summed in k order like mma16816; fences and waits
@@ -266,8 +266,8 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None) -> torch.Tensor:
     """kernels.int4_cuda.w4a16_cuda's launches (same config, same arguments) on the CPU."""
-    from engine.quant_pack import GROUP
-    from kernels import int4_cuda
+    from onepass.engine.quant_pack import GROUP
+    from onepass.kernels import int4_cuda
 
     x = x.contiguous()
     M, K = x.shape
@@ -304,7 +304,7 @@ def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None
 def splitk_reduce_emulated(ws: torch.Tensor, out32: bool = False) -> torch.Tensor:
     """int4_cuda's split-K reduce kernel on the CPU: ws [S, M, N] fp32 partials -> y [M, N] (fp32, or bf16 rounded
     once)."""
-    from kernels import int4_cuda
+    from onepass.kernels import int4_cuda
 
     S, M, N = ws.shape
     h = int4_cuda.source("q4_0", 1, False, out32, int4_cuda.KW, int4_cuda.CG).split("\n", 6)
@@ -324,7 +324,7 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
     Stream-K (cfg["workers"]): the workspace (a guard past its planned size must stay untouched) and zeroed flags
     too, which the kernel must leave zero. shape, dtype:
     x's [M, K] and dtype where x is a staged image rather than the matrix."""
-    from engine.quant_pack import GROUP
+    from onepass.engine.quant_pack import GROUP
 
     M, K = shape or x.shape
     dtype = dtype or x.dtype
@@ -365,7 +365,7 @@ def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | 
                        fold: bool = False, seed: int = 0) -> torch.Tensor:
     """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU, its blocks in a random order
     (seed); split-K partials are added in split order as int4_cuda's reduce kernel does."""
-    from kernels import int4_mma
+    from onepass.kernels import int4_mma
 
     x = x.contiguous()
     M, K = x.shape
@@ -379,7 +379,7 @@ def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict 
                          seed: int = 0) -> torch.Tensor:
     """kernels.int4_wgmma.w4a16_wgmma's launch (same config, same arguments) on the CPU, its blocks in a random
     order (seed); split-K partials added in split order."""
-    from kernels import int4_wgmma
+    from onepass.kernels import int4_wgmma
 
     x = x.contiguous()
     M, K = x.shape
@@ -390,7 +390,7 @@ def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict 
                             seed)
 
 
-# kernels/int4_wgmma_ws.py's helpers: mbarriers as (expected arrivals, pending bytes, completed phases) under a lock,
+# onepass/kernels/int4_wgmma_ws.py's helpers: mbarriers as (expected arrivals, pending bytes, completed phases) under a lock,
 # a bulk copy as an immediate copy that then completes its bytes, the consumers' named barrier as a std::barrier;
 # setmaxnreg is a no-op. The waits spin on the phase parity as try_wait.parity does, so the producer really runs
 # ahead of the consumers by the ring's depth and the ring's hand-over order is exercised.
@@ -457,8 +457,8 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
     """kernels.int4_wgmma_ws.w4a16_wgmma_ws's two launches (x staged into the ring's image, then the GEMM reading
     it; same config, same arguments) on the CPU, the GEMM's blocks in a random order (seed). staged_only: the
     staging launch alone; returns its image (int16, x_staged / 2 elements; the config must stage x)."""
-    from engine.quant_pack import GROUP
-    from kernels import int4_wgmma_ws as ws
+    from onepass.engine.quant_pack import GROUP
+    from onepass.kernels import int4_wgmma_ws as ws
 
     x = x.contiguous()
     M, K = x.shape

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import BlockManager, PoolExhausted, sha256_block_hash
+from onepass.engine.block_manager import BlockManager, PoolExhausted, sha256_block_hash
 
 
 def toks(n, start=1000):

@@ -2,14 +2,14 @@
 import pytest
 import torch
 
-from engine.errors import ConfigError
-from engine.gguf_loader import load_gguf
-from engine.kv_cache import ContiguousKVCache
-from engine.models import build_model
-from engine.sampler import SamplingParams, filter_logits
-from engine.static_batch import generate_static
-from engine.verify import verify_greedy, verify_sampled
-from kernels.ops import get_ops
+from onepass.engine.errors import ConfigError
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.models import build_model
+from onepass.engine.sampler import SamplingParams, filter_logits
+from onepass.engine.static_batch import generate_static
+from onepass.engine.verify import verify_greedy, verify_sampled
+from onepass.kernels.ops import get_ops
 
 GREEDY = SamplingParams()
 

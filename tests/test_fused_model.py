@@ -1,4 +1,4 @@
-"""The fused decode step (engine/fused_model.py + runner) against the reference model.
+"""The fused decode step (onepass/engine/fused_model.py + runner) against the reference model.
 
 On the CPU it runs with the torch reference kernels, which checks the step's structure (fused
 q|k|v and gate|up, rows of (slot, position), the scratch slot, feedback of sampled ids). On a GPU the
@@ -7,16 +7,16 @@ Triton kernels with CUDA graphs must reproduce it, bit-exact across batch sizes.
 import pytest
 import torch
 
-from engine.fused_model import FusedDecoder
-from engine.gguf_loader import load_gguf
-from engine.kv_cache import ContiguousKVCache
-from engine.models import build_model
-from engine.runner import GraphStepper
-from engine.sampler import SamplingParams
-from engine.static_batch import generate_static, run_static
-from engine.verify import verify_greedy
-from kernels.backend import get_step_kernels
-from kernels.ops import get_ops
+from onepass.engine.fused_model import FusedDecoder
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.models import build_model
+from onepass.engine.runner import GraphStepper
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.static_batch import generate_static, run_static
+from onepass.engine.verify import verify_greedy
+from onepass.kernels.backend import get_step_kernels
+from onepass.kernels.ops import get_ops
 
 
 def fused_run(path, backend, batch, prompt, new, prefill="batched", graphs=False, dtype=torch.float32, device="cpu",

@@ -1,5 +1,5 @@
-"""The fused hybrid decode step (engine/fused_qwen35.py, driven by engine/runner.GraphStepper) against the
-qwen35 reference model (engine/models/qwen35.py, itself checked against HF transformers in test_qwen35.py).
+"""The fused hybrid decode step (onepass/engine/fused_qwen35.py, driven by onepass/engine/runner.GraphStepper) against the
+qwen35 reference model (onepass/engine/models/qwen35.py, itself checked against HF transformers in test_qwen35.py).
 
 Models: two tiny synthetic qwen35 GGUFs, one with value heads = key heads (2 GDN + 2 attention layers, tied
 head), one with 3x value heads (3 GDN + 1 attention layer, untied, an MTP block) -- test_qwen35's shapes.
@@ -23,20 +23,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.errors import ConfigError
-from engine.fused_qwen35 import FusedQwen35Decoder
-from engine.gguf_loader import load_gguf
-from engine.gguf_writer import random_weights, write_gguf
-from engine.kv_cache import ContiguousKVCache, PagedKVCache
-from engine.models import build_model
-from engine.runner import GraphStepper
-from engine.sampler import SamplingParams
-from engine.state_pool import HybridCache, StatePool, check_hybrid_serving, drop_recurrent_kv
-from engine.static_batch import generate_static, run_static
-from engine.verify import verify_greedy
-from kernels.backend import get_step_kernels
-from kernels.ops import get_ops
+from onepass.engine.config import ModelConfig
+from onepass.engine.errors import ConfigError
+from onepass.engine.fused_qwen35 import FusedQwen35Decoder
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.gguf_writer import random_weights, write_gguf
+from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
+from onepass.engine.models import build_model
+from onepass.engine.runner import GraphStepper
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.state_pool import HybridCache, StatePool, check_hybrid_serving, drop_recurrent_kv
+from onepass.engine.static_batch import generate_static, run_static
+from onepass.engine.verify import verify_greedy
+from onepass.kernels.backend import get_step_kernels
+from onepass.kernels.ops import get_ops
 from tests.interpreter import run_in_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,8 +229,8 @@ def test_paged_kv_matches_contiguous(ggufs):
 
 
 def _serve(model, kv, prompts, max_new, prefill, budget, graphs=False):
-    from engine.scheduler import Request, Scheduler
-    from engine.serve import ServingEngine
+    from onepass.engine.scheduler import Request, Scheduler
+    from onepass.engine.serve import ServingEngine
 
     sched = Scheduler(kv.num_slots - 1, "continuous", prefill, budget, None, kv.kv.ctx)
     eng = ServingEngine(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
@@ -421,8 +421,8 @@ def test_gpu_graphs_bit_exact_across_batch(ggufs, name):
 def test_gpu_side_stream_gives_the_sequential_tokens(monkeypatch):
     """Packed q|k|v|z with the dense beta|alpha rows on the side stream (Projection.concurrent): the same greedy
     tokens as the two GEMMs in one stream, replayed in CUDA graphs and eagerly."""
-    from engine.fused_qwen35 import Projection
-    from harness.synth import LazyWeights
+    from onepass.engine.fused_qwen35 import Projection
+    from onepass.harness.synth import LazyWeights
 
     cfg = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,
                       gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
@@ -516,7 +516,7 @@ def test_gpu_bf16_state_runs(ggufs):
 def _compose(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from harness.schema import register
+    from onepass.harness.schema import register
 
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -533,8 +533,8 @@ def _job(tmp_path, *extra):
 def test_harness_hybrid_job_with_bf16_state(tmp_path, monkeypatch, materialize):
     import json
 
-    from harness import report
-    from harness.run import run_job
+    from onepass.harness import report
+    from onepass.harness.run import run_job
 
     monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
     cfg = _job(tmp_path, "kv_cache.state_dtype=bfloat16", f"model.synthetic.materialize={materialize}")
@@ -552,7 +552,7 @@ def test_harness_hybrid_job_with_bf16_state(tmp_path, monkeypatch, materialize):
 
 
 def test_harness_refuses_prefix_caching(tmp_path):
-    from harness.run import build
+    from onepass.harness.run import build
 
     with pytest.raises(ConfigError, match="prefix caching is not supported"):
         build(_job(tmp_path, "kv_cache.layout=paged", "kv_cache.prefix=auto", "scheduler=continuous"))
@@ -562,7 +562,7 @@ def test_harness_refuses_prefix_caching(tmp_path):
 def test_harness_state_writeback_refusals(tmp_path):
     """A negative write-back period, or one > 1 asked of the torch reference (it writes the state every token), is
     refused before anything runs; the default (0) leaves the reference at 1."""
-    from harness.run import build
+    from onepass.harness.run import build
 
     with pytest.raises(ConfigError, match="state_writeback=-1"):
         build(_job(tmp_path, "kv_cache.state_writeback=-1"))
@@ -575,7 +575,7 @@ def test_harness_state_writeback_refusals(tmp_path):
 def test_in_memory_weights_follow_the_loader_contract(ggufs):
     """LazyWeights: every name and shape of tensor_shapes(), the loader's value conventions, deterministic;
     with a packed format, the projections are PackedWeights that unpack to values of the intended spread."""
-    from harness.synth import LazyWeights
+    from onepass.harness.synth import LazyWeights
 
     cfg = CONFIGS["3x-value-heads"]
     w = LazyWeights(cfg, torch.float32, "cpu", seed=3)
@@ -584,7 +584,7 @@ def test_in_memory_weights_follow_the_loader_contract(ggufs):
     assert (w["blk.0.ssm_a"] < 0).all() and (w["blk.0.attn_norm.weight"] - 1).abs().max() < 1
     big = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,
                       gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
-    from engine.quant_pack import PackedWeight, unpack_ref
+    from onepass.engine.quant_pack import PackedWeight, unpack_ref
 
     for fmt in ("q4_0", "q4_k"):
         pw = LazyWeights(big, torch.bfloat16, "cpu", packed_fmt=fmt)["blk.0.ffn_up.weight"]
@@ -598,7 +598,7 @@ def test_in_memory_weights_follow_the_loader_contract(ggufs):
 def test_report_tables_build_from_runs():
     import pandas as pd
 
-    from harness.report import TABLES
+    from onepass.harness.report import TABLES
 
     df = pd.DataFrame({"params.batch.size": ["1", "128"], "metrics.our_us": ["8.0", "230"], "metrics.floor_us": ["1.5", "193"],
                        "metrics.floor_frac": ["0.19", "0.84"], "metrics.max_err": ["1e-6", "2e-6"],
@@ -611,8 +611,8 @@ def test_packed_projections_match_their_dense_values():
     """Weights kept packed (engine.weights=packed: PackedWeights from the in-memory generator) through the
     torch backend give the logits of the same values dequantized: packed q|k|v|z fused by cat_rows, the
     dense beta|alpha rows beside them in the same output buffer."""
-    from engine.quant_pack import PackedWeight, unpack_ref
-    from harness.synth import LazyWeights
+    from onepass.engine.quant_pack import PackedWeight, unpack_ref
+    from onepass.harness.synth import LazyWeights
 
     cfg = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,
                       gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
@@ -636,7 +636,7 @@ def test_ragged_runs_staged_per_step():
     a slot whose rows are split in two is refused (its two runs would race on its state)."""
     import numpy as np
 
-    from engine.row_step import RowStep
+    from onepass.engine.row_step import RowStep
 
     ro = np.zeros(9, dtype=np.int64)
     RowStep._stage_runs(np.array([3, 0, 0, 0, 4, 4]), 6, 8, ro)

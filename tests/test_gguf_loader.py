@@ -14,11 +14,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.config import ModelConfig, RopeScaling, llama3_rope_factors
-from engine.errors import GGUFError
-from engine.gguf_loader import ROPE_FREQS, config_from_metadata, load_gguf
-from engine.gguf_meta import read_metadata
-from engine.gguf_writer import WEIGHT_TYPES, random_weights, write_gguf
+from onepass.engine.config import ModelConfig, RopeScaling, llama3_rope_factors
+from onepass.engine.errors import GGUFError
+from onepass.engine.gguf_loader import ROPE_FREQS, config_from_metadata, load_gguf
+from onepass.engine.gguf_meta import read_metadata
+from onepass.engine.gguf_writer import WEIGHT_TYPES, random_weights, write_gguf
 
 TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96, vocab_size=128,
             name="tiny", bos_id=1, eos_ids=(2,))
@@ -370,9 +370,9 @@ def test_smollm2_shapes_config_is_the_packaged_file_layout(smollm2):
     the same shape and type as write_gguf gives its random weights."""
     from hydra import compose, initialize_config_dir
 
-    from engine.gguf_writer import WEIGHT_TYPES, _tensor_type
-    from harness.app import CONF_DIR
-    from harness.synth import synthetic_config
+    from onepass.engine.gguf_writer import WEIGHT_TYPES, _tensor_type
+    from onepass.harness.app import CONF_DIR
+    from onepass.harness.synth import synthetic_config
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         shape = compose(config_name="config", overrides=["model=smollm2-135m-shapes"]).model.synthetic

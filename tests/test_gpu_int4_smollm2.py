@@ -12,15 +12,15 @@ every projection, and "fastest" (per-B table / rule).
 import pytest
 import torch
 
-from engine.fused_model import FusedDecoder
-from engine.gguf_loader import load_gguf
-from engine.kv_cache import ContiguousKVCache
-from engine.runner import GraphStepper
-from engine.sampler import SamplingParams
-from engine.static_batch import run_static
-from engine.tokenizer import Tokenizer
-from kernels import int4_cuda, int4_dispatch
-from kernels.backend import get_step_kernels
+from onepass.engine.fused_model import FusedDecoder
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.runner import GraphStepper
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.static_batch import run_static
+from onepass.engine.tokenizer import Tokenizer
+from onepass.kernels import int4_cuda, int4_dispatch
+from onepass.kernels.backend import get_step_kernels
 from tests.test_gpu_smollm2 import PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -8,16 +8,16 @@ rounding, not a bug, and the bf16 path is held to bit-exactness across batch siz
 import pytest
 import torch
 
-from engine.fused_model import FusedDecoder
-from engine.gguf_loader import load_gguf
-from engine.kv_cache import ContiguousKVCache
-from engine.models import build_model
-from engine.runner import GraphStepper
-from engine.sampler import SamplingParams
-from engine.static_batch import generate_static, run_static
-from engine.tokenizer import Tokenizer
-from kernels.backend import get_step_kernels
-from kernels.ops import get_ops
+from onepass.engine.fused_model import FusedDecoder
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.models import build_model
+from onepass.engine.runner import GraphStepper
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.static_batch import generate_static, run_static
+from onepass.engine.tokenizer import Tokenizer
+from onepass.kernels.backend import get_step_kernels
+from onepass.kernels.ops import get_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 PROMPTS = ["Tell me a short story about a robot learning to paint.", "What is the capital of France?",

@@ -12,9 +12,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from harness import report
-from harness.app import CONF_DIR
-from harness.run import run_job
+from onepass.harness import report
+from onepass.harness.app import CONF_DIR
+from onepass.harness.run import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXED_METRICS = {"throughput_tok_s", "per_stream_tok_s", "step_ms_p50", "step_ms_p90", "steps", "verify_ok", "peak_mem_mb",
@@ -34,7 +34,7 @@ def tiny(tmp_path, *extra):
 
 def cli(tmp_path, *args):
     env = {**os.environ, "ONEPASS_CACHE": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "harness", *args, f"hydra.run.dir={tmp_path}/out",
+    return subprocess.run([sys.executable, "-m", "onepass.harness", *args, f"hydra.run.dir={tmp_path}/out",
                            f"hydra.sweep.dir={tmp_path}/multirun"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -43,7 +43,7 @@ def cli(tmp_path, *args):
 def test_every_experiment_composes(name):
     """Every experiment file names a report table: its own name, or a table it shares with siblings
     (verified_fresh_static and verified_fresh_serving both record into verified_fresh)."""
-    from harness.report import TABLES
+    from onepass.harness.report import TABLES
 
     cfg = cfg_of(f"experiment={name}")
     assert cfg.table in TABLES and name.startswith(cfg.table)
@@ -60,8 +60,8 @@ def test_misspelled_experiment_is_refused_not_run_as_the_default():
 def test_engine_ready_scales_sets_the_kernels_switch(tmp_path, monkeypatch):
     """engine.ready_scales=false turns int4_wgmma_ws's READY_SCALES off for the job (and frees words already made);
     the default turns it back on."""
-    from harness.run import build
-    from kernels import int4_wgmma_ws as ws
+    from onepass.harness.run import build
+    from onepass.kernels import int4_wgmma_ws as ws
 
     monkeypatch.setattr(ws, "READY_SCALES", ws.READY_SCALES)   # restored after the test
     build(cfg_of(*tiny(tmp_path, "engine.ready_scales=false")))
@@ -176,7 +176,7 @@ def test_unreachable_tracking_keeps_the_record_and_syncs_later(tmp_path):
     assert "could not log to http://127.0.0.1:9" in r.stderr and "[verify]" in r.stdout
     spooled = list((tmp_path / "spool").glob("*.json"))
     assert len(spooled) == 1
-    from harness.tracking import sync
+    from onepass.harness.tracking import sync
 
     assert sync(tmp_path / "spool", f"sqlite:///{tmp_path}/late.db") == (1, 0)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/late.db")
@@ -220,7 +220,7 @@ def test_serving_run_verifies_and_logs(tmp_path, model, kv, sched):
 
 
 def test_prefix_cache_needs_paged_kv(tmp_path):
-    from engine.errors import ConfigError
+    from onepass.engine.errors import ConfigError
 
     cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=auto"))
     with pytest.raises(ConfigError, match="layout=paged"):
@@ -228,8 +228,8 @@ def test_prefix_cache_needs_paged_kv(tmp_path):
 
 
 def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_path, monkeypatch):
-    from engine.errors import ConfigError
-    from harness import run
+    from onepass.engine.errors import ConfigError
+    from onepass.harness import run
 
     monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the budget was checked"))
     cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous_chunked", "workload.num_requests=2", "scheduler.token_budget=1024"))
@@ -251,8 +251,8 @@ def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_p
 def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypatch, overrides, msg):
     """Before, a paged block size of 0 divided by zero, one block raised a bare ValueError after the model loaded, and a
     negative pool multiple or thread count ran as if they were 0."""
-    from engine.errors import ConfigError
-    from harness import run
+    from onepass.engine.errors import ConfigError
+    from onepass.harness import run
 
     monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the settings were checked"))
     with pytest.raises(ConfigError, match=msg):
@@ -267,7 +267,7 @@ def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypat
     (["job=projection_crossover", "batch.size=0"], "batch.size=0")])
 def test_bad_micro_sizes_are_refused_before_the_device(tmp_path, overrides, msg):
     """Checked before the jobs' own CUDA check, so a CPU machine sees the same refusal as the GPU would."""
-    from engine.errors import ConfigError
+    from onepass.engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match=msg):
         run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
@@ -284,8 +284,8 @@ def test_paged_block_size_for_the_triton_kernels():
     """The Triton paged attention reads power-of-two blocks of 16+ positions; the torch reference takes any size."""
     from types import SimpleNamespace
 
-    from engine.errors import ConfigError
-    from harness.checks import check_kv_cache
+    from onepass.engine.errors import ConfigError
+    from onepass.harness.checks import check_kv_cache
 
     kv = lambda bs: SimpleNamespace(layout="paged", block_size=bs, num_blocks=0, pool_vs_peak=0.0)  # noqa: E731
     for bs in (4, 24, 8):
@@ -299,8 +299,8 @@ def test_paged_block_size_for_the_triton_kernels():
 def test_misspelled_int4_policy_is_refused_whatever_the_weights(tmp_path):
     """engine.int4 names the packed projections' kernel policy; with dense weights it does nothing, yet a typo there
     is refused (before the model loads) rather than run as if it had been accepted."""
-    from engine.errors import ConfigError
-    from harness.run import resolve_engine
+    from onepass.engine.errors import ConfigError
+    from onepass.harness.run import resolve_engine
 
     for weights in ("dequant", "packed"):
         cfg = cfg_of(*tiny(tmp_path, "engine.int4=invariantt", f"engine.weights={weights}"))
@@ -312,8 +312,8 @@ def test_misspelled_int4_policy_is_refused_whatever_the_weights(tmp_path):
 @pytest.mark.parametrize("override, msg", [("sampling.temperature=-1", "0 for greedy"),
                                             ("sampling.top_p=0", r"\(0, 1\]"), ("sampling.top_k=-5", "whole vocabulary")])
 def test_bad_sampling_is_refused_before_loading(tmp_path, monkeypatch, override, msg):
-    from engine.errors import ConfigError
-    from harness import run
+    from onepass.engine.errors import ConfigError
+    from onepass.harness import run
 
     monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before sampling was checked"))
     with pytest.raises(ConfigError, match=msg):
@@ -442,7 +442,7 @@ def test_load_time_leaves_out_writing_a_synthetic_file(tmp_path, monkeypatch):
     file a model without a path writes on first use (that can take longer than the load)."""
     import time
 
-    from harness import run as run_mod
+    from onepass.harness import run as run_mod
 
     real = run_mod.resolve_gguf
 

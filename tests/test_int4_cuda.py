@@ -1,5 +1,5 @@
-"""kernels/int4_cuda.py (CUDA C++ W4A16 kernel through CuPy / NVRTC) and every variant of
-kernels/int4_dispatch.py against w4a16_linear_ref on the GPU.
+"""onepass/kernels/int4_cuda.py (CUDA C++ W4A16 kernel through CuPy / NVRTC) and every variant of
+onepass/kernels/int4_dispatch.py against w4a16_linear_ref on the GPU.
 
 CPU: the module imports without CuPy and without a GPU, and its source compiles for sm_90 with nvcc when
 nvcc is on the PATH (a syntax / register check; nothing runs). tests/cuda_emu.py runs the source on the CPU
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.test_int4_gemm import FMTS, _check, _weight, _x  # noqa: F401  (also sets the interpreter flag)
-from engine.quant_pack import unpack_ref
-from kernels import int4_cuda, int4_dispatch as disp
+from onepass.engine.quant_pack import unpack_ref
+from onepass.kernels import int4_cuda, int4_dispatch as disp
 from tests import cuda_emu
 
 ON_GPU = torch.cuda.is_available()

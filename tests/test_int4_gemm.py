@@ -38,13 +38,13 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.errors import GGUFError  # noqa: E402
-from engine.gguf_loader import unpermute_qk  # noqa: E402
-from engine.quant import dequantize  # noqa: E402
-from engine.quant_pack import (FORMATS, PackedWeight, cat_rows, pack, packable, packed_nbytes,  # noqa: E402
+from onepass.engine.errors import GGUFError  # noqa: E402
+from onepass.engine.gguf_loader import unpermute_qk  # noqa: E402
+from onepass.engine.quant import dequantize  # noqa: E402
+from onepass.engine.quant_pack import (FORMATS, PackedWeight, cat_rows, pack, packable, packed_nbytes,  # noqa: E402
                                unpack_folded, unpack_int, unpack_ref)
-from kernels import int4_gemm  # noqa: E402  (after the interpreter flag)
-from kernels.int4_gemm import int4_config, w4a16_linear, w4a16_linear_ref  # noqa: E402
+from onepass.kernels import int4_gemm  # noqa: E402  (after the interpreter flag)
+from onepass.kernels.int4_gemm import int4_config, w4a16_linear, w4a16_linear_ref  # noqa: E402
 
 try:
     from triton.runtime.errors import OutOfResources  # noqa: E402
@@ -130,7 +130,7 @@ def test_pack_single_block_property(fmt, data):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_packed_layout(seed, fmt):
-    """The layout the kernel reads (engine/quant_pack.py docstring): shapes, dtypes, contiguity, where a
+    """The layout the kernel reads (onepass/engine/quant_pack.py docstring): shapes, dtypes, contiguity, where a
     given weight's bits sit, and that the fp16 fields are the file's bits."""
     N, K = 5, 512
     raw = random_raw(fmt, N, K, seed)
@@ -563,7 +563,7 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import int4_gemm as ig
+from onepass.kernels import int4_gemm as ig
 
 def compile_one(fmt, BM, BN, nw, asm, xdt="bf16", even=True, ydt=None, fold=True, w16=False):
     k = ig._w4a16_kernel

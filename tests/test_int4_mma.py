@@ -1,4 +1,4 @@
-"""kernels/int4_mma.py (mma.sync W4A16 kernel for small batches) against x @ unpack_ref(w)^T (exact weights).
+"""onepass/kernels/int4_mma.py (mma.sync W4A16 kernel for small batches) against x @ unpack_ref(w)^T (exact weights).
 
 CPU: tests/cuda_emu.py runs the source with g++ (mma.sync emulated with PTX's fragment layout): every format,
 rows past the 16-row tile and past the block, partial groups per warp, split-K, batch tiles of 1/2/4/8 and
@@ -16,8 +16,8 @@ import functools
 import pytest
 import torch
 
-from engine.quant_pack import unpack_folded, unpack_ref
-from kernels import int4_cuda, int4_mma
+from onepass.engine.quant_pack import unpack_folded, unpack_ref
+from onepass.kernels import int4_cuda, int4_mma
 from tests import cuda_emu
 from tests.test_int4_cuda import (ISSUE, emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
                                   gpu_strided_and_graph_capture)
@@ -80,7 +80,7 @@ def test_split_rule_is_shape_only_and_bounded():
 def test_q8_0_is_refused_by_the_exact_form_only():
     """Q8_0 runs the folded form (its bytes made weights like the nibbles), not the exact one; the dispatch sends
     the exact variant of a Q8_0 weight to Triton and keeps the folded ones."""
-    from kernels import int4_dispatch
+    from onepass.kernels import int4_dispatch
 
     pw, _ = _weight("q8_0", 16, 64, 0, device="cpu")
     with pytest.raises(ValueError, match="q8_0"):
@@ -127,7 +127,7 @@ def test_mma_strided_and_graph_capture(seed):
 @needs_mma
 def test_mma_agrees_with_cuda_core_kernel(seed):
     """Same per-group formula as int4_cuda (only the group sums' order differs): close to fp32 rounding."""
-    from kernels import int4_cuda
+    from onepass.kernels import int4_cuda
 
     if not int4_cuda.available():
         pytest.skip("no CUDA-core kernel here")

@@ -1,4 +1,4 @@
-"""kernels/int4_wgmma.py: the large-batch W4A16 kernel on sm_90's wgmma. On the CPU its source runs under
+"""onepass/kernels/int4_wgmma.py: the large-batch W4A16 kernel on sm_90's wgmma. On the CPU its source runs under
 tests/cuda_emu.py (wgmma emulated as PTX defines its operands); on an H200 the compiled kernel against the folded
 reference, rows independent of M, graph capture."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from kernels import int4_wgmma
+from onepass.kernels import int4_wgmma
 from tests import cuda_emu
 from tests.test_int4_cuda import (emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
                                   gpu_strided_and_graph_capture)

@@ -1,4 +1,4 @@
-"""kernels/int4_wgmma_ws.py: the wgmma W4A16 kernel fed by a producer warpgroup. On the CPU its two launches (x
+"""onepass/kernels/int4_wgmma_ws.py: the wgmma W4A16 kernel fed by a producer warpgroup. On the CPU its two launches (x
 staged into the ring's image, then the GEMM) run under tests/cuda_emu.py, mbarriers and bulk copies emulated, and
 must give int4_wgmma's emulated bits for the same split; on an H200 the compiled kernel against the folded
 reference, bitwise against int4_wgmma, rows independent of M, graph capture."""
@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from kernels import int4_wgmma, int4_wgmma_ws as ws
+from onepass.kernels import int4_wgmma, int4_wgmma_ws as ws
 from tests import cuda_emu
 from tests.test_int4_cuda import (emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
                                   gpu_strided_and_graph_capture)
@@ -207,9 +207,9 @@ def test_ws_ready_scales_rules(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_ready_words_are_the_affine_scale_and_offset_rounded(seed, dtype):
     """ready_words: per (group, row) the scale d * sc (low half) and offset -(dmin * mn) (high half) of
-    engine/quant_pack.py's affine form, each rounded to x's dtype, bit for bit (the offset's -0 too); made once per
+    onepass/engine/quant_pack.py's affine form, each rounded to x's dtype, bit for bit (the offset's -0 too); made once per
     weight and dtype."""
-    from engine.quant_pack import _affine
+    from onepass.engine.quant_pack import _affine
 
     pw, _ = _weight("q4_k", 264, 1024, seed % 1000, device="cpu")
     _, s, c = _affine(pw)                                       # [N, G, 1]
@@ -308,7 +308,7 @@ def test_ws_matches_folded_ref_and_wgmma_bits(seed, case):
 def test_t128_measured_split_matches_ref_and_wgmma_bits(seed, shape):
     """The dispatch's 128-row tiles with a split of their own (MEASURED_T128): the folded reference at B = 1..256,
     bitwise int4_wgmma's kernel for that split, and rows independent of M."""
-    from kernels import int4_dispatch as disp
+    from onepass.kernels import int4_dispatch as disp
 
     N, K, fmt = shape
     cfg = disp.ws_variant_config("cuda_wgmma_ws_t128", N, K, fmt)
@@ -374,9 +374,9 @@ def test_ws_x_in_gemm_and_fresh_write_keep_the_bits(seed, config, fresh, monkeyp
                                               (128, 136, 512, "q4_1", ws.T128), (64, 264, 1280, "q4_k", None)],
                          ids=["bt16", "bt32_cwg4", "bt128_t128", "bt64"])
 def test_x_image_is_the_staging_launchs(seed, M, N, K, fmt, config):
-    """kernels/x_image.XImage.write_ref (what the producer kernels store) is byte for byte the image the staging
+    """onepass/kernels/x_image.XImage.write_ref (what the producer kernels store) is byte for byte the image the staging
     launch (wg_stage_x, emulated) writes."""
-    from kernels.x_image import XImage
+    from onepass.kernels.x_image import XImage
 
     pw, xs = _weight(fmt, N, K, seed % 1000, device="cpu")
     x = _x(seed, M, K, xs, device="cpu")
@@ -391,7 +391,7 @@ def test_x_image_is_the_staging_launchs(seed, M, N, K, fmt, config):
 def test_image_for_gives_none_on_the_cpu():
     """No image off the GPU (the CPU runs the reference or the interpreter, which stage nothing); the GPU test below
     checks the other rules (partial batch tiles, batch tiles that read x in the GEMM)."""
-    from kernels import int4_dispatch as disp
+    from onepass.kernels import int4_dispatch as disp
 
     pw, _ = _weight("q4_k", 264, 1024, 1, device="cpu")
     assert ws.image_for(torch.zeros(32, 1024, dtype=torch.bfloat16), pw) is None          # CPU

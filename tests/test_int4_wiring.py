@@ -16,18 +16,18 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.config import ModelConfig  # noqa: E402
-from engine.fused_model import FusedDecoder  # noqa: E402
-from engine.gguf_loader import load_gguf  # noqa: E402
-from engine.gguf_writer import random_weights, write_gguf  # noqa: E402
-from engine.kv_cache import ContiguousKVCache  # noqa: E402
-from engine.quant_pack import PackedWeight, pack, unpack_ref  # noqa: E402
-from engine.runner import GraphStepper  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
-from engine.static_batch import run_static  # noqa: E402
-from kernels import int4_dispatch as disp  # noqa: E402
-from kernels.backend import get_step_kernels  # noqa: E402
-from kernels.int4_gemm import _INTERPRETED, w4a16_linear_ref  # noqa: E402
+from onepass.engine.config import ModelConfig  # noqa: E402
+from onepass.engine.fused_model import FusedDecoder  # noqa: E402
+from onepass.engine.gguf_loader import load_gguf  # noqa: E402
+from onepass.engine.gguf_writer import random_weights, write_gguf  # noqa: E402
+from onepass.engine.kv_cache import ContiguousKVCache  # noqa: E402
+from onepass.engine.quant_pack import PackedWeight, pack, unpack_ref  # noqa: E402
+from onepass.engine.runner import GraphStepper  # noqa: E402
+from onepass.engine.sampler import SamplingParams  # noqa: E402
+from onepass.engine.static_batch import run_static  # noqa: E402
+from onepass.kernels import int4_dispatch as disp  # noqa: E402
+from onepass.kernels.backend import get_step_kernels  # noqa: E402
+from onepass.kernels.int4_gemm import _INTERPRETED, w4a16_linear_ref  # noqa: E402
 from tests.conftest import TINY_LLAMA, TINY_QWEN3  # noqa: E402
 from tests.interpreter import run_in_interpreter  # noqa: E402
 
@@ -90,7 +90,7 @@ def test_fused_decoder_packed_matches_dequantized(quant_ggufs, fmt):
 
 
 def test_fused_rows_of_mixed_formats_fall_back_to_dense():
-    from engine.fused_model import fuse_rows
+    from onepass.engine.fused_model import fuse_rows
 
     g = torch.Generator().manual_seed(0)
     a = pack(torch.randint(0, 256, (4, 18), generator=g, dtype=torch.uint8), "q4_0", (4, 32))
@@ -315,7 +315,7 @@ def test_ws_variants_pay_their_chain_cost_in_the_picks():
 
 
 def test_cuda_module_imports_and_configures_without_cupy():
-    from kernels import int4_cuda
+    from onepass.kernels import int4_cuda
 
     assert int4_cuda.available() is False or ON_GPU
     S, gps = int4_cuda.split_rule(5120, 17408, "q4_0")

@@ -1,4 +1,4 @@
-"""Decode attention kernel (kernels/decode_attention.py) against the torch reference (attention_ref).
+"""Decode attention kernel (onepass/kernels/decode_attention.py) against the torch reference (attention_ref).
 
 Where the kernels run:
 * CUDA available: every test runs on the GPU (the small ones too).
@@ -23,8 +23,8 @@ import os
 import pytest
 import torch
 
-from kernels.attention import attention_ref
-from kernels.decode_attention import (
+from onepass.kernels.attention import attention_ref
+from onepass.kernels.decode_attention import (
     MIN_CHUNK,
     chunk_size,
     decode_attention,

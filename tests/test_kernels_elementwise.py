@@ -29,11 +29,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.embedding import embedding_ref, embedding_triton
-from kernels.rmsnorm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.rope import (apply_rope_ref, rope_cache, rope_cos_sin, rope_inv_freq, rope_kv_write_ref,
+from onepass.kernels.embedding import embedding_ref, embedding_triton
+from onepass.kernels.rmsnorm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from onepass.kernels.rope import (apply_rope_ref, rope_cache, rope_cos_sin, rope_inv_freq, rope_kv_write_ref,
                           rope_kv_write_triton)
-from kernels.swiglu import swiglu_fused_ref, swiglu_ref, swiglu_triton
+from onepass.kernels.swiglu import swiglu_fused_ref, swiglu_ref, swiglu_triton
 from tests.interpreter import run_in_interpreter
 
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, _randn, needs_kernel
@@ -96,7 +96,7 @@ def test_references_agree_with_model_ops():
     v_cache = torch.zeros_like(k_cache)
     q = rope_kv_write_ref(qkv, positions, slots, rope_cache(inv, 40), k_cache, v_cache, nh, kvh, D,
                           q_norm=qn, k_norm=kn, eps=1e-6)
-    # the model's path (engine/models/llama.py + qwen3.py): view, per-head norm, rope_cos_sin, apply_rope_ref
+    # the model's path (onepass/engine/models/llama.py + qwen3.py): view, per-head norm, rope_cos_sin, apply_rope_ref
     cos, sin = rope_cos_sin(positions, inv)
     q_m = apply_rope_ref(rms_norm_ref(qkv[:, : nh * D].view(R, nh, D), qn, 1e-6), cos, sin)
     k_m = apply_rope_ref(rms_norm_ref(qkv[:, nh * D: (nh + kvh) * D].view(R, kvh, D), kn, 1e-6), cos, sin)
@@ -185,7 +185,7 @@ def test_rms_norm_chunked(dtype, res_dtype, D, chunk, monkeypatch):
     """Rows wider than ROW_MAX_D: one program per chunk of a row, the last to arrive normalizing the row. Against the
     references, with and without a residual, D a multiple of the chunk or not; run twice (the per-row tickets must
     be left at zero); each row alone bitwise the batched row."""
-    from kernels import rmsnorm
+    from onepass.kernels import rmsnorm
 
     monkeypatch.setattr(rmsnorm, "ROW_MAX_D", min(rmsnorm.ROW_MAX_D, D - 1))
     monkeypatch.setattr(rmsnorm, "CHUNK", chunk)
@@ -256,8 +256,8 @@ def test_embedding_packed_is_the_dense_table(fmt):
     """A packed table's gather (the file's bytes kept, each row decoded on the fly): bitwise the rows of the dense
     table the loader makes (unpack_ref rounded once to the model's dtype), fp32 rows when no out is given, any id
     shape; bad ids' dtype and out shapes refused."""
-    from engine.quant_pack import unpack_ref
-    from harness.int4_bench import random_packed
+    from onepass.engine.quant_pack import unpack_ref
+    from onepass.harness.int4_bench import random_packed
 
     g = _gen(51)
     V, D = 37, 512
@@ -398,7 +398,7 @@ GPU_ROWS = [1, 128, 512]
 def test_gpu_embedding_packed(shape, R):
     """The packed gather at model vocabularies (ids across the whole table, repeats), bitwise the reference's rows
     rounded to bf16, and inside a CUDA graph."""
-    from harness.int4_bench import random_packed
+    from onepass.harness.int4_bench import random_packed
 
     V, D, fmt = shape
     pw = random_packed(fmt, V, D, 7, torch.device("cuda"))

@@ -1,4 +1,4 @@
-"""GDN decode kernels (kernels/gdn.py) against their torch references (which call Qwen35Model's own
+"""GDN decode kernels (onepass/kernels/gdn.py) against their torch references (which call Qwen35Model's own
 causal_conv / delta_rule) and against the model's multi-token recurrence.
 
 Where the kernels run (same scheme as tests/test_kernels_decode_attention.py):
@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.qwen35 import Qwen35Model, l2norm
-from kernels.gdn import (UpdateLog, conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref, gdn_step_triton,
+from onepass.engine.models.qwen35 import Qwen35Model, l2norm
+from onepass.kernels.gdn import (UpdateLog, conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref, gdn_step_triton,
                          materialize_state)
 from tests.interpreter import run_in_interpreter
 
@@ -423,7 +423,7 @@ def test_write_back_refusals():
 
 @needs_kernel
 def test_state_read_before_the_wait_keeps_the_bits():
-    """The graphed form reads each run's state before its PDL wait (kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS):
+    """The graphed form reads each run's state before its PDL wait (onepass/kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS):
     with ragged runs, a run at position 0 over a NaN-filled slot, an empty run and a padding row, it writes the same
     output and state bits as the eager order, and both agree with the reference."""
     hk, hv, dk, dv = 2, 6, 16, 16
@@ -602,7 +602,7 @@ def test_gdn_step_rows_do_not_depend_on_the_batch_at_27b_shapes():
 def test_register_cap_only_for_the_written_back_form(monkeypatch):
     """GDN_MAXNREG caps the written-back launch on CUDA; the form written every token and the interpreter run
     uncapped."""
-    from kernels import gdn
+    from onepass.kernels import gdn
 
     monkeypatch.setattr(gdn, "GDN_MAXNREG", 128)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

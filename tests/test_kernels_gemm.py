@@ -26,8 +26,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import gemm  # noqa: E402  (after the interpreter flag)
-from kernels.gemm import gemm_config, linear, linear_ref  # noqa: E402
+from onepass.kernels import gemm  # noqa: E402  (after the interpreter flag)
+from onepass.kernels.gemm import gemm_config, linear, linear_ref  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEV = "cuda" if ON_GPU else "cpu"

@@ -1,5 +1,5 @@
 """The hybrid model's small kernels against their torch references: gated q/k norm + partial RoPE + KV write
-and the sigmoid output gate (kernels/gated_attention.py), the GDN gated RMSNorm (kernels/gdn.py).
+and the sigmoid output gate (onepass/kernels/gated_attention.py), the GDN gated RMSNorm (onepass/kernels/gdn.py).
 
 Where they run: as tests/test_kernels_gdn.py (GPU in-process; CPU under TRITON_INTERPRET=1 in-process, or
 in a child pytest started by test_cpu_kernels_in_interpreter_subprocess). fp32 results within 1e-5
@@ -14,10 +14,10 @@ import importlib.util
 import pytest
 import torch
 
-from kernels.gated_attention import (gate_view, gated_rope_kv_write_ref, gated_rope_kv_write_triton,
+from onepass.kernels.gated_attention import (gate_view, gated_rope_kv_write_ref, gated_rope_kv_write_triton,
                                      sigmoid_gate_mul_ref, sigmoid_gate_mul_triton)
-from kernels.gdn import gated_rms_norm_ref, gated_rms_norm_triton
-from kernels.rope import rope_cache, rope_inv_freq
+from onepass.kernels.gdn import gated_rms_norm_ref, gated_rms_norm_triton
+from onepass.kernels.rope import rope_cache, rope_inv_freq
 from tests.interpreter import run_in_interpreter
 
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, _randn, needs_kernel

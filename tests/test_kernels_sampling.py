@@ -1,4 +1,4 @@
-"""On-device argmax and temperature / top-k / top-p sampling (kernels/sampling.py) against the torch
+"""On-device argmax and temperature / top-k / top-p sampling (onepass/kernels/sampling.py) against the torch
 references, plus statistical checks of the sampled distribution.
 
 Where the kernels run: as in tests/test_kernels_elementwise.py. CUDA available: everything on the
@@ -6,7 +6,7 @@ GPU. CPU only: the kernel tests run in-process under TRITON_INTERPRET=1 when it 
 otherwise `test_cpu_kernels_in_interpreter_subprocess` reruns this file in a child pytest with the
 variable set (Triton picks interpreter vs compiler when the kernels are decorated, i.e. at import,
 which another test module may already have done in this process). The pure-torch tests (Philox
-known answers, the reference's distribution, the reference vs engine/sampler.py) run everywhere.
+known answers, the reference's distribution, the reference vs onepass/engine/sampler.py) run everywhere.
 On CPU the chunk size is lowered (MAX_CHUNK = 64) so tiny vocabularies still span several chunks.
 
 What is compared, and how exactly:
@@ -32,9 +32,9 @@ import math
 import pytest
 import torch
 
-import kernels.sampling as KS
-from engine.sampler import SamplingParams, filter_logits
-from kernels.sampling import (argmax_ref, argmax_triton, keep_threshold_ref, make_workspace, philox4x32_ref,
+import onepass.kernels.sampling as KS
+from onepass.engine.sampler import SamplingParams, filter_logits
+from onepass.kernels.sampling import (argmax_ref, argmax_triton, keep_threshold_ref, make_workspace, philox4x32_ref,
                               philox_uniform_ref, sample_ref, sample_triton, uniform_triton)
 from tests.interpreter import run_in_interpreter
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, needs_kernel
@@ -163,7 +163,7 @@ def test_philox_known_answers():
 
 
 def test_reference_threshold_matches_engine_sampler():
-    """Without ties, the kept set is exactly engine/sampler.py's filter_logits (the CPU sampler's spec)."""
+    """Without ties, the kept set is exactly onepass/engine/sampler.py's filter_logits (the CPU sampler's spec)."""
     g = _gen(1)
     V = 200
     for trial in range(20):

@@ -7,13 +7,13 @@ logits of magnitude ~10-30.
 import pytest
 import torch
 
-from engine.gguf_loader import load_gguf
-from engine.kv_cache import ContiguousKVCache
-from engine.models import build_model
-from engine.sampler import SamplingParams
-from engine.static_batch import generate_static
-from engine.tokenizer import Tokenizer
-from kernels.ops import get_ops
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.models import build_model
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.static_batch import generate_static
+from onepass.engine.tokenizer import Tokenizer
+from onepass.kernels.ops import get_ops
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
 def test_qwen3_synthetic_matches_transformers(tmp_path):
     from dataclasses import replace
 
-    from engine.gguf_writer import random_weights, write_gguf
+    from onepass.engine.gguf_writer import random_weights, write_gguf
     from tests.conftest import TINY_QWEN3
 
     # transformers' GGUF mapping for qwen3 ignores attention.key_length and assumes head_dim 128 (as in

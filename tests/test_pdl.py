@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py): every kernel that may be launched with it keeps the contract
+"""Programmatic dependent launch (onepass/kernels/pdl.py): every kernel that may be launched with it keeps the contract
 (trigger, then wait, before touching anything but weights), and a step's outputs are bitwise the same with it
 on and off."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws, pdl
+from onepass.kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws, pdl
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
+KERNEL_FILES = sorted((ROOT / "onepass" / "kernels").glob("*.py"))
 
 
 def _jit_functions(tree):
@@ -32,7 +32,7 @@ def _launched_kernels(tree):
             yield node.func.value.id, node
 
 
-# the one kernel that reads before its wait (kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS): under which constexpr, and
+# the one kernel that reads before its wait (onepass/kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS): under which constexpr, and
 # the only calls it may make there (its run's bounds and its slot's state, never an input the kernel before writes)
 PRE_WAIT_READS = {("gdn.py", "_gdn_step_kernel"): ("STATE_EARLY", {"_run", "_load_state"})}
 
@@ -65,7 +65,7 @@ def _after_pre_wait_reads(body: list, allowed: tuple, where: str) -> list:
 
 
 def test_every_launched_triton_kernel_enters_with_pdl():
-    """A kernel launched from kernels/ takes PDL, its first statement is pdl.enter(PDL) (PRE_WAIT_READS: after its
+    """A kernel launched from onepass/kernels/ takes PDL, its first statement is pdl.enter(PDL) (PRE_WAIT_READS: after its
     allowed reads), and its launch passes pdl.triton_opts (which sets PDL and launch_pdl together: the attribute never
     comes without the wait)."""
     checked = 0
@@ -280,7 +280,7 @@ from tests.test_qwen35_packed import CASES  # noqa: E402
 
 @pytest.fixture(scope="module")
 def packed_file(tmp_path_factory):
-    from engine.gguf_writer import random_weights, write_gguf
+    from onepass.engine.gguf_writer import random_weights, write_gguf
     cfg, fmt = CASES["4x-value-heads-q4_k"]
     path = tmp_path_factory.mktemp("pdl") / "wide-q4_k.gguf"
     write_gguf(path, cfg, random_weights(cfg, seed=71), weight_type=fmt, seed=3)
@@ -289,14 +289,14 @@ def packed_file(tmp_path_factory):
 
 def _packed_run(path, B, policy, prompts=None):
     """Greedy tokens of B streams (prompts, default one prompt B times) on the packed wide hybrid, graphed."""
-    from engine.gguf_loader import load_gguf
-    from engine.fused_qwen35 import FusedQwen35Decoder
-    from engine.runner import GraphStepper
-    from engine.sampler import SamplingParams
-    from engine.state_pool import HybridCache
-    from engine.static_batch import run_static
-    from kernels import int4_dispatch as disp
-    from kernels.backend import get_step_kernels
+    from onepass.engine.gguf_loader import load_gguf
+    from onepass.engine.fused_qwen35 import FusedQwen35Decoder
+    from onepass.engine.runner import GraphStepper
+    from onepass.engine.sampler import SamplingParams
+    from onepass.engine.state_pool import HybridCache
+    from onepass.engine.static_batch import run_static
+    from onepass.kernels import int4_dispatch as disp
+    from onepass.kernels.backend import get_step_kernels
     from tests.test_fused_qwen35 import prompt
     disp.set_policy(policy, B)
     try:

@@ -1,21 +1,23 @@
 """The HF transformers peer is built from our weights: it must compute the same function."""
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
-from engine.gguf_loader import load_gguf
-from engine.kv_cache import ContiguousKVCache
-from engine.models import build_model
-from kernels.ops import get_ops
-from tests.conftest import TINY_LLAMA
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.models import build_model
+from onepass.kernels.ops import get_ops
+from tests.conftest import ROOT, TINY_LLAMA
 
 pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_peer_model_matches_ours(tiny_ggufs, arch):
-    from harness.peers import hf_model
+    from onepass.harness.peers import hf_model
 
     cfg, w, _ = load_gguf(tiny_ggufs[arch], progress=False)
     if arch == "llama":
@@ -31,9 +33,9 @@ def test_peer_model_matches_ours(tiny_ggufs, arch):
 
 def test_peer_continuous_batching_matches_our_greedy(tiny_ggufs):
     """The serving peer (HF continuous batching) decodes the same tokens as our single-stream greedy."""
-    from engine.sampler import SamplingParams
-    from engine.static_batch import generate_static
-    from harness.peers import hf_model, hf_serving_rate
+    from onepass.engine.sampler import SamplingParams
+    from onepass.engine.static_batch import generate_static
+    from onepass.harness.peers import hf_model, hf_serving_rate
 
     cfg, w, _ = load_gguf(tiny_ggufs["qwen3"], progress=False)
     hf = hf_model(cfg, w, torch.device("cpu"), torch.float32)
@@ -46,24 +48,16 @@ def test_peer_continuous_batching_matches_our_greedy(tiny_ggufs):
     assert peer["peer_tok_s"] > 0
 
 
-def test_transformers_kernels_clash_names_the_fix(monkeypatch):
-    """An ImportError from transformers about the `kernels` package (this project's kernels/ shadowing Hugging Face's)
-    comes back naming the clash and the fix; any other ImportError passes through unchanged."""
-    import importlib
-
-    from harness import peers
-
-    def failing(message):
-        def import_module(name, *a, **k):
-            raise ImportError(message)
-        return import_module
-
-    monkeypatch.setattr(importlib, "import_module",
-                        failing("cannot import name 'CUDAProperties' from 'kernels' (/repo/kernels/__init__.py)"))
-    with pytest.raises(ImportError, match=r"shadows it .*transformers<5.25.*uninstall the `kernels` package"):
-        peers.import_transformers()
-    monkeypatch.setattr(importlib, "import_module", failing("No module named 'safetensors'"))
-    with pytest.raises(ImportError, match="^No module named 'safetensors'$"):
-        peers.import_transformers()
-    monkeypatch.undo()
-    assert peers.import_transformers().__name__ == "transformers"
+def test_top_level_names_stay_free_for_other_packages():
+    """onepass installs one top-level name. Run from the repository root with onepass imported, none of `kernels`,
+    `engine`, `harness` resolves to a folder of the repository's root, so Hugging Face's `kernels` (which transformers 5.25+
+    imports) is the one transformers gets, and it builds a model."""
+    code = (f"import importlib.util as u, pathlib; import onepass.kernels.pdl; root = pathlib.Path({str(ROOT)!r}); "
+            "found = [(n, s) for n in ('kernels', 'engine', 'harness') if (s := u.find_spec(n)) is not None]; "
+            "mine = [n for n, s in found if pathlib.Path(next(iter(s.submodule_search_locations or [s.origin])))"
+            ".resolve().parent == root]; "
+            "assert not mine, mine; import transformers; "
+            "transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, "
+            "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]

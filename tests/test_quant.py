@@ -14,8 +14,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from hypothesis import given, settings, strategies as st
 
-from engine.errors import GGUFError
-from engine.quant import SUPPORTED_TYPES, dequantize
+from onepass.engine.errors import GGUFError
+from onepass.engine.quant import SUPPORTED_TYPES, dequantize
 
 QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 FLOATS = [QT.F32, QT.F16, QT.BF16]

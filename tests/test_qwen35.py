@@ -23,17 +23,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine.config import LAYER_ATTENTION, LAYER_GDN, ModelConfig
-from engine.errors import ConfigError, GGUFError
-from engine.gguf_loader import config_from_metadata, load_gguf
-from engine.gguf_meta import read_metadata
-from engine.gguf_writer import random_weights, write_gguf
-from engine.kv_cache import ContiguousKVCache
-from engine.models import build_model
-from engine.sampler import SamplingParams
-from engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
-from engine.static_batch import generate_static
-from kernels.ops import get_ops
+from onepass.engine.config import LAYER_ATTENTION, LAYER_GDN, ModelConfig
+from onepass.engine.errors import ConfigError, GGUFError
+from onepass.engine.gguf_loader import config_from_metadata, load_gguf
+from onepass.engine.gguf_meta import read_metadata
+from onepass.engine.gguf_writer import random_weights, write_gguf
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.models import build_model
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
+from onepass.engine.static_batch import generate_static
+from onepass.kernels.ops import get_ops
 
 transformers = pytest.importorskip("transformers")
 

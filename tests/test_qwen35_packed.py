@@ -1,7 +1,7 @@
 """A qwen35 GGUF loaded with keep_quantized=True (engine.weights=packed): its projections stay packed
-(engine/quant_pack.PackedWeight) and the fused hybrid decoder runs them through kernels.linear's packed path.
+(onepass/engine/quant_pack.PackedWeight) and the fused hybrid decoder runs them through kernels.linear's packed path.
 
-Files: tiny synthetic qwen35 GGUFs (engine/gguf_writer) with quantized matrices -- test_fused_qwen35's two
+Files: tiny synthetic qwen35 GGUFs (onepass/engine/gguf_writer) with quantized matrices -- test_fused_qwen35's two
 shapes (equal heads, tied head; 3x value heads, untied head, an MTP block) in Q4_0 and Q8_0, and a wider one
 (4x value heads, rows of 256) in Q4_K, whose projections are random-but-valid Q4_K blocks.
 
@@ -27,18 +27,18 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from engine.config import ModelConfig
-from engine.fused_qwen35 import FusedQwen35Decoder
-from engine.gguf_loader import (GDN_PACKABLE_PROJECTIONS, INPUT_ORDER, PACKABLE_PROJECTIONS, keeps_packed,
+from onepass.engine.config import ModelConfig
+from onepass.engine.fused_qwen35 import FusedQwen35Decoder
+from onepass.engine.gguf_loader import (GDN_PACKABLE_PROJECTIONS, INPUT_ORDER, PACKABLE_PROJECTIONS, keeps_packed,
                                 load_gguf)
-from engine.gguf_writer import random_weights, write_gguf
-from engine.quant import dequantize
-from engine.quant_pack import PackedWeight, unpack_ref
-from engine.runner import GraphStepper
-from engine.sampler import SamplingParams
-from engine.state_pool import HybridCache
-from engine.static_batch import run_static
-from kernels.backend import get_step_kernels
+from onepass.engine.gguf_writer import random_weights, write_gguf
+from onepass.engine.quant import dequantize
+from onepass.engine.quant_pack import PackedWeight, unpack_ref
+from onepass.engine.runner import GraphStepper
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.state_pool import HybridCache
+from onepass.engine.static_batch import run_static
+from onepass.kernels.backend import get_step_kernels
 from tests.interpreter import run_in_interpreter
 from tests.test_fused_qwen35 import BF16_SLACK, CONFIGS, HAS_CUDA, INTERPRET, needs_kernel, prompt
 

@@ -5,18 +5,18 @@ import random
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.errors import ConfigError
-from engine.fused_model import FusedDecoder
-from engine.gguf_loader import load_gguf
-from engine.kv_cache import ContiguousKVCache, PagedKVCache
-from engine.models import build_model
-from engine.sampler import SamplingParams
-from engine.scheduler import Request, Scheduler
-from engine.serve import ServingEngine
-from engine.static_batch import generate_static
-from kernels.backend import get_step_kernels
-from kernels.ops import get_ops
+from onepass.engine.block_manager import BlockManager
+from onepass.engine.errors import ConfigError
+from onepass.engine.fused_model import FusedDecoder
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
+from onepass.engine.models import build_model
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.scheduler import Request, Scheduler
+from onepass.engine.serve import ServingEngine
+from onepass.engine.static_batch import generate_static
+from onepass.kernels.backend import get_step_kernels
+from onepass.kernels.ops import get_ops
 
 CTX, BS = 64, 4
 # a 13-token shared prefix: three full blocks of 4 (12 rows pad to a 16-row bucket when pinned) + one token
@@ -180,8 +180,8 @@ def test_bad_scheduler_config_is_named():
 def test_gpu_row_graphs_reproduce_single_stream(tiny_ggufs, layout, prefill):
     """Triton kernels + CUDA graphs per row bucket, one step ahead of the host: same tokens as the
     single-stream Triton run."""
-    from engine.runner import GraphStepper
-    from engine.static_batch import run_static
+    from onepass.engine.runner import GraphStepper
+    from onepass.engine.static_batch import run_static
 
     cfg, w, _ = load_gguf(tiny_ggufs["qwen3"], dtype=torch.bfloat16, device="cuda", progress=False)
     fused = FusedDecoder(cfg, w, get_step_kernels("triton"), max_pos=CTX + 1)

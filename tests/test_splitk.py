@@ -1,4 +1,4 @@
-"""Split-K partials handed to the consuming kernel (kernels/splitk.py): the residual add + RMSNorm and SwiGLU fed a
+"""Split-K partials handed to the consuming kernel (onepass/kernels/splitk.py): the residual add + RMSNorm and SwiGLU fed a
 SplitSums give bitwise what they give on the reduce kernel's output, and the GEMMs' defer=True hands back partials
 that do. Where kernels run: as tests/test_kernels_elementwise.py (the GPU, or the CPU interpreter, in this process
 under TRITON_INTERPRET=1 or in a child process otherwise); the CUDA mma kernel's deferral on the GPU only."""
@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemm import linear, splitk_reduce
-from kernels.int4_gemm import w4a16_linear
-from kernels.rmsnorm import add_rms_norm_triton
-from kernels.splitk import SplitSums
-from kernels.swiglu import swiglu_triton
+from onepass.kernels.gemm import linear, splitk_reduce
+from onepass.kernels.int4_gemm import w4a16_linear
+from onepass.kernels.rmsnorm import add_rms_norm_triton
+from onepass.kernels.splitk import SplitSums
+from onepass.kernels.swiglu import swiglu_triton
 from tests.interpreter import run_in_interpreter
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, needs_kernel
 
 
 def _reduce_kernel(ws: torch.Tensor, dtype: torch.dtype, rne: bool) -> torch.Tensor:
-    """The reduce the consumers replace (kernels/gemm.py's; int4_cuda's adds in the same order)."""
+    """The reduce the consumers replace (onepass/kernels/gemm.py's; int4_cuda's adds in the same order)."""
     S, M, N = ws.shape
     return splitk_reduce(ws, torch.empty(M, N, dtype=dtype, device=ws.device), S, rne)
 
@@ -33,7 +33,7 @@ def _exact(a, b, what):
 def test_consumers_add_partials_as_the_reduce(S, rne, row_limit, monkeypatch):
     """In the consumer, or (row_limit 0: more partials per row than the norm takes) by the reduce run first into the
     GEMM's out, or ("chunked") by the norm's chunked form (rows wider than ROW_MAX_D): the same bits either way."""
-    from kernels import rmsnorm
+    from onepass.kernels import rmsnorm
 
     if row_limit == "chunked":
         monkeypatch.setattr(rmsnorm, "ROW_MAX_D", 128)
@@ -93,7 +93,7 @@ def test_hybrid_consumers_add_column_partials(S, rne):
     """The hybrid's q|k|v|z partials split by columns (SplitSums.cols): the conv ring fed its q|k|v columns and the
     gated norm its z columns give bitwise what they give on the reduce's output (outputs and the ring), and a column
     slice finishes into its columns."""
-    from kernels.gdn import conv_ring_update_triton, gated_rms_norm_triton
+    from onepass.kernels.gdn import conv_ring_update_triton, gated_rms_norm_triton
 
     g = _gen(S + 10)
     M, C, hv, dv, K = 3, 96, 2, 32, 4
@@ -123,8 +123,8 @@ def _split_kernels(honor_defer: bool):
     Triton W4A16 kernel), deferring or not."""
     from dataclasses import replace
 
-    from engine.quant_pack import PackedWeight
-    from kernels.backend import get_step_kernels
+    from onepass.engine.quant_pack import PackedWeight
+    from onepass.kernels.backend import get_step_kernels
 
     def lin(x, w, out=None, defer=False, x_image=None):
         if isinstance(w, PackedWeight):
@@ -139,14 +139,14 @@ def test_fused_decoders_consume_partials(tiny_ggufs, tmp_path):
     """The llama and hybrid fused steps with every GEMM split: handing the o / ssm_out, gate|up and down partials
     (and, packed, the hybrid's q|k|v|z partials beside its dense beta|alpha rows) to the next kernels gives the logits
     (and residual stream) of reducing them first, bit for bit."""
-    from engine.config import ModelConfig
-    from engine.fused_model import FusedDecoder
-    from engine.fused_qwen35 import FusedQwen35Decoder
-    from engine.gguf_loader import load_gguf
-    from engine.gguf_writer import random_weights, write_gguf
-    from engine.kv_cache import ContiguousKVCache
-    from engine.state_pool import HybridCache
-    from harness.synth import LazyWeights
+    from onepass.engine.config import ModelConfig
+    from onepass.engine.fused_model import FusedDecoder
+    from onepass.engine.fused_qwen35 import FusedQwen35Decoder
+    from onepass.engine.gguf_loader import load_gguf
+    from onepass.engine.gguf_writer import random_weights, write_gguf
+    from onepass.engine.kv_cache import ContiguousKVCache
+    from onepass.engine.state_pool import HybridCache
+    from onepass.harness.synth import LazyWeights
 
     hybrid = ModelConfig(arch="qwen35", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96,
                          vocab_size=256, norm_eps=1e-6, rope_theta=1e7, context_length=256, qk_norm=True, rotary_dim=8,
@@ -189,7 +189,7 @@ def test_cpu_kernels_in_interpreter_subprocess():
 @pytest.mark.parametrize("fold", [False, True])
 def test_mma_defer_matches_its_reduce(fold):
     """The CUDA kernels' partials (int4_cuda.run_packed) through the consumers: the reduce kernel's bits."""
-    from kernels import int4_mma
+    from onepass.kernels import int4_mma
     from tests.test_int4_gemm import _weight, _x
 
     if not int4_mma.available():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import step_profile
+from onepass.harness import step_profile
 
 
 def _k(name, ts, dur, launch, grid=(1, 1, 1)):

@@ -1,29 +1,30 @@
-"""harness.switch_ab: module switches parsed, applied, compared and restored, on the tiny qwen35 model (CPU)."""
+"""onepass.harness.switch_ab: module switches parsed, applied, compared and restored, on the tiny qwen35 model (CPU)."""
 import sys
 import types
 
 import pytest
 
-from engine.errors import ConfigError
-from engine.fused_qwen35 import Projection
-from harness import switch_ab
+from onepass.engine.errors import ConfigError
+from onepass.engine.fused_qwen35 import Projection
+from onepass.harness import switch_ab
 
 
 def test_parse_switch_finds_the_module_and_the_attribute_chain():
     s = switch_ab.parse_switch("engine.fused_qwen35.Projection.concurrent=True,False")
     assert (s.owner, s.attr, s.values, s.original) == (Projection, "concurrent", [True, False], Projection.concurrent)
     t = switch_ab.parse_switch("kernels.int4_wgmma_ws.X_IN_GEMM_MAX_BT=8, 0,16")
-    assert t.values == [8, 0, 16] and t.module.__name__ == "kernels.int4_wgmma_ws"
+    assert t.values == [8, 0, 16] and t.module.__name__ == "onepass.kernels.int4_wgmma_ws"
+    assert switch_ab.parse_switch("onepass.kernels.int4_wgmma_ws.X_IN_GEMM_MAX_BT=8,0").module is t.module
 
 
 def test_values_from_files_are_literals_and_print_by_path(tmp_path):
     """@PATH: the attribute's top-level literal in a Python file (an earlier revision of the module), printed by
     its path; the module's own file gives its current value."""
-    from kernels import int4_dispatch
+    from onepass.kernels import int4_dispatch
 
     old = tmp_path / "old_dispatch.py"
     old.write_text("X = 1\nMEASURED: dict = {(8, 8, 'q4_0'): {'invariant': 'triton'}}\nMEASURED = {(64, 64, 'q4_0'): {}}\n")
-    s = switch_ab.parse_switch(f"kernels.int4_dispatch.MEASURED=@{old},@kernels/int4_dispatch.py")
+    s = switch_ab.parse_switch(f"kernels.int4_dispatch.MEASURED=@{old},@onepass/kernels/int4_dispatch.py")
     assert s.values[0] == {(64, 64, "q4_0"): {}}                 # the last top-level assignment
     assert s.values[1] == int4_dispatch.MEASURED and s.values[1] is not int4_dispatch.MEASURED
     assert switch_ab.variant_name([s], (s.values[0],)) == f"MEASURED=@{old}"
@@ -60,7 +61,7 @@ def test_cli_refuses_bad_arguments_with_exit_2(capsys):
 def test_ab_runs_every_variant_flags_changed_tokens_and_restores(tmp_path, monkeypatch):
     """Two switches, 2 x 2 variants at B = 1 and 2: a switch the CPU path never reads keeps the tokens; a knob that
     changes the sampled tokens is reported as not the baseline's; both are back at their values afterwards."""
-    from engine import static_batch
+    from onepass.engine import static_batch
 
     knob = types.ModuleType("ab_test_knob")
     knob.shift = 0

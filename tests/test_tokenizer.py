@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
-from engine.errors import GGUFError
-from engine.tokenizer import Tokenizer
+from onepass.engine.errors import GGUFError
+from onepass.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -1,4 +1,4 @@
-"""kernels/x_image.py: a ws GEMM's staged x written by the kernel that makes x.
+"""onepass/kernels/x_image.py: a ws GEMM's staged x written by the kernel that makes x.
 
 - the image's offsets are a permutation of the buffer (every element written once), partial tiles are refused;
 - the Triton producers (RMSNorm, residual add + RMSNorm in both its one-program and chunked forms, SwiGLU, on plain
@@ -15,8 +15,8 @@ import importlib.util
 import pytest
 import torch
 
-from kernels.splitk import SplitSums
-from kernels.x_image import XImage
+from onepass.kernels.splitk import SplitSums
+from onepass.kernels.x_image import XImage
 from tests.interpreter import run_in_interpreter
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, _gen, _msg, _randn, needs_kernel
 from tests.test_pdl import _packed_run, packed_file  # noqa: F401  (the packed wide hybrid, a fixture)
@@ -54,7 +54,7 @@ def _want(img: XImage, y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("D,chunked", [(256, False), (1024, True)])
 @pytest.mark.parametrize("partials", [False, True])
 def test_norms_store_their_output_into_the_image(D, chunked, partials, monkeypatch):
-    from kernels import rmsnorm
+    from onepass.kernels import rmsnorm
 
     if chunked:
         monkeypatch.setattr(rmsnorm, "ROW_MAX_D", D // 2)      # the chunked kernel at a size the interpreter runs
@@ -82,7 +82,7 @@ def test_norms_store_their_output_into_the_image(D, chunked, partials, monkeypat
 @needs_kernel
 @pytest.mark.parametrize("partials", [False, True])
 def test_swiglu_stores_its_output_into_the_image(partials):
-    from kernels.swiglu import swiglu_triton
+    from onepass.kernels.swiglu import swiglu_triton
 
     g = _gen(23 + partials)
     M, F, BT = 32, 384, 32
@@ -100,7 +100,7 @@ def test_swiglu_stores_its_output_into_the_image(partials):
 @needs_kernel
 @pytest.mark.parametrize("permuted", [False, True])
 def test_gated_norm_stores_its_output_into_the_image(permuted):
-    from kernels.gdn import gated_rms_norm_triton
+    from onepass.kernels.gdn import gated_rms_norm_triton
 
     g = _gen(41 + permuted)
     M, H, D, BT = 32, 4, 64, 16
@@ -117,7 +117,7 @@ def test_gated_norm_stores_its_output_into_the_image(permuted):
 
 @needs_kernel
 def test_sigmoid_gate_stores_its_output_into_the_image():
-    from kernels.gated_attention import sigmoid_gate_mul_triton
+    from onepass.kernels.gated_attention import sigmoid_gate_mul_triton
 
     g = _gen(47)
     M, H, D, BT = 16, 2, 128, 16
@@ -132,8 +132,8 @@ def test_sigmoid_gate_stores_its_output_into_the_image():
 
 def test_torch_producers_write_the_image():
     """The references take the same argument (the torch backend's kernels), writing XImage.write_ref."""
-    from kernels.gated_attention import sigmoid_gate_mul_ref
-    from kernels.gdn import gated_rms_norm_ref
+    from onepass.kernels.gated_attention import sigmoid_gate_mul_ref
+    from onepass.kernels.gdn import gated_rms_norm_ref
 
     g = torch.Generator().manual_seed(5)
     o, gate = torch.randn(16, 2, 64, generator=g), torch.randn(16, 2, 64, generator=g)
@@ -146,8 +146,8 @@ def test_torch_producers_write_the_image():
 
 @needs_kernel
 def test_producers_refuse_an_image_of_another_shape():
-    from kernels.rmsnorm import rms_norm_triton
-    from kernels.swiglu import swiglu_triton
+    from onepass.kernels.rmsnorm import rms_norm_triton
+    from onepass.kernels.swiglu import swiglu_triton
 
     g = _gen(31)
     x = _randn(g, 16, 256, dtype=torch.bfloat16)
@@ -169,8 +169,8 @@ def test_cpu_kernels_in_interpreter_subprocess():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [16, 32])
 def test_gpu_hybrid_tokens_with_images(packed_file, B, monkeypatch):
-    from kernels import int4_dispatch as disp
-    from kernels import int4_wgmma_ws as ws
+    from onepass.kernels import int4_dispatch as disp
+    from onepass.kernels import int4_wgmma_ws as ws
     from tests.test_fused_qwen35 import prompt
 
     took, call = [], ws._StagedLaunch.__call__

@@ -1,3 +1,0 @@
-from harness.app import main
-
-main()

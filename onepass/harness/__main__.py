@@ -1,0 +1,3 @@
+from onepass.harness.app import main
+
+main()

@@ -1,0 +1,33 @@
+"""The Hydra app: `onepass [overrides]` (or `python -m onepass.harness`), `onepass -m ...` for a sweep."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+from onepass.engine.errors import OnepassError
+from onepass.harness.schema import register
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # an absolute path works for `-m`, scripts and tests
+register()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg) -> float:
+    from onepass.harness.run import run_job
+
+    hc = HydraConfig.get()
+    try:
+        return run_job(cfg, Path(hc.runtime.output_dir))
+    except OnepassError as e:
+        if hc.mode == RunMode.MULTIRUN:
+            raise  # the sweep reports it for this job and runs the others
+        print(f"[error] {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
