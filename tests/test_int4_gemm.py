@@ -731,7 +731,7 @@ def test_gpu_batch_invariance(seed, case):
         bad = (y != y_all[:M]).any(dim=1).nonzero().flatten().tolist()
         assert not bad, (f"seed={seed} {fmt} N={N} K={K}: rows {bad[:8]} of M={M} differ from M=256 (BLOCK_M "
                          f"{int4_config(M, N, K, fmt)['BLOCK_M']} vs {int4_config(256, N, K, fmt)['BLOCK_M']}); "
-                         f"if only BLOCK_M differs, pin it: kernels.int4_gemm.PIN_BLOCK_M = 16")
+                         f"if only BLOCK_M differs, pin it: onepass.kernels.int4_gemm.PIN_BLOCK_M = 16")
     _rows_alone_equal(x, pw, y_all, (0, 5, 127, 128, 255), seed, f"{fmt} N={N} K={K}")
     x2 = _x(seed + 1, 64, K, xs * 64, device="cuda")
     x2[33] = x[3]

@@ -259,7 +259,7 @@ def test_gpu_batch_invariance(seed, N, K):
         bad = (y != y_all[:M]).any(dim=1).nonzero().flatten().tolist()
         assert not bad, (f"seed={seed} N={N} K={K}: rows {bad[:8]} of M={M} differ from M=1000 "
                          f"(BLOCK_M {gemm_config(M, N, K)['BLOCK_M']} vs {gemm_config(1000, N, K)['BLOCK_M']}); "
-                         f"if only BLOCK_M differs, pin it: kernels.gemm.PIN_BLOCK_M = 64")
+                         f"if only BLOCK_M differs, pin it: onepass.kernels.gemm.PIN_BLOCK_M = 64")
     for i, yi in _rows_alone(x, w, (0, 5, 63, 64, 127, 128, 511, 512, 999)).items():
         assert torch.equal(yi, y_all[i]), f"seed={seed} N={N} K={K}: row {i} alone differs from M=1000"
     # same row, other rows replaced by large values
@@ -277,7 +277,7 @@ def test_gpu_block_m_64_vs_128_bitwise(seed, N, K):
     a = linear(x, w, config={"BLOCK_M": 64})
     b = linear(x, w, config={"BLOCK_M": 128})
     assert torch.equal(a, b), (f"seed={seed} N={N} K={K}: BLOCK_M 64 and 128 differ in "
-                               f"{int((a != b).sum())} elements: pin kernels.gemm.PIN_BLOCK_M = 64 "
+                               f"{int((a != b).sum())} elements: pin onepass.kernels.gemm.PIN_BLOCK_M = 64 "
                                f"(or ONEPASS_GEMM_BLOCK_M=64)")
 
 

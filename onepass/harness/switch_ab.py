@@ -14,10 +14,10 @@ After each change the touched module's functools caches are cleared (compiled-ke
 switch), and every switch is restored to its original value at the end.
 
 A value written @PATH is the attribute's literal value as assigned at the top level of the Python file PATH, e.g.
-an earlier revision of the module (`git show REV:kernels/int4_dispatch.py > old.py`, then
-`--switch kernels.int4_dispatch.MEASURED=@old.py,@kernels/int4_dispatch.py` compares two dispatch tables); such a
-value is printed by its path. MODULE is named inside the onepass package (kernels.gemm) or in full
-(onepass.kernels.gemm).
+an earlier revision of the module (`git show REV:onepass/kernels/int4_dispatch.py > old.py`, then
+`--switch kernels.int4_dispatch.MEASURED=@old.py,@onepass/kernels/int4_dispatch.py` compares two dispatch
+tables); such a value is printed by its path. MODULE is named inside the onepass package (kernels.gemm) or in
+full (onepass.kernels.gemm).
 """
 from __future__ import annotations
 

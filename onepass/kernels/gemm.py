@@ -19,7 +19,7 @@ Why it is batch-invariant
   the rule never picks them.) Outside the tensor cores there is no multiply (the epilogue is a cast,
   the split-K reduction plain adds), so FMA contraction settings cannot change the bits.
   That the two BLOCK_M give equal bits is still a hardware fact this file cannot prove on a CPU:
-  tests/test_kernels_gemm.py has a GPU test that compares BLOCK_M 64 vs 128 bitwise. If it fails, pin one BLOCK_M: ``kernels.gemm.PIN_BLOCK_M = 64`` (or set the env var
+  tests/test_kernels_gemm.py has a GPU test that compares BLOCK_M 64 vs 128 bitwise. If it fails, pin one BLOCK_M: ``onepass.kernels.gemm.PIN_BLOCK_M = 64`` (or set the env var
   ``ONEPASS_GEMM_BLOCK_M=64`` before import). 64 costs little at large M and nothing at decode sizes.
 
 Tile rule (``_shape_rule``; fixed table-free rule, no run-time autotuning, so every run and every

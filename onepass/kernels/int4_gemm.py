@@ -57,7 +57,7 @@ Why it is batch-invariant
   extent and whichever warpgroup issues it. Every BLOCK_M lowers to the same instruction, wgmma
   m64nXk16 (X = BLOCK_M; the M side is BLOCK_N = 64 or 128), checked offline by
   tests/test_int4_gemm.py::test_kernel_compiles_for_sm90; the GPU tests compare rows across every BLOCK_M.
-  If they ever differ, pin one: ``kernels.int4_gemm.PIN_BLOCK_M = 16`` or ``ONEPASS_INT4_BLOCK_M=16``.
+  If they ever differ, pin one: ``onepass.kernels.int4_gemm.PIN_BLOCK_M = 16`` or ``ONEPASS_INT4_BLOCK_M=16``.
 
 Configuration: ``int4_config(M, N, K, fmt)``. (N, K, fmt) -> BLOCK_N, BLOCK_K, SPLIT_K, num_stages,
 MAX_BLOCK_M, DEQ_ASM (and optionally num_warps) from ``MEASURED`` (to be filled from H200 measurements)
