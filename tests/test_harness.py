@@ -247,10 +247,16 @@ def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_p
      "pool_vs_peak=-2"),
     (["engine.threads=-3"], "engine.threads=-3"),
     (["scheduler=continuous", "workload.num_requests=2", "workload.min_new_tokens=100"], "min_new_tokens=100"),
-    (["workload.num_requests=-1"], "num_requests=-1")])
+    (["workload.num_requests=-1"], "num_requests=-1"),
+    (["scheduler=continuous", "workload.num_requests=0"], "num_requests=0 gives none.*workload=serve_p_short"),
+    (["scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=on"], "prefix='on'.*off, pinned, auto"),
+    (["scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=auto"], "prefix=auto.*layout=paged"),
+    (["scheduler=continuous", "workload.num_requests=2", "kv_cache=paged", "kv_cache.pool_vs_peak=1.5",
+      "workload.ignore_eos=false"], "pool_vs_peak.*ignore_eos=true")])
 def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypatch, overrides, msg):
     """Before, a paged block size of 0 divided by zero, one block raised a bare ValueError after the model loaded, and a
-    negative pool multiple or thread count ran as if they were 0."""
+    negative pool multiple or thread count ran as if they were 0; a serving job without requests, a prefix mode it
+    could not run and a peak-sized pool without fixed lengths were refused only after the model was built."""
     from onepass.engine.errors import ConfigError
     from onepass.harness import run
 
@@ -287,13 +293,13 @@ def test_paged_block_size_for_the_triton_kernels():
     from onepass.engine.errors import ConfigError
     from onepass.harness.checks import check_kv_cache
 
-    kv = lambda bs: SimpleNamespace(layout="paged", block_size=bs, num_blocks=0, pool_vs_peak=0.0)  # noqa: E731
+    kv = lambda bs: SimpleNamespace(layout="paged", block_size=bs, num_blocks=0, pool_vs_peak=0.0, prefix="off")  # noqa: E731
     for bs in (4, 24, 8):
         with pytest.raises(ConfigError, match="power of two >= 16"):
             check_kv_cache(kv(bs), "triton")
         check_kv_cache(kv(bs), "torch")
     check_kv_cache(kv(32), "triton")
-    check_kv_cache(SimpleNamespace(layout="contiguous", block_size=4, num_blocks=0, pool_vs_peak=0.0), "triton")
+    check_kv_cache(SimpleNamespace(layout="contiguous", block_size=4, num_blocks=0, pool_vs_peak=0.0, prefix="off"), "triton")
 
 
 def test_misspelled_int4_policy_is_refused_whatever_the_weights(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from onepass.engine.errors import ConfigError
 from onepass.engine.runner import BUCKETS
+from onepass.engine.serve import PREFIX_MODES
 
 
 def check_decode(cfg, backend: str) -> None:
@@ -25,6 +26,12 @@ def check_decode(cfg, backend: str) -> None:
                           "request's length is drawn from [min, max]; give 0 (every request max) or 1..max_new_tokens")
     if w.num_requests < 0:
         raise ConfigError(f"workload.num_requests={w.num_requests}; 0 (a static batch) or a positive request count")
+    if sc.mode != "static" and w.num_requests < 1:
+        raise ConfigError(f"scheduler.mode={sc.mode} serves a stream of requests, and workload.num_requests=0 gives none: "
+                          "pick a serving workload (workload=serve_p_short) or set workload.num_requests=N")
+    if cfg.kv_cache.layout == "paged" and cfg.kv_cache.pool_vs_peak > 0 and not w.ignore_eos:
+        raise ConfigError("kv_cache.pool_vs_peak sizes the pool from a dry run with fixed output lengths; "
+                          "set workload.ignore_eos=true or give kv_cache.num_blocks")
     check_kv_cache(cfg.kv_cache, backend)
 
 
@@ -41,6 +48,11 @@ def check_kv_cache(kvc, backend: str) -> None:
     if kvc.num_blocks != 0 and kvc.num_blocks < 2:
         raise ConfigError(f"kv_cache.num_blocks={kvc.num_blocks}; 0 sizes the pool from the slots and ctx, else give at "
                           "least 2 (block 0 is the scratch block)")
+    if kvc.prefix not in PREFIX_MODES:
+        raise ConfigError(f"kv_cache.prefix={kvc.prefix!r}; choose one of {', '.join(PREFIX_MODES)}")
+    if kvc.prefix != "off" and kvc.layout != "paged":
+        raise ConfigError(f"kv_cache.prefix={kvc.prefix} shares prefixes as shared KV blocks: it needs "
+                          "kv_cache.layout=paged (kv_cache=paged)")
     if kvc.pool_vs_peak < 0:
         raise ConfigError(f"kv_cache.pool_vs_peak={kvc.pool_vs_peak}; 0 (off) or a positive multiple of the peak "
                           "block demand")

@@ -8,13 +8,12 @@ import random
 import torch
 
 from onepass.engine.block_manager import BlockManager
-from onepass.engine.errors import ConfigError
 from onepass.engine.fused_model import FusedDecoder
 from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from onepass.engine.runner import BUCKETS, bucket_for
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request, Scheduler
-from onepass.engine.serve import PREFIX_MODES, ServingEngine
+from onepass.engine.serve import ServingEngine
 from onepass.engine.static_batch import run_static
 from onepass.harness.run import pdl_active
 from onepass.kernels.backend import get_step_kernels
@@ -60,12 +59,7 @@ def peak_blocks(requests: list[Request], B: int, sc, kvc, pin: list[int] | None)
 
 def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling: SamplingParams) -> tuple[dict, dict, str, str]:
     kvc, sc, w, B = cfg.kv_cache, cfg.scheduler, cfg.workload, cfg.batch.size
-    if kvc.prefix not in PREFIX_MODES:
-        raise ConfigError(f"kv_cache.prefix={kvc.prefix!r}; choose one of {PREFIX_MODES}")
-    if kvc.prefix != "off" and kvc.layout != "paged":
-        raise ConfigError("kv_cache.prefix needs kv_cache.layout=paged (shared prefixes live in shared blocks)")
-    if w.num_requests < 1:
-        raise ConfigError("a serving job (scheduler.mode=wave|continuous) needs workload.num_requests >= 1")
+    # the settings were checked before the model was built (harness/checks.py)
     model = fused_model(built, kvc.ctx)
     dev, dt = built.device, built.dtype
     requests = make_requests(ids, w)
@@ -73,9 +67,6 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
     if kvc.layout == "paged":
         blocks = kvc.num_blocks or B * kvc.ctx // kvc.block_size + 1
         if kvc.pool_vs_peak > 0:
-            if not w.ignore_eos:
-                raise ConfigError("kv_cache.pool_vs_peak sizes the pool from a dry run with fixed output lengths; "
-                                  "set workload.ignore_eos=true or give kv_cache.num_blocks")
             peak = peak_blocks(requests, B, sc, kvc, ids if kvc.prefix == "pinned" else None)
             blocks = math.ceil(kvc.pool_vs_peak * peak) + 1  # + the scratch block
         bm = BlockManager(blocks, kvc.block_size, prefix_caching=kvc.prefix == "auto")
