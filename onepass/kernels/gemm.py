@@ -188,6 +188,23 @@ def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, split: int, rne: bool = Fal
     return y
 
 
+
+def run_splits(x: torch.Tensor, out: torch.Tensor, split: int, chunk: int, workspace, launch, defer: bool = False,
+               rne: bool = False):
+    """A split-K GEMM over x's rows, `chunk` rows at a time: launch(xs, ws, rows) writes the chunk's `split` fp32
+    partials into ws (from workspace(device, numel)), and splitk_reduce adds them into out's rows. With defer and one
+    chunk covering every row, the partials are handed back unreduced instead (kernels/splitk.py)."""
+    M, N = out.shape
+    ws = workspace(x.device, split * chunk * N)
+    for r0 in range(0, M, chunk):
+        rows = min(chunk, M - r0)
+        launch(x[r0:r0 + rows], ws, rows)
+        if defer and rows == M:
+            from onepass.kernels.splitk import SplitSums   # splitk imports this module
+            return SplitSums(ws[:split * M * N].view(split, M, N), out, rne=rne)
+        splitk_reduce(ws, out[r0:r0 + rows], split, rne)
+    return out
+
 # whether triton.jit produced interpreter objects (TRITON_INTERPRET=1 when triton was imported)
 _INTERPRETED = type(_gemm_kernel).__name__ == "InterpretedFunction"
 
@@ -363,18 +380,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts, **pdl.triton_opts(x.device))
         return out
 
-    chunk = cfg["m_chunk"]
-    ws = _workspace(x.device, split * chunk * N)
-    for r0 in range(0, M, chunk):
-        rows = min(chunk, M - r0)
-        xs, ys = x[r0:r0 + rows], out[r0:r0 + rows]
-        grid = _cdiv(rows, bm) * _cdiv(N, bn) * split
-        _gemm_kernel[(grid,)](
+    def launch(xs, ws, rows):
+        _gemm_kernel[(_cdiv(rows, bm) * _cdiv(N, bn) * split,)](
             xs, w, ws, rows, N, K,
             xs.stride(0), xs.stride(1), w.stride(0), w.stride(1), N, 1, rows * N,
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, **consts, **pdl.triton_opts(xs.device))
-        if defer and rows == M:
-            from onepass.kernels.splitk import SplitSums
-            return SplitSums(ws[:split * M * N].view(split, M, N), out)
-        splitk_reduce(ws, ys, split)
-    return out
+    return run_splits(x, out, split, cfg["m_chunk"], _workspace, launch, defer)

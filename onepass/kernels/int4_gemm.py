@@ -87,7 +87,7 @@ import os
 import torch
 
 from onepass.engine.quant_pack import GROUP, PackedWeight, unpack_folded, unpack_ref
-from onepass.kernels.gemm import cast_out, splitk_reduce
+from onepass.kernels.gemm import cast_out, run_splits
 from onepass.kernels import pdl
 from onepass.kernels.triton_compat import tl, triton
 from onepass.kernels.workspace import SplitKWorkspace, block_m_from_env
@@ -759,22 +759,13 @@ def w4a16_linear(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = N
             cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=rne, **consts, **pdl.triton_opts(x.device))
         return out
 
-    chunk = cfg["m_chunk"]
-    ws = _workspace(x.device, split * chunk * N)
-    for r0 in range(0, M, chunk):
-        rows = min(chunk, M - r0)
-        xs, ys = x[r0:r0 + rows], out[r0:r0 + rows]
-        grid = _cdiv(rows, bm) * _cdiv(N, bn) * split
-        w_evict = "evict_first" if _cdiv(rows, bm) == 1 else ""
-        _w4a16_kernel[(grid,)](
+    def launch(xs, ws, rows):
+        _w4a16_kernel[(_cdiv(rows, bm) * _cdiv(N, bn) * split,)](
             xs, pw.qweight, pw.scales, c, sub, ws, rows, N, G,
             xs.stride(0), xs.stride(1), N, 1, rows * N,
-            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT=w_evict, RNE_BF16=False, **consts, **pdl.triton_opts(xs.device))
-        if defer and rows == M:
-            from onepass.kernels.splitk import SplitSums
-            return SplitSums(ws[:split * M * N].view(split, M, N), out, rne=rne)
-        splitk_reduce(ws, ys, split, rne)
-    return out
+            cfg["K_BLOCKS_PER_SPLIT"], W_EVICT="evict_first" if _cdiv(rows, bm) == 1 else "", RNE_BF16=False,
+            **consts, **pdl.triton_opts(xs.device))
+    return run_splits(x, out, split, cfg["m_chunk"], _workspace, launch, defer, rne)
 
 
 __all__ = ["w4a16_linear", "w4a16_linear_ref", "int4_config", "reserve_workspace", "clear_config_cache",
