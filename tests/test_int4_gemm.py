@@ -45,6 +45,7 @@ from onepass.engine.quant_pack import (FORMATS, PackedWeight, cat_rows, pack, pa
                                unpack_folded, unpack_int, unpack_ref)
 from onepass.kernels import int4_gemm  # noqa: E402  (after the interpreter flag)
 from onepass.kernels.int4_gemm import int4_config, w4a16_linear, w4a16_linear_ref  # noqa: E402
+from tests.interpreter import run_in_interpreter  # noqa: E402
 
 try:
     from triton.runtime.errors import OutOfResources  # noqa: E402
@@ -643,10 +644,7 @@ def test_rejects_bad_inputs():
 def test_small_suite_in_interpreter_subprocess():
     if CAN_RUN_SMALL:
         pytest.skip("the small tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    run_in_interpreter(__file__, "(tests/test_int4_gemm.py)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,9 +15,7 @@ Inputs are fresh random data on every run; the seed is printed and is part of ev
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +26,8 @@ if not ON_GPU and "triton" not in sys.modules:
 
 from onepass.kernels import gemm  # noqa: E402  (after the interpreter flag)
 from onepass.kernels.gemm import gemm_config, linear, linear_ref  # noqa: E402
+from tests.interpreter import run_in_interpreter  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 DEV = "cuda" if ON_GPU else "cpu"
 
 
@@ -200,10 +198,7 @@ def test_rejects_bad_inputs():
 def test_small_suite_in_interpreter_subprocess():
     if CAN_RUN_SMALL:
         pytest.skip("the small tests run in this process")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    run_in_interpreter(__file__, "(tests/test_kernels_gemm.py)")
 
 
 # --------------------------------------------------------------------------------------------------
