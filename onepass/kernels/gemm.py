@@ -188,7 +188,6 @@ def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, split: int, rne: bool = Fal
     return y
 
 
-
 def run_splits(x: torch.Tensor, out: torch.Tensor, split: int, chunk: int, workspace, launch, defer: bool = False,
                rne: bool = False):
     """A split-K GEMM over x's rows, `chunk` rows at a time: launch(xs, ws, rows) writes the chunk's `split` fp32
@@ -204,6 +203,7 @@ def run_splits(x: torch.Tensor, out: torch.Tensor, split: int, chunk: int, works
             return SplitSums(ws[:split * M * N].view(split, M, N), out, rne=rne)
         splitk_reduce(ws, out[r0:r0 + rows], split, rne)
     return out
+
 
 # whether triton.jit produced interpreter objects (TRITON_INTERPRET=1 when triton was imported)
 _INTERPRETED = type(_gemm_kernel).__name__ == "InterpretedFunction"
