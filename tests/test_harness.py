@@ -326,6 +326,15 @@ def test_bad_sampling_is_refused_before_loading(tmp_path, monkeypatch, override,
         run_job(cfg_of(*tiny(tmp_path, override)), tmp_path / "out")
 
 
+def test_report_from_a_missing_store_creates_none(tmp_path, monkeypatch):
+    """onepass-report reads the default store ./mlflow.db first; where there is none it used to create an empty one in
+    whatever folder it ran from. It now reads the recorded csv and leaves the folder as it was."""
+    monkeypatch.chdir(tmp_path)
+    assert report.runs_from_store("static_batching", "sqlite:///mlflow.db").empty
+    assert report.main(["static_batching", "--out", str(tmp_path / "reports")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reports"]
+
+
 def test_store_reads_the_newest_sweep_unless_told_all(tmp_path):
     """runs_from_store: the newest sweep per experiment file by default (a rerun replaces the old one); every
     finished run with newest=False (two jobs of one commit recorded into one table, e.g. int4_gemm's Q4_0

@@ -35,6 +35,8 @@ def runs_from_store(name: str, uri: str, newest: bool = True) -> pd.DataFrame:
 
     from onepass.harness.tracking import check_reachable
 
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return pd.DataFrame()   # no file, no runs: reading must not leave an empty store behind
     check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     df = mlflow.search_runs(search_all_experiments=True, filter_string=f"tags.table = '{name}' and attributes.status = 'FINISHED'")
