@@ -252,17 +252,49 @@ def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_p
     (["scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=on"], "prefix='on'.*off, pinned, auto"),
     (["scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=auto"], "prefix=auto.*layout=paged"),
     (["scheduler=continuous", "workload.num_requests=2", "kv_cache=paged", "kv_cache.pool_vs_peak=1.5",
-      "workload.ignore_eos=false"], "pool_vs_peak.*ignore_eos=true")])
+      "workload.ignore_eos=false"], "pool_vs_peak.*ignore_eos=true"),
+    (["scheduler=continuous_chunked", "workload.num_requests=2", "scheduler.token_budget=1"],
+     "token_budget=1 is below the 2 decode rows.*>= 2"),
+    (["workload.max_new_tokens=0"], "max_new_tokens=0.*>= 1")])
 def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypatch, overrides, msg):
     """Before, a paged block size of 0 divided by zero, one block raised a bare ValueError after the model loaded, and a
     negative pool multiple or thread count ran as if they were 0; a serving job without requests, a prefix mode it
-    could not run and a peak-sized pool without fixed lengths were refused only after the model was built."""
+    could not run, a peak-sized pool without fixed lengths, a chunk budget below the batch and no new tokens were
+    refused only after the model was built."""
     from onepass.engine.errors import ConfigError
     from onepass.harness import run
 
     monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the settings were checked"))
     with pytest.raises(ConfigError, match=msg):
         run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
+
+
+def test_paged_pool_that_fits_no_request_is_refused_with_the_size_that_would(tmp_path):
+    """A hand-sized pool smaller than one request used to reject every request, one line each, and log a run that
+    served nothing; the job now stops before serving and names the pool that would hold the request."""
+    from onepass.engine.errors import ConfigError
+
+    cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous", "kv_cache=paged", "workload.num_requests=2",
+                       "kv_cache.block_size=4", "kv_cache.num_blocks=3"))
+    need = cfg.workload.synthetic_prompt_len + cfg.workload.max_new_tokens - 1   # tiny-llama has no tokenizer
+    with pytest.raises(ConfigError, match=f"num_blocks=3 leaves 2 blocks.*needs {need} KV positions.*"
+                                          f"num_blocks >= {-(-need // 4) + 1}"):
+        run_job(cfg, tmp_path / "out")
+
+
+def test_default_paged_pool_holds_a_request_of_the_whole_context(tmp_path):
+    """kv_cache.num_blocks=0 sizes the pool so every slot reaches kv_cache.ctx: with a ctx that is not a whole number
+    of blocks the pool once rounded down and rejected the requests that reached the last, partial block."""
+    cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous", "kv_cache=paged", "workload.num_requests=2", "batch.size=1",
+                       "kv_cache.block_size=4", "workload.ignore_eos=true", "workload.min_new_tokens=0"))
+    ctx = cfg.workload.synthetic_prompt_len + cfg.workload.max_new_tokens - 1   # tiny-llama has no tokenizer
+    assert ctx % 4, "the request should end inside a block"
+    cfg.kv_cache.ctx = ctx
+    assert run_job(cfg, tmp_path / "out") > 0
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    row = mlflow.search_runs(search_all_experiments=True).iloc[0]
+    assert row["metrics.verify_ok"] == 1.0 and row["metrics.rejected"] == 0
+    assert row["metrics.kv_blocks"] == -(-ctx // 4) + 1
 
 
 @pytest.mark.parametrize("overrides, msg", [

@@ -76,7 +76,8 @@ class ReferenceStepper:
         return self.last
 
 
-def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> None:
+def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> int:
+    """The KV positions a request of this length needs, refused when that is more than ctx."""
     if prompt_len < 1:
         raise ConfigError("empty prompt: a request needs at least one prompt token")
     if max_new_tokens < 1:
@@ -87,6 +88,7 @@ def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> None:
         raise ConfigError(
             f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens needs {need} KV positions, "
             f"but kv_cache.ctx={ctx}; raise kv_cache.ctx or shorten the prompt / workload.max_new_tokens")
+    return need
 
 
 class _Clock:

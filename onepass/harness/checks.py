@@ -21,6 +21,12 @@ def check_decode(cfg, backend: str) -> None:
     if sc.prefill == "chunked" and sc.mode != "static" and sc.token_budget > BUCKETS[-1]:
         raise ConfigError(f"scheduler.token_budget={sc.token_budget}: a step runs at most {BUCKETS[-1]} rows "
                           f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
+    if sc.prefill == "chunked" and sc.mode != "static" and sc.token_budget < B:
+        raise ConfigError(f"scheduler.token_budget={sc.token_budget} is below the {B} decode rows a step may need "
+                          f"(batch.size={B}); set scheduler.token_budget >= {B}")
+    if w.max_new_tokens < 1:
+        raise ConfigError(f"workload.max_new_tokens={w.max_new_tokens}: a request generates at least one token (the "
+                          "prefill's); set workload.max_new_tokens >= 1")
     if not 0 <= w.min_new_tokens <= w.max_new_tokens:
         raise ConfigError(f"workload.min_new_tokens={w.min_new_tokens} with max_new_tokens={w.max_new_tokens}: a serving "
                           "request's length is drawn from [min, max]; give 0 (every request max) or 1..max_new_tokens")
@@ -78,3 +84,23 @@ def check_micro(cfg) -> None:
                           "attention shares each KV head among a whole number of query heads)")
     if m.gdn_v_heads % m.gdn_k_heads:
         raise ConfigError(f"micro.gdn_v_heads={m.gdn_v_heads} is not a multiple of micro.gdn_k_heads={m.gdn_k_heads}")
+
+
+def pool_blocks(kvc, B: int) -> int:
+    """Blocks of a paged KV pool, the scratch block included: kv_cache.num_blocks, or (0) enough for all B slots to
+    reach kv_cache.ctx at once."""
+    return kvc.num_blocks or B * -(-kvc.ctx // kvc.block_size) + 1
+
+
+def check_pool(need: int, kvc, B: int) -> None:
+    """A paged pool given by hand must hold the job's longest request (need KV positions), or every request that
+    long is rejected and the job serves nothing: refused here with the size that would. A pool sized from the peak
+    (kv_cache.pool_vs_peak) holds it by construction."""
+    if kvc.layout != "paged" or kvc.pool_vs_peak > 0:
+        return
+    blocks, have = -(-need // kvc.block_size), pool_blocks(kvc, B) - 1
+    if blocks > have:
+        raise ConfigError(f"kv_cache.num_blocks={kvc.num_blocks} leaves {have} blocks of {kvc.block_size} positions "
+                          "(block 0 is the scratch block), but a request of the prompt + workload.max_new_tokens "
+                          f"needs {need} KV positions, {blocks} blocks; set kv_cache.num_blocks >= {blocks + 1}, or 0 "
+                          "to size the pool from batch.size and kv_cache.ctx")

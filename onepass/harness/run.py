@@ -22,9 +22,9 @@ from onepass.engine.static_batch import ReferenceStepper, StaticBatchResult, che
 from onepass.engine.tokenizer import Tokenizer
 from onepass.engine.verify import verify_greedy, verify_sampled
 from onepass.harness import tracking
-from onepass.harness.checks import check_decode, check_micro
+from onepass.harness.checks import check_decode, check_micro, check_pool
 from onepass.harness.roofline import copy_bandwidth, decode_floor_bytes, hybrid_floor_bytes, weight_bytes_per_step
-from onepass.harness.synth import resolve_gguf
+from onepass.harness.synth import resolve_gguf, synthetic_config
 from onepass.harness.workload import prompt_ids, workload_digest
 from onepass.kernels import pdl
 from onepass.kernels.ops import get_ops
@@ -279,7 +279,7 @@ def run_job(cfg, out_dir: Path) -> float:
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
     ids = prompt_ids(w, tok, mcfg.vocab_size)
-    check_fits(len(ids), w.max_new_tokens, cfg.kv_cache.ctx)
+    check_pool(check_fits(len(ids), w.max_new_tokens, cfg.kv_cache.ctx), cfg.kv_cache, B)
     stop_ids = () if w.ignore_eos else (tok.stop_ids if tok else mcfg.eos_ids)
     ctx = cfg.kv_cache.ctx
     print(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "

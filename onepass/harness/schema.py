@@ -63,7 +63,7 @@ class KVCacheCfg:
     layout: str = "contiguous"  # contiguous (ctx positions per slot) | paged (a pool of blocks)
     ctx: int = 512
     block_size: int = 16
-    num_blocks: int = 0  # paged pool size incl. the scratch block; 0 = slots * ctx / block_size + 1
+    num_blocks: int = 0  # paged pool size incl. the scratch block; 0 = slots * ceil(ctx / block_size) + 1
     prefix: str = "off"  # off | pinned (the seed: the shared prefix prefilled once) | auto (hash-chain caching)
     pool_vs_peak: float = 0.0  # > 0: size the paged pool at this multiple of the peak block demand (host dry run)
     state_dtype: str = "float32"  # hybrid models' recurrent state pool: float32 | bfloat16

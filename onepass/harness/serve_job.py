@@ -15,6 +15,7 @@ from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request, Scheduler
 from onepass.engine.serve import ServingEngine
 from onepass.engine.static_batch import run_static
+from onepass.harness.checks import pool_blocks
 from onepass.harness.run import pdl_active
 from onepass.kernels.backend import get_step_kernels
 
@@ -65,7 +66,7 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
     requests = make_requests(ids, w)
     bm = None
     if kvc.layout == "paged":
-        blocks = kvc.num_blocks or B * kvc.ctx // kvc.block_size + 1
+        blocks = pool_blocks(kvc, B)
         if kvc.pool_vs_peak > 0:
             peak = peak_blocks(requests, B, sc, kvc, ids if kvc.prefix == "pinned" else None)
             blocks = math.ceil(kvc.pool_vs_peak * peak) + 1  # + the scratch block
