@@ -266,6 +266,22 @@ def test_refusals(ggufs):
     with pytest.raises(ConfigError, match="prefix caching"):
         check_hybrid_serving(cfg, prefix="pinned")
     check_hybrid_serving(cfg, prefix="off")
+    # the serving engine refuses them too, for a caller that builds it without the harness's checks
+    from onepass.engine.block_manager import BlockManager
+    from onepass.engine.scheduler import Scheduler
+    from onepass.engine.serve import ServingEngine
+
+    kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, 9, 16, 2, 64, torch.float32, "cpu"), cfg),
+                     StatePool(cfg, 3, "cpu"))
+    for caching in (True, False):
+        sched = Scheduler(2, "continuous", "token", 512, BlockManager(9, 16, prefix_caching=caching), 64)
+        if caching:
+            with pytest.raises(ConfigError, match="prefix=auto: prefix caching is not supported"):
+                ServingEngine(model, kv, sched, SamplingParams(), use_graphs=False)
+            continue
+        eng = ServingEngine(model, kv, sched, SamplingParams(), use_graphs=False)
+        with pytest.raises(ConfigError, match="prefix=pinned: prefix caching is not supported"):
+            eng.pin_prefix(list(range(3, 40)))
     with pytest.raises(ConfigError, match="HybridCache"):
         rows_logits(model, ContiguousKVCache(cfg, 2, 8, torch.float32, "cpu"), [5], [0], [0])
     with pytest.raises(ConfigError, match="runs of seq_len=2"):

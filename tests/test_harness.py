@@ -269,6 +269,19 @@ def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypat
         run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
 
 
+def test_hybrid_prefix_cache_is_refused_from_the_header_before_loading(tmp_path, monkeypatch):
+    """A hybrid model's prefix refusal needs its architecture, read from the GGUF header alone: before, it came after
+    every tensor had loaded (minutes on the 27B shapes)."""
+    from onepass.engine.errors import ConfigError
+    from onepass.harness import run
+
+    monkeypatch.setattr(run, "load_gguf", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
+    cfg = cfg_of(*tiny(tmp_path, "model=tiny-qwen35", "scheduler=continuous", "kv_cache=paged",
+                       "workload.num_requests=2", "kv_cache.prefix=auto"))
+    with pytest.raises(ConfigError, match="prefix=auto: prefix caching is not supported for the hybrid qwen35"):
+        run_job(cfg, tmp_path / "out")
+
+
 def test_paged_pool_that_fits_no_request_is_refused_with_the_size_that_would(tmp_path):
     """A hand-sized pool smaller than one request used to reject every request, one line each, and log a run that
     served nothing; the job now stops before serving and names the pool that would hold the request."""

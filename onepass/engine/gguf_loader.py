@@ -351,6 +351,19 @@ def keeps_packed(cfg: ModelConfig, name: str, qtype: Any) -> bool:
     return name.startswith("blk.") and name.split(".", 2)[-1] in kinds
 
 
+def _header(reader: gguf.GGUFReader, path: str) -> tuple[dict[str, Any], dict[str, Any], ModelConfig]:
+    meta = read_metadata(reader)
+    found = {t.name: t for t in reader.tensors}
+    shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in found.items()}
+    return meta, found, config_from_metadata(meta, path, shapes)
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The file's ModelConfig from its header alone (no tensor is read): what a job may check before loading."""
+    path = os.fspath(path)
+    return _header(_open(path), path)[2]
+
+
 def load_gguf(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     progress: bool = True, keep_quantized: bool = False,
@@ -369,10 +382,7 @@ def load_gguf(
     the weights take ~ the file's bytes). Other tensors as before."""
     path = os.fspath(path)
     reader = _open(path)
-    meta = read_metadata(reader)
-    found = {t.name: t for t in reader.tensors}
-    shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in found.items()}
-    cfg = config_from_metadata(meta, path, shapes)
+    meta, found, cfg = _header(reader, path)
     wanted = _check_tensors(path, cfg, found)
 
     weights: dict[str, torch.Tensor] = {}

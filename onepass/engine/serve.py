@@ -22,6 +22,7 @@ from onepass.engine.errors import ConfigError
 from onepass.engine.row_step import RowStep
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Plan, Request, Scheduler
+from onepass.engine.state_pool import check_hybrid_serving
 
 PREFIX_MODES = ("off", "pinned", "auto")
 
@@ -61,9 +62,12 @@ class ServingEngine:
         if not sample_on_device and not sampling.greedy:
             raise ConfigError("host sampling (sampling.on_device=false) is the seed's greedy baseline: it argmaxes "
                               "the logits on the host; use sampling.on_device=true for temperature sampling")
+        self.hybrid = bool(getattr(model, "hybrid", False))
+        if self.hybrid:   # a cached KV prefix carries no recurrent state: refused here too, for callers past the harness
+            check_hybrid_serving(model.cfg, "auto" if scheduler.bm is not None and scheduler.bm.prefix_caching else "off")
         graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # a hybrid model's chunked prefill puts several rows of one slot in a step: its GDN layers take them as runs
-        ragged = bool(getattr(model, "hybrid", False)) and scheduler.prefill == "chunked"
+        ragged = self.hybrid and scheduler.prefill == "chunked"
         self.step = RowStep(model, kv, scheduler.num_slots, scheduler.max_rows, self.scratch, self.paged, sampling, graphs,
                             sample_on_device, attn_workspace, max_len, time_steps, ragged=ragged)
 
@@ -72,6 +76,8 @@ class ServingEngine:
         bm = self.sched.bm
         if bm is None:
             raise ConfigError("prefix caching needs the paged KV cache (kv_cache.layout=paged)")
+        if self.hybrid:
+            check_hybrid_serving(self.model.cfg, "pinned")
         blocks = bm.pin_prefix(tokens)
         n = len(blocks) * bm.block_size
         if n == 0:

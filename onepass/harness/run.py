@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 
 from onepass.engine.config import ModelConfig, RopeScaling
 from onepass.engine.errors import ConfigError
-from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.gguf_loader import load_gguf, read_config
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams
-from onepass.engine.state_pool import HybridCache
+from onepass.engine.state_pool import HybridCache, check_hybrid_serving
 from onepass.engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits, run_static
 from onepass.engine.tokenizer import Tokenizer
 from onepass.engine.verify import verify_greedy, verify_sampled
@@ -151,15 +151,17 @@ def build(cfg) -> Built:
         pdl.configure(bool(cfg.engine.pdl), cfg.batch.size, b.cfg.arch)   # as below: before any stepper is made
         return b
     _IN_MEMORY.clear()  # free the previous model before making another
-    t0 = time.perf_counter()
-    if _in_memory(cfg):  # random weights made on the device under the loader's contract (harness/synth.py)
+    gguf_path = None if _in_memory(cfg) else resolve_gguf(cfg.model, progress=cfg.progress)
+    # what the job may not do with this model, refused from its header before minutes of loading
+    check_hybrid_serving(synthetic_config(cfg.model.name, cfg.model.synthetic) if gguf_path is None
+                         else read_config(gguf_path), cfg.kv_cache.prefix)
+    t0 = time.perf_counter()   # a synthetic file written on first use is not part of loading it
+    if gguf_path is None:  # random weights made on the device under the loader's contract (harness/synth.py)
         from onepass.harness.synth import synthetic_in_memory
 
         mcfg, weights = synthetic_in_memory(cfg.model.name, cfg.model.synthetic, dtype, dev, packed)
         gguf_path, tokenizer = Path(f"{cfg.model.name}-in-memory"), None
     else:
-        gguf_path = resolve_gguf(cfg.model, progress=cfg.progress)
-        t0 = time.perf_counter()   # a synthetic file written on first use is not part of loading it
         mcfg, weights, _ = load_gguf(gguf_path, dtype=dtype, device=dev, progress=cfg.progress, keep_quantized=packed)
         tokenizer = Tokenizer.from_gguf(gguf_path)
     if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
@@ -167,10 +169,6 @@ def build(cfg) -> Built:
     # PDL, its early trigger (per architecture) and the GEMMs' release, read at each launch / capture: this job's
     # steppers, all made after this, follow it
     pdl.configure(bool(cfg.engine.pdl), cfg.batch.size, mcfg.arch)
-    if mcfg.arch == "qwen35":
-        from onepass.engine.state_pool import check_hybrid_serving
-
-        check_hybrid_serving(mcfg, cfg.kv_cache.prefix)
     b = Built(mcfg, weights, tokenizer, dev, dtype, backend, gguf_path, 0.0, cfg.engine,
               state_dtype=DTYPES[cfg.kv_cache.state_dtype], state_writeback=int(cfg.kv_cache.state_writeback))
     if mcfg.arch == "qwen35":
