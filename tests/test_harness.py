@@ -170,6 +170,28 @@ def test_sweep_makes_parent_and_children(tmp_path):
     assert sorted(children["params.batch.size"]) == ["1", "3"]
 
 
+def test_ctrl_c_stops_the_sweep_and_marks_its_parent_killed(tmp_path):
+    """Ctrl-C in a job: one line that says what was kept instead of a traceback, exit status 130, and the sweep's
+    parent run closed as KILLED (it read FAILED, as if a job had raised)."""
+    import signal
+
+    env = {**os.environ, "ONEPASS_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    args = ["-m", *tiny(tmp_path, "table=static_batching", "workload.max_new_tokens=200000", "kv_cache.ctx=200100"),
+            "batch.size=1,2", f"hydra.sweep.dir={tmp_path}/multirun"]
+    p = subprocess.Popen([sys.executable, "-m", "onepass.harness", *args], cwd=tmp_path, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in p.stdout:   # the job is decoding once it has printed its workload
+        if line.startswith("[workload]"):
+            break
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "[interrupted] job 0 stopped before it was recorded" in err and "Traceback" not in err
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    df = mlflow.search_runs(search_all_experiments=True)
+    assert list(df["status"]) == ["KILLED"] and list(df["tags.onepass.kind"]) == ["sweep"]
+
+
 def test_unreachable_tracking_keeps_the_record_and_syncs_later(tmp_path):
     r = cli(tmp_path, *tiny(tmp_path), "tracking.uri=http://127.0.0.1:9")
     assert r.returncode == 0, r.stderr[-3000:]

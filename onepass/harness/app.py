@@ -9,6 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from onepass.engine.errors import OnepassError
+from onepass.harness.callbacks import mark_interrupted
 from onepass.harness.schema import register
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # an absolute path works for `-m`, scripts and tests
@@ -27,6 +28,14 @@ def main(cfg) -> float:
             raise  # the sweep reports it for this job and runs the others
         print(f"[error] {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: a job records its run when it ends, so this one has none; say so, no traceback
+        mark_interrupted()
+        if hc.mode == RunMode.MULTIRUN:
+            print(f"[interrupted] job {hc.job.num} stopped before it was recorded, and the sweep stops: its parent run "
+                  "is marked KILLED, the jobs that finished keep their runs", file=sys.stderr)
+        else:
+            print("[interrupted] the run stopped before it was recorded: nothing was logged", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ from hydra.experimental.callback import Callback
 from onepass.harness.tracking import PARENT_ENV, SWEEP_ENV, ensure_store, git_state
 
 
+_interrupted = False
+
+
+def mark_interrupted() -> None:
+    """A job was stopped by Ctrl-C: the sweep's parent run closes as KILLED, not FAILED."""
+    global _interrupted
+    _interrupted = True
+
+
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self.parent: str | None = None
@@ -40,7 +49,8 @@ class MlflowSweepCallback(Callback):
             return
         self.parent, self.uri = run.info.run_id, t.uri
         os.environ[PARENT_ENV] = self.parent
-        atexit.register(self._close, "FAILED")  # on_multirun_end is skipped when a job raises
+        # on_multirun_end is skipped when a job raises past the sweep (Ctrl-C, or an error outside a job)
+        atexit.register(lambda: self._close("KILLED" if _interrupted else "FAILED"))
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         if job_return.status.name != "COMPLETED":
