@@ -207,6 +207,34 @@ def test_unreachable_tracking_keeps_the_record_and_syncs_later(tmp_path):
     assert not list((tmp_path / "spool").glob("*.json"))
 
 
+def test_a_record_reaches_the_store_once(tmp_path, capsys):
+    """log_record after a partial log of the same record (its run created, never terminated) replaces that run, and a
+    second log of a complete record adds nothing; sync says so when its spool folder is missing and logs the good
+    records beside one it cannot read, which stays for a look."""
+    from onepass.harness import tracking
+
+    uri = f"sqlite:///{tmp_path}/store.db"
+    rec = tracking.new_record("r", "exp", {"batch.size": "4"}, {"table": "t"})
+    rec.update(metrics={"verify_ok": 1.0}, status="FINISHED")
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = tracking.ensure_store(uri, "exp")
+    client.create_run(exp, tags={"onepass.record_id": rec["record_id"]})   # cut short before it terminated
+    rid = tracking.log_record(rec, uri)
+    assert tracking.log_record(rec, uri) == rid
+    runs = client.search_runs([exp])
+    assert [r.info.run_id for r in runs] == [rid] and runs[0].info.status == "FINISHED"
+
+    spool = tmp_path / "spool"
+    assert tracking.sync(spool, uri) == (0, 0) and "no spool folder" in capsys.readouterr().err
+    other = tracking.new_record("r2", "exp", {}, {})
+    other["status"] = "FINISHED"
+    tracking.save_record(other, spool / f"{other['record_id']}.json")
+    (spool / "broken.json").write_text("{")
+    assert tracking.sync(spool, uri) == (1, 1)
+    assert "broken.json: not a readable run record" in capsys.readouterr().err
+    assert [p.name for p in spool.glob("*.json")] == ["broken.json"] and len(client.search_runs([exp])) == 2
+
+
 def test_prompt_longer_than_ctx_fails_cleanly(tmp_path):
     r = cli(tmp_path, *tiny(tmp_path), "kv_cache.ctx=16")
     assert r.returncode == 2

@@ -112,6 +112,13 @@ def log_record(record: dict, uri: str) -> str:
 
     exp_id = ensure_store(uri, record["experiment"])
     client = mlflow.MlflowClient(tracking_uri=uri)
+    # logging is several calls: one cut short (the store went away, the process was killed) leaves a run that never
+    # terminated, and the record is logged again later. A complete run of this record is kept and not repeated; a
+    # partial one is deleted, so the store never holds the record twice (a table would show its row twice)
+    for old in client.search_runs([exp_id], f"tags.`onepass.record_id` = '{record['record_id']}'"):
+        if old.info.status == record["status"] and old.info.end_time:
+            return old.info.run_id
+        client.delete_run(old.info.run_id)
     tags = {MLFLOW_RUN_NAME: record["run_name"], "onepass.record_id": record["record_id"], **record["tags"]}
     if record.get("parent_run_id"):
         tags[MLFLOW_PARENT_RUN_ID] = record["parent_run_id"]
@@ -155,8 +162,17 @@ def finish(record: dict, tracking_cfg, out_dir: Path) -> str | None:
 def sync(spool_dir: Path, uri: str | None) -> tuple[int, int]:
     """Log every spooled record; each one logged is removed from the spool. Returns (logged, left)."""
     logged = left = 0
+    if not spool_dir.is_dir():
+        print(f"[sync] no spool folder at {spool_dir}: nothing to log (runs spool to tracking.spool_dir)",
+              file=sys.stderr)
+        return 0, 0
     for path in sorted(spool_dir.glob("*.json")):
-        record = json.loads(path.read_text())
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as e:   # one unreadable file must not keep the others from the store
+            print(f"[sync] {path.name}: not a readable run record ({e}); left in place", file=sys.stderr)
+            left += 1
+            continue
         target = uri or record.get("tracking_uri")
         try:
             rid = log_record(record, target)
