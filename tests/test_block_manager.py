@@ -297,6 +297,27 @@ def test_pin_prefix(prefix_caching):
     bm.check_invariants()
 
 
+def test_whole_pinned_shares_the_pinned_prefix_whole_or_not_at_all():
+    """A hybrid model's recurrent state is snapshotted only at the pinned prefix's end, so a sequence that matches
+    only some of its blocks must share none (its own blocks, computed from position 0)."""
+    with pytest.raises(ValueError, match="cannot go with prefix_caching"):
+        BlockManager(12, BS, prefix_caching=True, whole_pinned=True)
+    bm = BlockManager(12, BS, whole_pinned=True)
+    sys_prompt = toks(2 * BS + 2)
+    pinned = bm.pin_prefix(sys_prompt)
+    assert bm.pin_prefix(sys_prompt) == pinned   # the same prefix again: a no-op, as without whole_pinned
+    with pytest.raises(ValueError, match="one pinned prefix"):
+        bm.pin_prefix(toks(2 * BS))   # its first block alone: a second snapshot point
+    assert bm.allocate(0, sys_prompt + [7]) == 2 * BS and bm.table(0)[:2] == pinned
+    part = toks(BS) + toks(2 * BS, 9000)   # the first pinned block, then other tokens
+    assert bm.can_allocate(part)
+    assert bm.allocate(1, part) == 0 and set(bm.table(1)).isdisjoint(pinned)
+    plain = BlockManager(12, BS)
+    plain.pin_prefix(sys_prompt)
+    assert plain.allocate(1, part) == BS   # without whole_pinned the first block is shared
+    bm.check_invariants()
+
+
 def test_pin_prefix_exhausted():
     bm = BlockManager(3, BS)
     with pytest.raises(PoolExhausted, match="needs 3 new KV blocks, only 2 free"):

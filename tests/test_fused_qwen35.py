@@ -258,30 +258,76 @@ def test_serving_chunked_prefill_matches_single_stream(ggufs, name):
     assert res["chunked"].prefill_rows == res["token"].prefill_rows
 
 
+def _pinned_engine(model, batch, prefill, budget, ctx=64, bs=4, graphs=False, writeback=1):
+    """A serving engine over paged KV whose requests may share a pinned prefix (state snapshot in a spare slot)."""
+    from onepass.engine.block_manager import BlockManager
+    from onepass.engine.scheduler import Scheduler
+    from onepass.engine.serve import ServingEngine
+
+    cfg, dev, dt = model.cfg, model.device, model.dtype
+    blocks = batch * ctx // bs + 1
+    kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, blocks, bs, batch, ctx, dt, dev), cfg),
+                     StatePool(cfg, batch + 2, dev, conv_dtype=dt, writeback=writeback))   # + scratch + snapshot
+    sched = Scheduler(batch, "continuous", prefill, budget, BlockManager(blocks, bs, whole_pinned=True), ctx)
+    return ServingEngine(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
+
+
+def _pinned_workload():
+    """Prompts that start with the 16-position pinned prefix, one that shares only its first 5 tokens (so it must
+    share none of it), one unrelated, and the prefix itself."""
+    from onepass.engine.scheduler import Request
+
+    shared = prompt(7, 17)
+    prompts = [shared + prompt(50 + i, 2 + i) for i in range(4)] + [shared[:5] + prompt(60, 6), prompt(61, 9), shared]
+    max_new = [5, 3, 6, 4, 5, 4, 6]
+    return shared, prompts, max_new, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("prefill", ["token", "chunked"])
+def test_serving_pinned_prefix_matches_single_stream(ggufs, name, prefill):
+    """A hybrid model serves a pinned prefix: its KV blocks are shared and its recurrent state, snapshotted once,
+    is copied into each slot whose request starts with it; those requests prefill only the rest, and every request
+    (also one sharing part of the prefix, and one refilling a slot another used) gives its single-stream output."""
+    cfg, w, _ = load(ggufs[name])
+    model, ref = fused(cfg, w), build_model(cfg, w, get_ops("torch"))
+    shared, prompts, max_new, requests = _pinned_workload()
+    want = {i: generate_static(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
+            for i, (p, m) in enumerate(zip(prompts, max_new))}
+    eng = _pinned_engine(model, 3, prefill, 8)
+    assert eng.pin_prefix(shared) == 16
+    res = eng.run(requests)
+    assert {r.rid: r.output for r in res.finished} == want
+    assert res.prefill_rows == sum(map(len, prompts)) - 5 * 16   # five requests start with the whole prefix
+
+
 def test_refusals(ggufs):
     cfg, w, _ = load(ggufs["equal-heads"])
     model = fused(cfg, w)
-    with pytest.raises(ConfigError, match="prefix caching is not supported for the hybrid"):
+    with pytest.raises(ConfigError, match="automatic prefix caching is not supported for the hybrid.*pinned or off"):
         check_hybrid_serving(cfg, prefix="auto")
-    with pytest.raises(ConfigError, match="prefix caching"):
-        check_hybrid_serving(cfg, prefix="pinned")
+    check_hybrid_serving(cfg, prefix="pinned")
     check_hybrid_serving(cfg, prefix="off")
     # the serving engine refuses them too, for a caller that builds it without the harness's checks
     from onepass.engine.block_manager import BlockManager
     from onepass.engine.scheduler import Scheduler
     from onepass.engine.serve import ServingEngine
 
-    kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, 9, 16, 2, 64, torch.float32, "cpu"), cfg),
-                     StatePool(cfg, 3, "cpu"))
-    for caching in (True, False):
-        sched = Scheduler(2, "continuous", "token", 512, BlockManager(9, 16, prefix_caching=caching), 64)
-        if caching:
-            with pytest.raises(ConfigError, match="prefix=auto: prefix caching is not supported"):
-                ServingEngine(model, kv, sched, SamplingParams(), use_graphs=False)
-            continue
-        eng = ServingEngine(model, kv, sched, SamplingParams(), use_graphs=False)
-        with pytest.raises(ConfigError, match="prefix=pinned: prefix caching is not supported"):
-            eng.pin_prefix(list(range(3, 40)))
+    def engine(bm, state_slots):
+        kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, 9, 16, 2, 64, torch.float32, "cpu"), cfg),
+                         StatePool(cfg, state_slots, "cpu"))
+        return ServingEngine(model, kv, Scheduler(2, "continuous", "token", 512, bm, 64), SamplingParams(),
+                             use_graphs=False)
+
+    with pytest.raises(ConfigError, match="prefix=auto: automatic prefix caching is not supported"):
+        engine(BlockManager(9, 16, prefix_caching=True), 3)
+    for bm, slots in ((BlockManager(9, 16), 4), (BlockManager(9, 16, whole_pinned=True), 3)):
+        with pytest.raises(ConfigError, match="whole_pinned=True.*one slot more than the KV cache"):
+            engine(bm, slots).pin_prefix(list(range(3, 40)))
+    eng = engine(BlockManager(9, 16, whole_pinned=True), 4)
+    assert eng.pin_prefix(list(range(3, 40))) == 32
+    with pytest.raises(ConfigError, match="one pinned prefix"):
+        eng.pin_prefix(list(range(3, 40)))
     with pytest.raises(ConfigError, match="HybridCache"):
         rows_logits(model, ContiguousKVCache(cfg, 2, 8, torch.float32, "cpu"), [5], [0], [0])
     with pytest.raises(ConfigError, match="runs of seq_len=2"):
@@ -519,6 +565,42 @@ def test_gpu_write_back_gives_the_same_tokens(ggufs, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", CONFIGS)
+def test_gpu_serving_pinned_prefix(ggufs, name):
+    """The Triton step with CUDA graphs serving a pinned prefix (its state snapshot copied into each slot between
+    graph replays): every request the single stream's greedy output, token and chunked prefill, the state written
+    back every token and every 4 (the snapshot then carries the update log too)."""
+    cfg, w, _ = load(ggufs[name], torch.bfloat16, "cuda")
+    model = fused(cfg, w, "triton")
+    shared, prompts, max_new, _ = _pinned_workload()
+    want = {i: run_static(stepper(model, 1, graphs=True)[0], [p], m, prefill="batched", ctx=64).outputs[0]
+            for i, (p, m) in enumerate(zip(prompts, max_new))}
+    for writeback in (1, 4):
+        for pf in ("token", "chunked"):
+            eng = _pinned_engine(model, 3, pf, 8, bs=16, graphs=True, writeback=writeback)
+            assert eng.pin_prefix(shared) == 16
+            res = eng.run(_pinned_workload()[3])
+            assert {r.rid: r.output for r in res.finished} == want, (writeback, pf)
+
+
+def test_copy_slot_copies_the_whole_recurrent_state(ggufs):
+    """StatePool.copy_slot: state, conv ring, every update-log tensor and the token count of one slot, no other."""
+    cfg, _, _ = load(ggufs["3x-value-heads"])
+    pool = StatePool(cfg, 3, writeback=4)
+    tensors = pool.ssm + pool.conv + [t for g in pool.log for t in g]
+    for i, t in enumerate(tensors):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
+    pool.seen = [5, 9, 2]
+    before = [t.clone() for t in tensors]
+    pool.copy_slot(1, 2)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t[2], b[1]) and torch.equal(t[:2], b[:2])
+    assert pool.seen == [5, 9, 9]
+    with pytest.raises(ConfigError, match="outside the state pool"):
+        pool.copy_slot(1, 3)
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_state_runs(ggufs):
     p = prompt(26, 9)
     out = gpu_run(ggufs["3x-value-heads"], 4, p, 16, state_dtype=torch.bfloat16)
@@ -570,8 +652,9 @@ def test_harness_hybrid_job_with_bf16_state(tmp_path, monkeypatch, materialize):
 def test_harness_refuses_prefix_caching(tmp_path):
     from onepass.harness.run import build
 
-    with pytest.raises(ConfigError, match="prefix caching is not supported"):
+    with pytest.raises(ConfigError, match="automatic prefix caching is not supported"):
         build(_job(tmp_path, "kv_cache.layout=paged", "kv_cache.prefix=auto", "scheduler=continuous"))
+    build(_job(tmp_path, "kv_cache.layout=paged", "kv_cache.prefix=pinned", "scheduler=continuous"))   # a snapshot
     build(_job(tmp_path, "kv_cache.layout=paged", "scheduler=continuous_chunked"))   # chunked prefill: ragged runs
 
 

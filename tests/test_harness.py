@@ -255,10 +255,12 @@ def test_misspelled_override_on_the_command_line(tmp_path):
                                             ("tiny-qwen35", "contiguous", "continuous_chunked"),
                                             ("tiny-qwen35", "paged", "continuous_chunked")])
 def test_serving_run_verifies_and_logs(tmp_path, model, kv, sched):
-    """Continuous serving, also of the hybrid model (its slots' recurrent state restarts at position 0), with its
-    prompts token by token or in chunks (ragged runs through the GDN layers)."""
+    """Continuous serving, also of the hybrid model (its slots' recurrent state restarts at position 0, or from the
+    pinned prefix's state snapshot), with its prompts token by token or in chunks (ragged runs through the GDN
+    layers)."""
+    prefix = "off" if kv != "paged" else "auto" if model == "tiny-llama" else "pinned" if sched == "continuous" else "off"
     extra = [f"scheduler={sched}", f"kv_cache={kv}", "workload.num_requests=6", "workload.min_new_tokens=2",
-             "kv_cache.block_size=4", "kv_cache.ctx=64"] + (["kv_cache.prefix=auto"] if kv == "paged" and model == "tiny-llama" else [])
+             "kv_cache.block_size=4", "kv_cache.ctx=64", f"kv_cache.prefix={prefix}"]
     cfg = cfg_of(*tiny(tmp_path, "table=serving_paged", *extra), f"model={model}", "batch.size=3")
     assert run_job(cfg, tmp_path / "out") > 0
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
@@ -267,6 +269,7 @@ def test_serving_run_verifies_and_logs(tmp_path, model, kv, sched):
     assert row["metrics.prefill_tokens"] > 0
     if kv == "paged":
         assert row["metrics.peak_blocks"] > 0
+    assert (row["metrics.pinned_prefix_tokens"] > 0) == (prefix == "pinned")
 
 
 def test_prefix_cache_needs_paged_kv(tmp_path):
@@ -328,7 +331,7 @@ def test_hybrid_prefix_cache_is_refused_from_the_header_before_loading(tmp_path,
     monkeypatch.setattr(run, "load_gguf", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
     cfg = cfg_of(*tiny(tmp_path, "model=tiny-qwen35", "scheduler=continuous", "kv_cache=paged",
                        "workload.num_requests=2", "kv_cache.prefix=auto"))
-    with pytest.raises(ConfigError, match="prefix=auto: prefix caching is not supported for the hybrid qwen35"):
+    with pytest.raises(ConfigError, match="prefix=auto: automatic prefix caching is not supported for the hybrid qwen35"):
         run_job(cfg, tmp_path / "out")
 
 

@@ -28,7 +28,9 @@ sequence never writes below its committed length again.
 Pinned prefixes (the seed's shared-prefix mode) are registered in the same index and hold an extra
 refcount owned by the manager, so they are never freed or evicted. They are matched on allocate with
 or without `prefix_caching`; without it, commit() registers nothing, so pinned blocks are the only
-ones that can be shared.
+ones that can be shared. With `whole_pinned` (a hybrid model, whose recurrent state is snapshotted only at the
+pinned prefix's end) a sequence shares the pinned prefix whole or not at all: a match of some of its blocks counts
+as none, so every shared length has a state to go with it.
 """
 from __future__ import annotations
 
@@ -57,13 +59,16 @@ class PoolExhausted(Exception):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
-                 hash_fn: HashFn | None = None):
+                 hash_fn: HashFn | None = None, whole_pinned: bool = False):
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the scratch block), got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {block_size!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching = prefix_caching
+        if whole_pinned and prefix_caching:
+            raise ValueError("whole_pinned shares only the pinned prefix; it cannot go with prefix_caching")
+        self.whole_pinned = whole_pinned
         self.hash_fn: HashFn = hash_fn or sha256_block_hash
 
         self._ref = [0] * num_blocks
@@ -205,6 +210,8 @@ class BlockManager:
     # ------------------------------------------------------------------ sequences
     def _plan(self, tokens: Sequence[int], total_tokens: int, max_shared: int):
         matched, key, reg = self._match(tokens, max_shared)
+        if self.whole_pinned and len(matched) < len(self._pinned):
+            matched, key, reg = [], ROOT_KEY, ROOT_REG
         need = self.blocks_for(total_tokens) - len(matched)
         # matched blocks sitting in the cached LRU stop being allocatable once taken
         avail = self.num_free - sum(1 for b in matched if self._ref[b] == 0)
@@ -346,6 +353,8 @@ class BlockManager:
         caller fills their KV once (blocks already cached for the same tokens are reused, so a refill
         writes the KV they already hold). Pinning the same prefix again is a no-op."""
         n = self._max_shared(len(tokens))
+        if self.whole_pinned and self._pinned and not (len(self._pinned) == n == len(self._match(tokens, n)[0])):
+            raise ValueError("whole_pinned keeps one pinned prefix (one state snapshot): pin the same tokens or none")
         matched, key, reg, need, avail = self._plan(tokens, n * self.block_size, n)
         if need > avail:
             raise self._exhausted(f"pinning a {n}-block prefix ({len(matched)} blocks cached)", need, avail)

@@ -63,8 +63,9 @@ class ServingEngine:
             raise ConfigError("host sampling (sampling.on_device=false) is the seed's greedy baseline: it argmaxes "
                               "the logits on the host; use sampling.on_device=true for temperature sampling")
         self.hybrid = bool(getattr(model, "hybrid", False))
-        if self.hybrid:   # a cached KV prefix carries no recurrent state: refused here too, for callers past the harness
+        if self.hybrid:   # a cached KV block carries no recurrent state: refused here too, for callers past the harness
             check_hybrid_serving(model.cfg, "auto" if scheduler.bm is not None and scheduler.bm.prefix_caching else "off")
+        self.snapshot: tuple[int, int] | None = None   # hybrid pinned prefix: (spare state slot, prefix positions)
         graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # a hybrid model's chunked prefill puts several rows of one slot in a step: its GDN layers take them as runs
         ragged = self.hybrid and scheduler.prefill == "chunked"
@@ -76,22 +77,33 @@ class ServingEngine:
         bm = self.sched.bm
         if bm is None:
             raise ConfigError("prefix caching needs the paged KV cache (kv_cache.layout=paged)")
+        if self.sched.running:
+            raise ConfigError("pin_prefix must run before requests are served")
         if self.hybrid:
-            check_hybrid_serving(self.model.cfg, "pinned")
+            # the prefix's recurrent state is kept in a spare state slot and shared only whole (whole_pinned)
+            if not bm.whole_pinned or self.kv.state.num_slots <= self.kv.num_slots:
+                raise ConfigError("a hybrid model's pinned prefix needs BlockManager(whole_pinned=True) and a state "
+                                  "pool with one slot more than the KV cache (the prefix's state snapshot)")
+            if self.snapshot is not None:
+                raise ConfigError("a hybrid model keeps one pinned prefix (one state snapshot); it is pinned already")
         blocks = bm.pin_prefix(tokens)
         n = len(blocks) * bm.block_size
         if n == 0:
             return 0
         # through slot 0 (no request holds a slot yet), its table pointing at the pinned blocks; the rows
-        # that pad a step to its bucket write the scratch slot, never a pinned block
+        # that pad a step to its bucket write the scratch slot, never a pinned block. A hybrid model's recurrence
+        # takes one row of a slot a step (outside ragged chunked prefill): its prefix goes in token by token
         st, slot = self.step, 0
-        if self.sched.running:
-            raise ConfigError("pin_prefix must run before requests are served")
-        for lo in range(0, n, st.rows):
-            hi = min(n, lo + st.rows)
+        per_step = 1 if self.hybrid else st.rows
+        for lo in range(0, n, per_step):
+            hi = min(n, lo + per_step)
             st.ids(st.launch(tokens[lo:hi], range(lo, hi), [slot] * (hi - lo), [0] * (hi - lo), [], [],
                              tables={slot: blocks}))
         st.ids(st.launch([], [], [], [], [], [], tables={slot: []}))
+        if self.hybrid:
+            spare = self.kv.state.num_slots - 1
+            self.kv.state.copy_slot(slot, spare)
+            self.snapshot = (spare, n)
         return n
 
     def run(self, requests: list[Request], progress: bool = False) -> ServeResult:
@@ -118,6 +130,8 @@ class ServingEngine:
             plan = handle = None
             if not sched.done:
                 plan = sched.schedule()
+                if self.snapshot is not None:
+                    self._restore(plan.admitted)
                 if not plan.items:
                     if prev is None:
                         raise ConfigError(f"no request can run: {len(sched.waiting)} waiting, none admitted; "
@@ -149,6 +163,18 @@ class ServingEngine:
         res.gpu_ms = st.gpu_step_ms()
         bar.close()
         return res
+
+    def _restore(self, admitted: list[Request]) -> None:
+        """Give each admitted request that shares the pinned prefix the prefix's recurrent state: its rows start
+        at the prefix's end, where the snapshot was taken (the block manager shares the prefix whole or not at
+        all, so that is the only shared length)."""
+        spare, n = self.snapshot
+        for req in admitted:
+            if req.cached:
+                if req.cached != n:
+                    raise RuntimeError(f"request {req.rid} shares {req.cached} prefix positions; the state snapshot "
+                                       f"holds {n}")
+                self.kv.state.copy_slot(spare, req.slot)
 
     def _launch(self, plan: Plan):
         """Queue the plan's step; returns its handle and the number of prompt positions among its rows."""

@@ -112,6 +112,15 @@ class StatePool:
         for i in ids:
             self.seen[i] = 0
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make slot dst hold exactly what slot src holds: state, conv ring, update log and token count (a pinned
+        prefix's snapshot kept in a spare slot, given to each request that starts with that prefix). Queued on the
+        device's stream like the steps around it, so it lands after the last step that wrote dst."""
+        self._check_ids([src, dst])
+        for t in self.ssm + self.conv + [x for g in self.log if g for x in g]:
+            t[dst].copy_(t[src])
+        self.seen[dst] = self.seen[src]
+
     def _check_ids(self, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.num_slots]
         if bad:
@@ -199,14 +208,16 @@ def drop_recurrent_kv(kv, cfg: ModelConfig):
 
 def check_hybrid_serving(cfg: ModelConfig, prefix: str = "off") -> None:
     """What a serving loop may not do with a hybrid model, refused with a ConfigError before anything runs:
-    prefix caching (`prefix` != "off"): a cached KV prefix says nothing about the recurrent state after
-    that prefix, and the state pool keeps no snapshots at block boundaries, so a hit would continue from
-    the wrong state; refused rather than ever giving a wrong output. Token and chunked prefill both work
-    (a chunk is a ragged run the GDN kernels walk in order), as does continuous refill: a slot restarting
-    at position 0 starts from zero state inside the kernels."""
+    automatic prefix caching (`prefix` == "auto"): a cached KV block says nothing about the recurrent state after
+    it, and the state pool keeps a snapshot only at the end of a pinned prefix, so a hit anywhere else would
+    continue from the wrong state; refused rather than ever giving a wrong output. A pinned prefix works: its state
+    is snapshotted once and copied into each slot whose request starts with it (ServingEngine.pin_prefix). Token
+    and chunked prefill both work (a chunk is a ragged run the GDN kernels walk in order), as does continuous
+    refill: a slot restarting at position 0 starts from zero state inside the kernels."""
     if not cfg.gdn_layers:
         return
-    if prefix != "off":
-        raise ConfigError(f"kv_cache.prefix={prefix}: prefix caching is not supported for the hybrid {cfg.arch} "
-                          "model (its Gated DeltaNet layers keep per-slot recurrent state that cached KV blocks do "
-                          "not capture; no state snapshots are kept): use kv_cache.prefix=off")
+    if prefix == "auto":
+        raise ConfigError(f"kv_cache.prefix={prefix}: automatic prefix caching is not supported for the hybrid "
+                          f"{cfg.arch} model (its Gated DeltaNet layers keep per-slot recurrent state that cached KV "
+                          "blocks do not capture; the state is snapshotted only at a pinned prefix's end): use "
+                          "kv_cache.prefix=pinned or off")

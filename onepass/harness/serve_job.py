@@ -70,15 +70,17 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
         if kvc.pool_vs_peak > 0:
             peak = peak_blocks(requests, B, sc, kvc, ids if kvc.prefix == "pinned" else None)
             blocks = math.ceil(kvc.pool_vs_peak * peak) + 1  # + the scratch block
-        bm = BlockManager(blocks, kvc.block_size, prefix_caching=kvc.prefix == "auto")
+        bm = BlockManager(blocks, kvc.block_size, prefix_caching=kvc.prefix == "auto",
+                          whole_pinned=built.cfg.arch == "qwen35" and kvc.prefix == "pinned")
         kv = PagedKVCache(built.cfg, blocks, kvc.block_size, B, kvc.ctx, dt, dev)
     else:   # contiguous (harness/checks.py refused any other layout before the model loaded)
         kv = ContiguousKVCache(built.cfg, B + 1, kvc.ctx, dt, dev)
     if built.cfg.arch == "qwen35":  # + each slot's recurrent state; a slot restarting at position 0 starts from zero
         from onepass.engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
 
+        spare = int(kvc.prefix == "pinned")   # a slot more for the pinned prefix's state snapshot
         kv = HybridCache(drop_recurrent_kv(kv, built.cfg),
-                         StatePool(built.cfg, kv.num_slots, dev, built.state_dtype, conv_dtype=dt,
+                         StatePool(built.cfg, kv.num_slots + spare, dev, built.state_dtype, conv_dtype=dt,
                                    writeback=built.writeback()))
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
     sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids, prefix_burst(B, sc))
