@@ -498,6 +498,9 @@ def serving_prefix(df: pd.DataFrame):
     return d.to_markdown(index=False, floatfmt=("",) + SERVING_FMT).replace("nan", "—"), None
 
 
+table("serving_prefix_hybrid")(serving_prefix)   # the same columns, for the hybrid model's off / pinned rows
+
+
 @table("serving_sampling")
 def serving_sampling(df: pd.DataFrame):
     d = pd.DataFrame({
