@@ -258,14 +258,15 @@ def test_serving_chunked_prefill_matches_single_stream(ggufs, name):
     assert res["chunked"].prefill_rows == res["token"].prefill_rows
 
 
-def _pinned_engine(model, batch, prefill, budget, ctx=64, bs=4, graphs=False, writeback=1):
-    """A serving engine over paged KV whose requests may share a pinned prefix (state snapshot in a spare slot)."""
+def _pinned_engine(model, batch, prefill, budget, ctx=64, bs=4, graphs=False, writeback=1, blocks=0):
+    """A serving engine over paged KV whose requests may share a pinned prefix (state snapshot in a spare slot);
+    blocks: the pool (0: every slot can reach ctx)."""
     from onepass.engine.block_manager import BlockManager
     from onepass.engine.scheduler import Scheduler
     from onepass.engine.serve import ServingEngine
 
     cfg, dev, dt = model.cfg, model.device, model.dtype
-    blocks = batch * ctx // bs + 1
+    blocks = blocks or batch * ctx // bs + 1
     kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, blocks, bs, batch, ctx, dt, dev), cfg),
                      StatePool(cfg, batch + 2, dev, conv_dtype=dt, writeback=writeback))   # + scratch + snapshot
     sched = Scheduler(batch, "continuous", prefill, budget, BlockManager(blocks, bs, whole_pinned=True), ctx)
@@ -299,6 +300,12 @@ def test_serving_pinned_prefix_matches_single_stream(ggufs, name, prefill):
     res = eng.run(requests)
     assert {r.rid: r.output for r in res.finished} == want
     assert res.prefill_rows == sum(map(len, prompts)) - 5 * 16   # five requests start with the whole prefix
+    # a pool too small for three at once: requests are preempted and readmitted, each time from the snapshot
+    eng = _pinned_engine(model, 3, prefill, 8, blocks=10)
+    eng.pin_prefix(shared)
+    res = eng.run(_pinned_workload()[3])
+    assert {r.rid: r.output for r in res.finished} == want
+    assert sum(r.preemptions for r in res.finished) > 0
 
 
 def test_refusals(ggufs):
