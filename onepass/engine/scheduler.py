@@ -35,6 +35,13 @@ MODES = ("static", "continuous")
 PREFILLS = ("token", "chunked")
 
 
+def check_token_budget(prefill: str, token_budget: int, num_slots: int) -> None:
+    """A chunked-prefill step must hold a decode row for every slot."""
+    if prefill == "chunked" and token_budget < num_slots:
+        raise ConfigError(f"scheduler.token_budget={token_budget} is below the {num_slots} decode rows a step may need "
+                          f"(batch.size={num_slots}); set scheduler.token_budget >= {num_slots}")
+
+
 @dataclass
 class Request:
     rid: int
@@ -98,8 +105,7 @@ class Scheduler:
             raise ConfigError(f"scheduler.mode={mode!r}; choose one of {MODES}")
         if prefill not in PREFILLS:
             raise ConfigError(f"scheduler.prefill={prefill!r} for serving; choose one of {PREFILLS}")
-        if prefill == "chunked" and token_budget < num_slots:
-            raise ConfigError(f"scheduler.token_budget={token_budget} is below the {num_slots} decode rows a step may need")
+        check_token_budget(prefill, token_budget, num_slots)
         self.num_slots, self.mode, self.prefill, self.budget = num_slots, mode, prefill, token_budget
         self.bm, self.ctx, self.stop_ids = block_manager, ctx, set(stop_ids)
         bursts = prefill == "token" and block_manager is not None and block_manager.prefix_caching

@@ -76,13 +76,17 @@ class ReferenceStepper:
         return self.last
 
 
+def check_new_tokens(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: a request generates at least one token (the prefill's); "
+                          "set workload.max_new_tokens >= 1")
+
+
 def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> int:
     """The KV positions a request of this length needs, refused when that is more than ctx."""
     if prompt_len < 1:
         raise ConfigError("empty prompt: a request needs at least one prompt token")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: a request generates at least one token (the prefill's); "
-                          "set workload.max_new_tokens >= 1")
+    check_new_tokens(max_new_tokens)
     need = prompt_len + max_new_tokens - 1  # the last sampled token is never fed back
     if need > ctx:
         raise ConfigError(

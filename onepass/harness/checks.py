@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from onepass.engine.errors import ConfigError
 from onepass.engine.runner import BUCKETS
+from onepass.engine.scheduler import check_token_budget
 from onepass.engine.serve import PREFIX_MODES
+from onepass.engine.static_batch import check_new_tokens
 
 
 def check_decode(cfg, backend: str) -> None:
@@ -21,12 +23,9 @@ def check_decode(cfg, backend: str) -> None:
     if sc.prefill == "chunked" and sc.mode != "static" and sc.token_budget > BUCKETS[-1]:
         raise ConfigError(f"scheduler.token_budget={sc.token_budget}: a step runs at most {BUCKETS[-1]} rows "
                           f"(the largest CUDA-graph bucket); set it to {BUCKETS[-1]} or less")
-    if sc.prefill == "chunked" and sc.mode != "static" and sc.token_budget < B:
-        raise ConfigError(f"scheduler.token_budget={sc.token_budget} is below the {B} decode rows a step may need "
-                          f"(batch.size={B}); set scheduler.token_budget >= {B}")
-    if w.max_new_tokens < 1:
-        raise ConfigError(f"workload.max_new_tokens={w.max_new_tokens}: a request generates at least one token (the "
-                          "prefill's); set workload.max_new_tokens >= 1")
+    if sc.mode != "static":   # the checks the serving loop and the request would make, before the model is built
+        check_token_budget(sc.prefill, sc.token_budget, B)
+    check_new_tokens(w.max_new_tokens)
     if not 0 <= w.min_new_tokens <= w.max_new_tokens:
         raise ConfigError(f"workload.min_new_tokens={w.min_new_tokens} with max_new_tokens={w.max_new_tokens}: a serving "
                           "request's length is drawn from [min, max]; give 0 (every request max) or 1..max_new_tokens")

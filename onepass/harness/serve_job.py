@@ -42,10 +42,16 @@ def prefix_burst(B: int, sc) -> int:
     return max(0, BUCKETS[-1] - B) if sc.prefix_burst else 0
 
 
-def peak_blocks(requests: list[Request], B: int, sc, kvc, pin: list[int] | None) -> int:
+def block_manager(blocks: int, kvc, hybrid: bool) -> BlockManager:
+    """The job's paged-pool bookkeeping: a hybrid model shares a pinned prefix only whole (its state snapshot)."""
+    return BlockManager(blocks, kvc.block_size, prefix_caching=kvc.prefix == "auto",
+                        whole_pinned=hybrid and kvc.prefix == "pinned")
+
+
+def peak_blocks(requests: list[Request], B: int, sc, kvc, pin: list[int] | None, hybrid: bool) -> int:
     """Peak block demand of this schedule, from a host-only dry run of the scheduler over an ample pool.
     Sampled tokens are stand-ins (0), so this is exact for fixed-length outputs (ignore_eos)."""
-    bm = BlockManager(B * (kvc.ctx // kvc.block_size + 1) + 2, kvc.block_size, prefix_caching=kvc.prefix == "auto")
+    bm = block_manager(B * (kvc.ctx // kvc.block_size + 1) + 2, kvc, hybrid)
     if pin:
         bm.pin_prefix(pin)
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
@@ -64,18 +70,17 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
     model = fused_model(built, kvc.ctx)
     dev, dt = built.device, built.dtype
     requests = make_requests(ids, w)
-    bm = None
+    bm, hybrid = None, built.cfg.arch == "qwen35"
     if kvc.layout == "paged":
         blocks = pool_blocks(kvc, B)
         if kvc.pool_vs_peak > 0:
-            peak = peak_blocks(requests, B, sc, kvc, ids if kvc.prefix == "pinned" else None)
+            peak = peak_blocks(requests, B, sc, kvc, ids if kvc.prefix == "pinned" else None, hybrid)
             blocks = math.ceil(kvc.pool_vs_peak * peak) + 1  # + the scratch block
-        bm = BlockManager(blocks, kvc.block_size, prefix_caching=kvc.prefix == "auto",
-                          whole_pinned=built.cfg.arch == "qwen35" and kvc.prefix == "pinned")
+        bm = block_manager(blocks, kvc, hybrid)
         kv = PagedKVCache(built.cfg, blocks, kvc.block_size, B, kvc.ctx, dt, dev)
     else:   # contiguous (harness/checks.py refused any other layout before the model loaded)
         kv = ContiguousKVCache(built.cfg, B + 1, kvc.ctx, dt, dev)
-    if built.cfg.arch == "qwen35":  # + each slot's recurrent state; a slot restarting at position 0 starts from zero
+    if hybrid:  # + each slot's recurrent state; a slot restarting at position 0 starts from zero
         from onepass.engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
 
         spare = int(kvc.prefix == "pinned")   # a slot more for the pinned prefix's state snapshot
