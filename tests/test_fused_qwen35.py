@@ -32,7 +32,7 @@ from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from onepass.engine.models import build_model
 from onepass.engine.runner import GraphStepper
 from onepass.engine.sampler import SamplingParams
-from onepass.engine.state_pool import HybridCache, StatePool, check_hybrid_serving, drop_recurrent_kv
+from onepass.engine.state_pool import HybridCache, StatePool, check_hybrid_serving, drop_recurrent_kv, snapshot_slots
 from onepass.engine.static_batch import generate_static, run_static
 from onepass.engine.verify import verify_greedy
 from onepass.kernels.backend import get_step_kernels
@@ -267,8 +267,10 @@ def _pinned_engine(model, batch, prefill, budget, ctx=64, bs=4, graphs=False, wr
 
     cfg, dev, dt = model.cfg, model.device, model.dtype
     blocks = blocks or batch * ctx // bs + 1
+    # + scratch + a snapshot slot for each write-back phase class
+    slots = max(snapshot_slots(batch + 1, writeback, min(writeback, batch))) + 1
     kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, blocks, bs, batch, ctx, dt, dev), cfg),
-                     StatePool(cfg, batch + 2, dev, conv_dtype=dt, writeback=writeback))   # + scratch + snapshot
+                     StatePool(cfg, slots, dev, conv_dtype=dt, writeback=writeback))
     sched = Scheduler(batch, "continuous", prefill, budget, BlockManager(blocks, bs, whole_pinned=True), ctx)
     return ServingEngine(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
 
@@ -286,22 +288,24 @@ def _pinned_workload():
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("prefill", ["token", "chunked"])
-def test_serving_pinned_prefix_matches_single_stream(ggufs, name, prefill):
-    """A hybrid model serves a pinned prefix: its KV blocks are shared and its recurrent state, snapshotted once,
-    is copied into each slot whose request starts with it; those requests prefill only the rest, and every request
-    (also one sharing part of the prefix, and one refilling a slot another used) gives its single-stream output."""
+@pytest.mark.parametrize("writeback", [1, 2, 4])
+def test_serving_pinned_prefix_matches_single_stream(ggufs, name, prefill, writeback):
+    """A hybrid model serves a pinned prefix: its KV blocks are shared and its recurrent state, snapshotted once per
+    write-back phase class, is copied into each slot whose request starts with it; those requests prefill only the
+    rest, and every request (also one sharing part of the prefix, and one refilling a slot another used) gives its
+    single-stream output. Three slots: with a write-back every 2 tokens two of them share a class, every 4 none."""
     cfg, w, _ = load(ggufs[name])
     model, ref = fused(cfg, w), build_model(cfg, w, get_ops("torch"))
     shared, prompts, max_new, requests = _pinned_workload()
     want = {i: generate_static(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
             for i, (p, m) in enumerate(zip(prompts, max_new))}
-    eng = _pinned_engine(model, 3, prefill, 8)
+    eng = _pinned_engine(model, 3, prefill, 8, writeback=writeback)
     assert eng.pin_prefix(shared) == 16
     res = eng.run(requests)
     assert {r.rid: r.output for r in res.finished} == want
     assert res.prefill_rows == sum(map(len, prompts)) - 5 * 16   # five requests start with the whole prefix
     # a pool too small for three at once: requests are preempted and readmitted, each time from the snapshot
-    eng = _pinned_engine(model, 3, prefill, 8, blocks=10)
+    eng = _pinned_engine(model, 3, prefill, 8, writeback=writeback, blocks=10)
     eng.pin_prefix(shared)
     res = eng.run(_pinned_workload()[3])
     assert {r.rid: r.output for r in res.finished} == want
@@ -593,18 +597,24 @@ def test_gpu_serving_pinned_prefix(ggufs, name):
 def test_copy_slot_copies_the_whole_recurrent_state(ggufs):
     """StatePool.copy_slot: state, conv ring, every update-log tensor and the token count of one slot, no other."""
     cfg, _, _ = load(ggufs["3x-value-heads"])
-    pool = StatePool(cfg, 3, writeback=4)
+    pool = StatePool(cfg, 3, writeback=2)
     tensors = pool.ssm + pool.conv + [t for g in pool.log for t in g]
     for i, t in enumerate(tensors):
         t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
     pool.seen = [5, 9, 2]
     before = [t.clone() for t in tensors]
-    pool.copy_slot(1, 2)
+    pool.copy_slot(0, 2)
     for t, b in zip(tensors, before):
-        assert torch.equal(t[2], b[1]) and torch.equal(t[:2], b[:2])
-    assert pool.seen == [5, 9, 9]
+        assert torch.equal(t[2], b[0]) and torch.equal(t[:2], b[:2])
+    assert pool.seen == [5, 9, 5]
     with pytest.raises(ConfigError, match="outside the state pool"):
         pool.copy_slot(1, 3)
+    # a state written back every 4 tokens is laid out for its slot's phase: copies between classes are refused
+    pool = StatePool(cfg, 6, writeback=4)
+    pool.copy_slot(1, 5)
+    with pytest.raises(ConfigError, match="differ modulo the write-back period 4"):
+        pool.copy_slot(1, 2)
+    assert snapshot_slots(5, 4, 4) == [8, 5, 6, 7] and snapshot_slots(4, 1, 1) == [4]
 
 
 @pytest.mark.gpu

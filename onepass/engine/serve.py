@@ -22,7 +22,7 @@ from onepass.engine.errors import ConfigError
 from onepass.engine.row_step import RowStep
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Plan, Request, Scheduler
-from onepass.engine.state_pool import check_hybrid_serving
+from onepass.engine.state_pool import check_hybrid_serving, snapshot_slots
 
 PREFIX_MODES = ("off", "pinned", "auto")
 
@@ -65,7 +65,8 @@ class ServingEngine:
         self.hybrid = bool(getattr(model, "hybrid", False))
         if self.hybrid:   # a cached KV block carries no recurrent state: refused here too, for callers past the harness
             check_hybrid_serving(model.cfg, "auto" if scheduler.bm is not None and scheduler.bm.prefix_caching else "off")
-        self.snapshot: tuple[int, int] | None = None   # hybrid pinned prefix: (spare state slot, prefix positions)
+        # hybrid pinned prefix: (the spare state slot holding its snapshot for each write-back phase class, positions)
+        self.snapshot: tuple[list[int], int] | None = None
         graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # a hybrid model's chunked prefill puts several rows of one slot in a step: its GDN layers take them as runs
         ragged = self.hybrid and scheduler.prefill == "chunked"
@@ -79,31 +80,44 @@ class ServingEngine:
             raise ConfigError("prefix caching needs the paged KV cache (kv_cache.layout=paged)")
         if self.sched.running:
             raise ConfigError("pin_prefix must run before requests are served")
+        spares: list[int] = []
         if self.hybrid:
-            # the prefix's recurrent state is kept in a spare state slot and shared only whole (whole_pinned)
-            if not bm.whole_pinned or self.kv.state.num_slots <= self.kv.num_slots:
-                raise ConfigError("a hybrid model's pinned prefix needs BlockManager(whole_pinned=True) and a state "
-                                  "pool with one slot more than the KV cache (the prefix's state snapshot)")
+            # the prefix's recurrent state is snapshotted into spare state slots, one per write-back phase class
+            # the scheduler's slots fall in, and shared only whole (whole_pinned)
+            pool = self.kv.state
+            spares = snapshot_slots(self.kv.num_slots, pool.writeback, min(pool.writeback, self.sched.num_slots))
+            if not bm.whole_pinned or pool.num_slots <= max(spares):
+                raise ConfigError(f"a hybrid model's pinned prefix needs BlockManager(whole_pinned=True) and a state "
+                                  f"pool of {max(spares) + 1} slots (KV cache slots + the prefix's state snapshots, "
+                                  f"engine.state_pool.snapshot_slots); this one has {pool.num_slots}")
             if self.snapshot is not None:
                 raise ConfigError("a hybrid model keeps one pinned prefix (one state snapshot); it is pinned already")
         blocks = bm.pin_prefix(tokens)
         n = len(blocks) * bm.block_size
         if n == 0:
             return 0
-        # through slot 0 (no request holds a slot yet), its table pointing at the pinned blocks; the rows
-        # that pad a step to its bucket write the scratch slot, never a pinned block. A hybrid model's recurrence
-        # takes one row of a slot a step (outside ragged chunked prefill): its prefix goes in token by token
-        st, slot = self.step, 0
-        per_step = 1 if self.hybrid else st.rows
-        for lo in range(0, n, per_step):
-            hi = min(n, lo + per_step)
-            st.ids(st.launch(tokens[lo:hi], range(lo, hi), [slot] * (hi - lo), [0] * (hi - lo), [], [],
-                             tables={slot: blocks}))
-        st.ids(st.launch([], [], [], [], [], [], tables={slot: []}))
+        # through the first slots (no request holds a slot yet), their tables pointing at the pinned blocks; the rows
+        # that pad a step to its bucket write the scratch slot, never a pinned block. A dense model's prefix goes
+        # through slot 0, a step's rows at a time. A hybrid model's recurrence takes one row of a slot a step (outside
+        # ragged chunked prefill), so its prefix goes in token by token, through one slot of each phase class at once
+        # (they write the same KV into the pinned blocks)
+        st = self.step
         if self.hybrid:
-            spare = self.kv.state.num_slots - 1
-            self.kv.state.copy_slot(slot, spare)
-            self.snapshot = (spare, n)
+            slots = list(range(len(spares)))
+            for p in range(n):
+                st.ids(st.launch([tokens[p]] * len(slots), [p] * len(slots), slots, [0] * len(slots), [], [],
+                                 tables={s: blocks for s in slots}))
+        else:
+            slots = [0]
+            for lo in range(0, n, st.rows):
+                hi = min(n, lo + st.rows)
+                st.ids(st.launch(tokens[lo:hi], range(lo, hi), [0] * (hi - lo), [0] * (hi - lo), [], [],
+                                 tables={0: blocks}))
+        st.ids(st.launch([], [], [], [], [], [], tables={s: [] for s in slots}))
+        if self.hybrid:
+            for slot, spare in zip(slots, spares):
+                self.kv.state.copy_slot(slot, spare)
+            self.snapshot = (spares, n)
         return n
 
     def run(self, requests: list[Request], progress: bool = False) -> ServeResult:
@@ -168,13 +182,14 @@ class ServingEngine:
         """Give each admitted request that shares the pinned prefix the prefix's recurrent state: its rows start
         at the prefix's end, where the snapshot was taken (the block manager shares the prefix whole or not at
         all, so that is the only shared length)."""
-        spare, n = self.snapshot
+        spares, n = self.snapshot
+        pool = self.kv.state
         for req in admitted:
             if req.cached:
                 if req.cached != n:
                     raise RuntimeError(f"request {req.rid} shares {req.cached} prefix positions; the state snapshot "
                                        f"holds {n}")
-                self.kv.state.copy_slot(spare, req.slot)
+                pool.copy_slot(spares[pool.phase_class(req.slot)], req.slot)
 
     def _launch(self, plan: Plan):
         """Queue the plan's step; returns its handle and the number of prompt positions among its rows."""

@@ -49,6 +49,12 @@ def resolve_writeback(value: int, state_dtype: torch.dtype = torch.float32) -> i
     return int(value) or WRITEBACK[str(state_dtype).removeprefix("torch.")]
 
 
+def snapshot_slots(first: int, writeback: int, classes: int) -> list[int]:
+    """The spare state slots, from `first` on, that hold a pinned prefix's state: entry c, for each write-back phase
+    class c < classes (StatePool.phase_class), is a slot of class c, since a state is copied only within its class."""
+    return [first + (c - first) % writeback for c in range(classes)]
+
+
 def _slot_list(slots) -> list[int]:
     if isinstance(slots, torch.Tensor):
         return [int(s) for s in slots.reshape(-1).tolist()]
@@ -112,11 +118,22 @@ class StatePool:
         for i in ids:
             self.seen[i] = 0
 
+    def phase_class(self, slot: int) -> int:
+        """The slots a state may be copied between share this class. With a write-back period M > 1 the fused GDN
+        step writes slot s's whole state at the tokens p with (p + s) % M == M - 1 (kernels/gdn.py), so what the pool
+        holds for a slot (a base state and the log since) is laid out for s % M; in a slot of another class the step
+        would replay the wrong log entries onto the wrong base."""
+        return slot % self.writeback
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot dst hold exactly what slot src holds: state, conv ring, update log and token count (a pinned
         prefix's snapshot kept in a spare slot, given to each request that starts with that prefix). Queued on the
         device's stream like the steps around it, so it lands after the last step that wrote dst."""
         self._check_ids([src, dst])
+        if self.phase_class(src) != self.phase_class(dst):
+            raise ConfigError(f"state slots {src} and {dst} differ modulo the write-back period {self.writeback}: a "
+                              "slot's state is laid out for its own write-back phase (phase_class), so it is copied "
+                              "only between slots of one class")
         for t in self.ssm + self.conv + [x for g in self.log if g for x in g]:
             t[dst].copy_(t[src])
         self.seen[dst] = self.seen[src]

@@ -81,12 +81,13 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
     else:   # contiguous (harness/checks.py refused any other layout before the model loaded)
         kv = ContiguousKVCache(built.cfg, B + 1, kvc.ctx, dt, dev)
     if hybrid:  # + each slot's recurrent state; a slot restarting at position 0 starts from zero
-        from onepass.engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
+        from onepass.engine.state_pool import HybridCache, StatePool, drop_recurrent_kv, snapshot_slots
 
-        spare = int(kvc.prefix == "pinned")   # a slot more for the pinned prefix's state snapshot
+        M, slots = built.writeback(), kv.num_slots
+        if kvc.prefix == "pinned":   # + spare slots for the pinned prefix's state snapshots (one per phase class)
+            slots = max(snapshot_slots(kv.num_slots, M, min(M, B))) + 1
         kv = HybridCache(drop_recurrent_kv(kv, built.cfg),
-                         StatePool(built.cfg, kv.num_slots + spare, dev, built.state_dtype, conv_dtype=dt,
-                                   writeback=built.writeback()))
+                         StatePool(built.cfg, slots, dev, built.state_dtype, conv_dtype=dt, writeback=M))
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]
     sched = Scheduler(B, mode, sc.prefill, sc.token_budget, bm, kvc.ctx, stop_ids, prefix_burst(B, sc))
     # every position stays below the longest request's length: the attention grid is sized for it
