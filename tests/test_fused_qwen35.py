@@ -332,9 +332,10 @@ def test_refusals(ggufs):
 
     with pytest.raises(ConfigError, match="prefix=auto: automatic prefix caching is not supported"):
         engine(BlockManager(9, 16, prefix_caching=True), 3)
-    for bm, slots in ((BlockManager(9, 16), 4), (BlockManager(9, 16, whole_pinned=True), 3)):
-        with pytest.raises(ConfigError, match="whole_pinned=True.*one slot more than the KV cache"):
-            engine(bm, slots).pin_prefix(list(range(3, 40)))
+    with pytest.raises(ConfigError, match=r"needs BlockManager\(whole_pinned=True\)"):
+        engine(BlockManager(9, 16), 4).pin_prefix(list(range(3, 40)))
+    with pytest.raises(ConfigError, match="a state pool of 4 slots .*KV cache's 3 .* this one has 3"):
+        engine(BlockManager(9, 16, whole_pinned=True), 3).pin_prefix(list(range(3, 40)))
     eng = engine(BlockManager(9, 16, whole_pinned=True), 4)
     assert eng.pin_prefix(list(range(3, 40))) == 32
     with pytest.raises(ConfigError, match="one pinned prefix"):

@@ -86,10 +86,13 @@ class ServingEngine:
             # the scheduler's slots fall in, and shared only whole (whole_pinned)
             pool = self.kv.state
             spares = snapshot_slots(self.kv.num_slots, pool.writeback, min(pool.writeback, self.sched.num_slots))
-            if not bm.whole_pinned or pool.num_slots <= max(spares):
-                raise ConfigError(f"a hybrid model's pinned prefix needs BlockManager(whole_pinned=True) and a state "
-                                  f"pool of {max(spares) + 1} slots (KV cache slots + the prefix's state snapshots, "
-                                  f"engine.state_pool.snapshot_slots); this one has {pool.num_slots}")
+            if not bm.whole_pinned:
+                raise ConfigError("a hybrid model's pinned prefix needs BlockManager(whole_pinned=True): its state "
+                                  "is snapshotted at the prefix's end only, so the prefix is shared whole or not at all")
+            if pool.num_slots <= max(spares):
+                raise ConfigError(f"a hybrid model's pinned prefix needs a state pool of {max(spares) + 1} slots (the "
+                                  f"KV cache's {self.kv.num_slots} + the prefix's state snapshots, one per write-back "
+                                  f"phase class: engine.state_pool.snapshot_slots); this one has {pool.num_slots}")
             if self.snapshot is not None:
                 raise ConfigError("a hybrid model keeps one pinned prefix (one state snapshot); it is pinned already")
         blocks = bm.pin_prefix(tokens)
