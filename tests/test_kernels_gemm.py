@@ -31,6 +31,24 @@ from tests.interpreter import run_in_interpreter  # noqa: E402
 DEV = "cuda" if ON_GPU else "cpu"
 
 
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in bf16 steps (their bit patterns mapped to ordered integers)."""
+    def key(t):
+        i = t.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        return torch.where(i >= 0, i, -(i & 0x7FFF))
+    return int((key(a) - key(b)).abs().max()) if a.numel() else 0
+
+
+def assert_same_row(a: torch.Tensor, b: torch.Tensor, msg: str) -> None:
+    """Batch invariance: bitwise on the GPU. Under the interpreter tl.dot is numpy's matmul, and OpenBLAS sums a row
+    in an order that depends on the row's place in the tile, so a row moved within a tile can round to the next bf16
+    value there (seen: one element of one row in 17 at 1.1e-05): one step is allowed on the CPU, none on the GPU."""
+    if ON_GPU:
+        assert torch.equal(a, b), msg
+    else:
+        assert _bf16_ulps(a, b) <= 1, msg
+
+
 def _small_runs_here() -> bool:
     """GPU, or a working interpreter (triton imported with the flag: a one-row probe succeeds)."""
     if ON_GPU:
@@ -102,7 +120,7 @@ def test_forced_configs_match_ref_and_are_batch_invariant(seed, cfg):
     y = linear(x, w, config=cfg)
     torch.testing.assert_close(y, linear_ref(x, w), **TOL[torch.bfloat16], msg=lambda m: f"seed={seed}: {m}")
     for i, yi in _rows_alone(x, w, (0, 7, 16), config=cfg).items():
-        assert torch.equal(y[i], yi), f"seed={seed} cfg={cfg}: row {i} of M={M} differs from the row alone"
+        assert_same_row(y[i], yi, f"seed={seed} cfg={cfg}: row {i} of M={M} differs from the row alone")
 
 
 @small
@@ -115,7 +133,7 @@ def test_split_k_row_chunks(seed, monkeypatch):
     y = linear(x, w, config=cfg)
     torch.testing.assert_close(y, linear_ref(x, w), **TOL[torch.bfloat16], msg=lambda m: f"seed={seed}: {m}")
     monkeypatch.setattr(gemm, "SPLITK_M_CHUNK", 512)
-    assert torch.equal(y, linear(x, w, config=cfg)), f"seed={seed}: chunked split-K differs from unchunked"
+    assert_same_row(y, linear(x, w, config=cfg), f"seed={seed}: chunked split-K differs from unchunked")
 
 
 @small
@@ -126,12 +144,12 @@ def test_batch_invariance(seed, N, K):
     x, w = _inputs(seed, M, N, K)
     y = linear(x, w)
     for i, yi in _rows_alone(x, w, range(M)).items():
-        assert torch.equal(y[i], yi), f"seed={seed}: row {i} of M={M} differs from M=1"
+        assert_same_row(y[i], yi, f"seed={seed}: row {i} of M={M} differs from M=1")
     # same row 5, different neighbours (much larger values)
     x2, _ = _inputs(seed + 1, M, N, K)
     x2 = x2 * 100
     x2[5] = x[5]
-    assert torch.equal(linear(x2, w)[5], y[5]), f"seed={seed}: row 5 depends on the other rows"
+    assert_same_row(linear(x2, w)[5], y[5], f"seed={seed}: row 5 depends on the other rows")
 
 
 @small
@@ -142,7 +160,7 @@ def test_batch_invariance_across_block_m_rule(seed):
     assert gemm_config(M, N, K)["BLOCK_M"] != gemm_config(1, N, K)["BLOCK_M"] or gemm.PIN_BLOCK_M is not None
     y = linear(x, w)
     for i, yi in _rows_alone(x, w, (0, 63, 64, 69)).items():
-        assert torch.equal(y[i], yi), f"seed={seed}: row {i} of M={M} differs from M=1"
+        assert_same_row(y[i], yi, f"seed={seed}: row {i} of M={M} differs from M=1")
 
 
 @small
