@@ -173,8 +173,13 @@ def _random_packed(shape, fmt: str, std: float, device, g):
     G, W = K // GROUP, WORDS_PER_GROUP[fmt]
     qweight = torch.randint(-2**31, 2**31 - 1, (G, N, W), dtype=torch.int32, device=device, generator=g)
     f16 = lambda *s, v: torch.full(s, v, dtype=torch.float16, device=device)  # noqa: E731
-    if fmt in ("q4_0", "q8_0"):  # w = d * (q - 8) (q uniform 0..15: std 4.6) or d * q8 (std 74)
-        return PackedWeight(qweight, f16(G, N, v=std / (4.6 if fmt == "q4_0" else 74.0)), None, None, fmt, N, K)
+    if fmt in ("q4_0", "q8_0"):
+        # w = d * (q - 8) or d * q8, centred: uniform codes 0..15 (or -128..127) have mean -0.5, a part every matrix
+        # shares (-0.5 d, the all-ones direction), which grew through the 27B's 64 layers until every prompt gave
+        # one token over and over (H200, the qwen3.8-27b Q4_0 serving runs at 4d3cecc). So the one code without a
+        # mirror (0, or -128) is read as zero instead: codes -7..7 (std 3.9), or -127..127 (std 73).
+        qweight = _replace_code(qweight, 4, 0, 8) if fmt == "q4_0" else _replace_code(qweight, 8, 0x80, 0)
+        return PackedWeight(qweight, f16(G, N, v=std / (3.9 if fmt == "q4_0" else 73.0)), None, None, fmt, N, K)
     if fmt == "q4_1":  # w = d * q + m, centred: m = -7.5 d
         d = std / 4.6
         return PackedWeight(qweight, f16(G, N, v=d), f16(G, N, v=-7.5 * d), None, fmt, N, K)
@@ -184,6 +189,18 @@ def _random_packed(shape, fmt: str, std: float, device, g):
         d = std / (4.6 * 32)
         return PackedWeight(qweight, f16(K // SUPER, N, v=d), f16(K // SUPER, N, v=7.5 * d * 32 / 30), sub, fmt, N, K)
     raise ConfigError(f"engine.weights=packed with synthetic weight_type {fmt!r}: choose q4_0, q4_1, q4_k or q8_0")
+
+
+def _replace_code(words, bits: int, code: int, new: int):
+    """The int32 words with every `bits`-wide field equal to `code` set to `new` (int32 arithmetic throughout)."""
+    import torch
+
+    i32 = lambda v: v - (1 << 32) if v >= 1 << 31 else v  # noqa: E731  (a 32-bit pattern as an int32 scalar)
+    field = (1 << bits) - 1
+    for sh in range(0, 32, bits):
+        hit = ((words >> sh) & field) == code
+        words = torch.where(hit, (words & i32(~(field << sh) & 0xFFFFFFFF)) | i32(new << sh), words)
+    return words
 
 
 def synthetic_in_memory(name: str, shape, dtype, device, packed: bool):
