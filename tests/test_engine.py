@@ -85,6 +85,10 @@ def test_static_greedy_verifies(model, B):
 def test_verify_greedy_detects_a_wrong_stream():
     v = verify_greedy([[1, 2, 3], [1, 2, 4]], [1, 2, 3])
     assert not v.ok and "first divergence at token 2" in v.line
+    assert "warning" not in v.line and v.detail["reference_distinct_tokens"] == 3
+    # a reference of one token repeated agrees with any stream that repeats it: the line says so
+    v = verify_greedy([[7, 7, 7], [7, 7, 7]], [7, 7, 7])
+    assert v.ok and "token 7 repeated" in v.line and v.detail["reference_distinct_tokens"] == 1
 
 
 def test_temperature_streams_distinct_and_reproducible(model):

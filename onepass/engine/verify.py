@@ -11,6 +11,16 @@ class Verdict:
     detail: dict
 
 
+def constant_reference_note(reference: list[int]) -> str:
+    """A warning for the [verify] line when the reference is one token repeated: streams that all repeat it agree
+    whatever state produced them (random weights can do this: the uncentred synthetic Q4_0 27B did), so the check
+    could not fail. Empty when the reference varies."""
+    if len(reference) > 1 and len(set(reference)) == 1:
+        return (f" (warning: the reference is token {reference[0]} repeated, so this check cannot tell right "
+                "outputs from wrong ones)")
+    return ""
+
+
 def verify_greedy(streams: list[list[int]], reference: list[int]) -> Verdict:
     """Greedy over copies of one prompt: every stream identical and equal to the single-stream run."""
     identical = all(s == streams[0] for s in streams)
@@ -24,7 +34,9 @@ def verify_greedy(streams: list[list[int]], reference: list[int]) -> Verdict:
             f"{str(ok).lower()}")
     if not ok:
         line += f" ({len(mismatched)} differ from the reference; first divergence at token {first_div})"
-    return Verdict(ok, line, {"identical": identical, "mismatched_streams": len(mismatched), "first_divergence": first_div})
+    line += constant_reference_note(reference)
+    return Verdict(ok, line, {"identical": identical, "mismatched_streams": len(mismatched), "first_divergence": first_div,
+                              "reference_distinct_tokens": len(set(reference))})
 
 
 def verify_sampled(streams: list[list[int]], temperature: float) -> Verdict:

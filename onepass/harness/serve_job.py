@@ -15,6 +15,7 @@ from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request, Scheduler
 from onepass.engine.serve import ServingEngine
 from onepass.engine.static_batch import run_static
+from onepass.engine.verify import constant_reference_note
 from onepass.harness.checks import pool_blocks
 from onepass.harness.run import pdl_active
 from onepass.kernels.backend import get_step_kernels
@@ -117,6 +118,7 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
                 f"(mutually prefix-consistent): {str(ok).lower()}")
         if bad:
             line += f" ({len(bad)} differ, first request {bad[0]})"
+        line += constant_reference_note(ref)
     else:
         ok = len(res.finished) == len(requests) and not res.rejected
         line = f"{len(res.finished)}/{len(requests)} sampled requests completed: {str(ok).lower()}"
@@ -140,7 +142,8 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
     host_ms = sorted(h * 1e3 for h in res.host_s)
     metrics = {
         "throughput_tok_s": res.generated / res.wall_s, "requests_s": len(res.finished) / res.wall_s,
-        "steps": res.steps, "verify_ok": int(ok), "slot_util": res.active_slot_steps / (steps * B),
+        "steps": res.steps, "verify_ok": int(ok), "reference_distinct_tokens": len(set(ref)),
+        "slot_util": res.active_slot_steps / (steps * B),
         "prefill_tokens": res.prefill_rows, "generated_tokens": res.generated, "wall_s": res.wall_s,
         "step_ms_mean": res.wall_s / steps * 1e3, "host_ms_p50": host_ms[len(host_ms) // 2] if host_ms else 0.0,
         "host_ms_mean": sum(host_ms) / max(len(host_ms), 1),
