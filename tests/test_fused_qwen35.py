@@ -268,7 +268,7 @@ def _pinned_engine(model, batch, prefill, budget, ctx=64, bs=4, graphs=False, wr
     cfg, dev, dt = model.cfg, model.device, model.dtype
     blocks = blocks or batch * ctx // bs + 1
     # + scratch + a snapshot slot for each write-back phase class
-    slots = max(snapshot_slots(batch + 1, writeback, min(writeback, batch))) + 1
+    slots = max(snapshot_slots(batch + 1, writeback, batch)) + 1
     kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, blocks, bs, batch, ctx, dt, dev), cfg),
                      StatePool(cfg, slots, dev, conv_dtype=dt, writeback=writeback))
     sched = Scheduler(batch, "continuous", prefill, budget, BlockManager(blocks, bs, whole_pinned=True), ctx)
@@ -615,7 +615,8 @@ def test_copy_slot_copies_the_whole_recurrent_state(ggufs):
     pool.copy_slot(1, 5)
     with pytest.raises(ConfigError, match="differ modulo the write-back period 4"):
         pool.copy_slot(1, 2)
-    assert snapshot_slots(5, 4, 4) == [8, 5, 6, 7] and snapshot_slots(4, 1, 1) == [4]
+    assert snapshot_slots(5, 4, 4) == [8, 5, 6, 7] and snapshot_slots(4, 1, 3) == [4]
+    assert snapshot_slots(3, 4, 2) == [4, 5]   # two scheduler slots: classes 0 and 1 only
 
 
 @pytest.mark.gpu

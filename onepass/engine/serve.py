@@ -85,7 +85,7 @@ class ServingEngine:
             # the prefix's recurrent state is snapshotted into spare state slots, one per write-back phase class
             # the scheduler's slots fall in, and shared only whole (whole_pinned)
             pool = self.kv.state
-            spares = snapshot_slots(self.kv.num_slots, pool.writeback, min(pool.writeback, self.sched.num_slots))
+            spares = snapshot_slots(self.kv.num_slots, pool.writeback, self.sched.num_slots)
             if not bm.whole_pinned:
                 raise ConfigError("a hybrid model's pinned prefix needs BlockManager(whole_pinned=True): its state "
                                   "is snapshotted at the prefix's end only, so the prefix is shared whole or not at all")

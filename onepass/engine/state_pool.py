@@ -49,10 +49,11 @@ def resolve_writeback(value: int, state_dtype: torch.dtype = torch.float32) -> i
     return int(value) or WRITEBACK[str(state_dtype).removeprefix("torch.")]
 
 
-def snapshot_slots(first: int, writeback: int, classes: int) -> list[int]:
-    """The spare state slots, from `first` on, that hold a pinned prefix's state: entry c, for each write-back phase
-    class c < classes (StatePool.phase_class), is a slot of class c, since a state is copied only within its class."""
-    return [first + (c - first) % writeback for c in range(classes)]
+def snapshot_slots(first: int, writeback: int, num_slots: int) -> list[int]:
+    """The spare state slots, from `first` on, that hold a pinned prefix's state for a scheduler of num_slots slots:
+    entry c, for each write-back phase class c its slots fall in (StatePool.phase_class), is a slot of class c, since
+    a state is copied only within its class. A pool needs max(...) + 1 slots."""
+    return [first + (c - first) % writeback for c in range(min(writeback, num_slots))]
 
 
 def _slot_list(slots) -> list[int]:

@@ -86,7 +86,7 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...], sampling:
 
         M, slots = built.writeback(), kv.num_slots
         if kvc.prefix == "pinned":   # + spare slots for the pinned prefix's state snapshots (one per phase class)
-            slots = max(snapshot_slots(kv.num_slots, M, min(M, B))) + 1
+            slots = max(snapshot_slots(kv.num_slots, M, B)) + 1
         kv = HybridCache(drop_recurrent_kv(kv, built.cfg),
                          StatePool(built.cfg, slots, dev, built.state_dtype, conv_dtype=dt, writeback=M))
     mode = {"wave": "static", "continuous": "continuous"}[sc.mode]

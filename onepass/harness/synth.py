@@ -177,9 +177,10 @@ def _random_packed(shape, fmt: str, std: float, device, g):
         # w = d * (q - 8) or d * q8, centred: uniform codes 0..15 (or -128..127) have mean -0.5, a part every matrix
         # shares (-0.5 d, the all-ones direction), which grew through the 27B's 64 layers until every prompt gave
         # one token over and over (H200, the qwen3.8-27b Q4_0 serving runs at 4d3cecc). So the one code without a
-        # mirror (0, or -128) is read as zero instead: codes -7..7 (std 3.9), or -127..127 (std 73).
+        # mirror (0, or -128) is read as zero instead: codes -7..7, zero twice as likely (std sqrt(17.5) = 4.18), or
+        # -127..127 likewise (std 73.5).
         qweight = _replace_code(qweight, 4, 0, 8) if fmt == "q4_0" else _replace_code(qweight, 8, 0x80, 0)
-        return PackedWeight(qweight, f16(G, N, v=std / (3.9 if fmt == "q4_0" else 73.0)), None, None, fmt, N, K)
+        return PackedWeight(qweight, f16(G, N, v=std / (4.18 if fmt == "q4_0" else 73.5)), None, None, fmt, N, K)
     if fmt == "q4_1":  # w = d * q + m, centred: m = -7.5 d
         d = std / 4.6
         return PackedWeight(qweight, f16(G, N, v=d), f16(G, N, v=-7.5 * d), None, fmt, N, K)
