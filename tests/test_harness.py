@@ -452,7 +452,7 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
     """The hybrid_27b report's first table: per B the newest packed Q4 (invariant) row of each mode and state, an
     unverified row marked, dequantized-weight rows left out, the static fp32-state rows against the targets."""
     def row(i, B, tok, state="float32", mode="static", weights="packed", ok=1.0, t=0):
-        return {"start_time": f"2026-11-30 1{t}:00:{i:02d}", "params.engine.weights": weights,
+        return {"start_time": f"2026-11-30 1{t}:00:{i:02d}", "tags.device": "NVIDIA H200", "params.engine.weights": weights,
                 "params.engine.int4": "invariant", "params.kv_cache.state_dtype": state, "params.scheduler.mode": mode,
                 "params.scheduler.prefill": "token", "params.engine.pdl": "True", "params.batch.size": str(B),
                 "metrics.throughput_tok_s": tok, "metrics.verify_ok": ok, "metrics.pdl": 4.0}
@@ -491,7 +491,8 @@ def test_hybrid_rows_keyed_and_labelled_by_ready_scales():
     """engine.ready_scales is part of a hybrid_27b row's key (rows recorded before it count as off) and shown for
     packed Q4_K rows: a rerun with the setting on does not replace the recorded row without it."""
     def row(t, ready=None, kind="q4_k"):
-        r = {"run_id": f"r{t}", "start_time": f"2026-12-03 1{t}:00:00", "params.engine.weights": "packed",
+        r = {"run_id": f"r{t}", "start_time": f"2026-12-03 1{t}:00:00", "tags.device": "NVIDIA H200",
+             "params.engine.weights": "packed",
              "params.model.synthetic.weight_type": kind, "params.engine.int4": "invariant",
              "params.kv_cache.state_dtype": "float32", "metrics.state_writeback": 4.0, "params.scheduler.mode": "static",
              "params.scheduler.prefill": "batched", "params.engine.pdl": "True", "params.batch.size": "32",
@@ -507,6 +508,39 @@ def test_hybrid_rows_keyed_and_labelled_by_ready_scales():
                        for l in md.split("### Every recorded row")[1].splitlines() if l.startswith("|")]
     col = head.index("Q4_K scales")
     assert sorted((r[head.index("type")], r[col]) for r in lines) == [("q4_0", "—"), ("q4_k", "file"), ("q4_k", "ready")]
+
+
+def test_hybrid_rows_of_another_card_stand_beside_the_targets_card(tmp_path, monkeypatch):
+    """A rerun on another card is recorded beside the rows it re-measures (the device is part of every row key), the
+    table names each row's card, and the standing gives that card's rows columns of their own with no "reached"
+    against the H200's targets. A table without a device column refuses runs of several cards."""
+    def row(t, tok, device, kind="q4_0"):
+        return {"run_id": f"r{t}", "start_time": f"2026-12-05 1{t}:00:00", "tags.device": device,
+                "params.engine.weights": "packed", "params.model.synthetic.weight_type": kind,
+                "params.engine.int4": "invariant", "params.kv_cache.state_dtype": "float32",
+                "metrics.state_writeback": 4.0, "params.scheduler.mode": "static", "params.scheduler.prefill": "batched",
+                "params.engine.pdl": "True", "params.batch.size": "128", "metrics.throughput_tok_s": tok,
+                "metrics.verify_ok": 1.0, "metrics.pdl": 4.0}
+    recorded = pd.DataFrame([row(0, 6114.0, "NVIDIA H200"), row(1, 5987.0, "NVIDIA H200", kind="q4_k")])
+    merged = report.merge_runs("hybrid_27b", recorded, pd.DataFrame([row(2, 5524.0, "NVIDIA H100 80GB HBM3")]))
+    assert sorted(merged["run_id"]) == ["r0", "r1", "r2"]
+    md, _ = report.TABLES["hybrid_27b"](merged)
+    standing, rows = md.split("### Every recorded row")
+    head, line = (next(l for l in standing.splitlines() if l.startswith(p)) for p in ("|   B ", "| 128 "))
+    cols = [c.strip() for c in head.split("|")[1:-1]]
+    cells = dict(zip(cols, (c.strip() for c in line.split("|")[1:-1])))
+    assert cells["static, fp32 state, Q4_0"] == "6,114" and cells["reached (Q4_0)"] == "101.9%", cells
+    assert cells["H100 80GB HBM3: static, fp32 state, Q4_0"] == "5,524", cells
+    assert not any("H100" in c and "reached" in c for c in cols), cols
+    assert "| H100 80GB HBM3 |" in rows and "| H200 " in rows
+    # static_batching shows no device: a mix of cards is refused before anything is recorded
+    mixed = pd.DataFrame([{"tags.device": d, "params.batch.size": "1"} for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")])
+    with pytest.raises(ValueError, match="2 devices.*DEVICE_TABLES"):
+        report.check_one_device("static_batching", mixed)
+    report.check_one_device("hybrid_27b", mixed)
+    monkeypatch.setattr(report, "runs_from_csv", lambda name: mixed)
+    assert report.main(["static_batching", "--source", "csv", "--out", str(tmp_path)]) == 1
+    assert not (tmp_path / "static_batching.md").exists()
 
 
 def test_int4_report_opens_with_the_targets_from_the_rows():

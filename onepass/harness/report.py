@@ -66,8 +66,15 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
     "int4_e2e": ("params.model.name", "params.engine.weights", "params.engine.pdl", "params.engine.ready_scales",
                  "params.batch.size"),
 }
+# Every table's row key also holds the card (tags.device): a rerun on another device is recorded beside the rows it
+# re-measures, never in their place.
+DEVICE_KEY = "tags.device"
+# Tables that show each row's device, so they may hold runs of several cards; any other table refuses a mix
+# (check_one_device), since its rows would compare figures of different cards without saying so.
+DEVICE_TABLES = {"hybrid_27b"}
 # a key column that runs recorded before it existed lack, and the value they ran with
-ROW_KEY_DEFAULTS = {"params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
+ROW_KEY_DEFAULTS = {DEVICE_KEY: "unknown device",
+                    "params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
                     "metrics.state_writeback": "1",   # the state written every token until kv_cache.state_writeback
                     "params.engine.ready_scales": "False"}   # Q4_K's ready scale words came with engine.ready_scales
 
@@ -75,10 +82,10 @@ ROW_KEY_DEFAULTS = {"params.engine.pdl": "False",    # PDL came in with engine.p
 def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """recorded (runs.csv) with every row whose ROW_KEYS key a run in `new` also has replaced by that run (the
     newest of them where several share a key)."""
-    cols = ROW_KEYS.get(name)
-    if cols is None:
+    if name not in ROW_KEYS:
         raise ValueError(f"--merge: table {name!r} declares no row key; add one to harness/report.py ROW_KEYS "
                          f"(tables with one: {sorted(ROW_KEYS)}) or record without --merge")
+    cols = (*ROW_KEYS[name], DEVICE_KEY)
 
     def keys(df: pd.DataFrame) -> pd.Series:
         df = df.assign(**{c: df[c].fillna(v) if c in df else v for c, v in ROW_KEY_DEFAULTS.items() if c in cols})
@@ -95,6 +102,21 @@ def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataF
         return new.reset_index(drop=True)
     kept = recorded[~keys(recorded).isin(set(keys(new)))]
     return pd.concat([kept, new], ignore_index=True)
+
+
+def check_one_device(name: str, df: pd.DataFrame) -> None:
+    """Refuse a table without a device column whose runs came from several cards."""
+    devices = sorted(df[DEVICE_KEY].dropna().astype(str).unique()) if DEVICE_KEY in df else []
+    if len(devices) > 1 and name not in DEVICE_TABLES:
+        raise ValueError(f"table {name!r} has runs from {len(devices)} devices ({', '.join(devices)}) and no device "
+                         f"column; record one device's runs (a store of that card, or without --merge), or give the "
+                         f"table a device column and add it to harness/report.py DEVICE_TABLES")
+
+
+def device_label(df: pd.DataFrame) -> pd.Series:
+    """Each run's card as a short label ("H200", "H100 80GB HBM3"); "?" where a run did not log one."""
+    dev = df[DEVICE_KEY] if DEVICE_KEY in df else pd.Series(None, index=df.index, dtype=object)
+    return dev.fillna("?").astype(str).str.removeprefix("NVIDIA ")
 
 
 def record_csv(name: str, df: pd.DataFrame) -> Path:
@@ -375,6 +397,7 @@ def gdn_step(df: pd.DataFrame):
 @table("hybrid_27b")
 def hybrid_27b(df: pd.DataFrame):
     d = pd.DataFrame({
+        "device": device_label(df),
         "weights": df["params.engine.weights"] if "params.engine.weights" in df else "dequant",
         # the synthetic model's block type (Q4_K unless told); the "dequant" rows load those blocks as bf16
         "type": (df["params.model.synthetic.weight_type"].fillna("q4_k") if "params.model.synthetic.weight_type" in df
@@ -400,11 +423,16 @@ def hybrid_27b(df: pd.DataFrame):
         "bf16 state: greedy agree": _opt(df, "metrics.bf16_state_greedy_agree"),
         "bf16 state: logit err": _opt(df, "metrics.bf16_state_logit_err"),
         "verified": check(num(df, "metrics.verify_ok")),
-    }).sort_values(["weights", "type", "state", "write-back", "mode", "PDL", "Q4_K scales", "B"],
-                   ascending=[False, False, False, True, False, True, False, True])
+        # how many distinct tokens the single-stream reference made (runs since 6d9bba4): 1 means the verify compared
+        # constant streams and could not fail
+        "reference distinct tokens": _opt(df, "metrics.reference_distinct_tokens"),
+    }).assign(_target_card=lambda x: x["device"] != HYBRID_TARGET_DEVICE)
+    d = d.sort_values(["_target_card", "device", "weights", "type", "state", "write-back", "mode", "PDL", "Q4_K scales",
+                       "B"], ascending=[True, True, False, False, False, True, False, True, False, True])
+    d = d.drop(columns="_target_card")
     standing = hybrid_27b_standing(d.assign(_start=df["start_time"] if "start_time" in df else ""))
-    md = d.to_markdown(index=False, floatfmt=("", "", "", "", ".0f", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%",
-                                              ",.1f", ".0%", ".1e", ""))
+    md = d.to_markdown(index=False, floatfmt=("", "", "", "", "", ".0f", "", "", "", ".0f", ",.0f", ".2f", ".2f", ".0%",
+                                              ",.1f", ".0%", ".1e", "", ".0f"))
     return _standing(standing, md.replace("nan%", "—").replace("nan", "—")), None
 
 
@@ -421,9 +449,11 @@ def _q4k_scales(df: pd.DataFrame) -> pd.Series:
 
 
 # the hybrid_27b targets: aggregate tok/s with Q4 weights (packed, the invariant kernels) and fp32 state, verified;
-# "reached" for Q4_K blocks (what Qwen3.5 / 3.8 Q4 files mostly hold), and for each other Q4 type recorded
+# "reached" for Q4_K blocks (what Qwen3.5 / 3.8 Q4 files mostly hold), and for each other Q4 type recorded; the
+# targets are the H200's, so "reached" counts that card's rows only
 HYBRID_TARGETS = {1: 200, 32: 3_000, 128: 6_000}
 HYBRID_TARGET_TYPE = "q4_k"
+HYBRID_TARGET_DEVICE = "H200"
 
 
 def _type_suffix(kind: str) -> str:
@@ -438,12 +468,14 @@ def _share(x: float) -> str:
 
 def hybrid_27b_standing(d: pd.DataFrame) -> str:
     """Per B, the newest packed Q4 row of each mode, state and block type (tok/s; ✗ where it did not verify), against
-    the target for static batching with fp32 state."""
+    the target for static batching with fp32 state; rows of another card than the targets' get columns of their own,
+    named by the card, and no "reached"."""
     d = d[(d["weights"] == "packed") & (d["int4 kernel"] == "invariant")].copy()
     if d.empty:
         return "No packed Q4 rows (engine.weights=packed, the invariant int4 kernels) recorded yet."
-    d["column"] = d["mode"] + d["state"].map(lambda v: ", bf16 state" if v == "bfloat16" else ", fp32 state"
-                                             ).where(d["mode"] == "static", "") + d["type"].map(_type_suffix)
+    other_card = (d["device"] + ": ").where(d["device"] != HYBRID_TARGET_DEVICE, "")
+    d["column"] = other_card + d["mode"] + d["state"].map(lambda v: ", bf16 state" if v == "bfloat16" else ", fp32 state"
+                                                          ).where(d["mode"] == "static", "") + d["type"].map(_type_suffix)
     # the newest row whole (groupby().last() would take each column's last non-null value, mixing rows)
     d = d.sort_values("_start", kind="stable").drop_duplicates(["column", "B"], keep="last")
     cell = [("—" if pd.isna(v) else f"{v:,.0f}") + ("" if ok == "✓" else " ✗")
@@ -452,9 +484,10 @@ def hybrid_27b_standing(d: pd.DataFrame) -> str:
     other_types = sorted(c for c in t if c.startswith("static, fp32 state, "))
     order = [c for c in ("static, fp32 state", *other_types, "static, bf16 state", "continuous", "continuous, chunked")
              if c in t]
-    t = t[order + [c for c in t if c not in order]]
+    # the targets' card first, then each other card's columns
+    t = t[order + sorted((c for c in t if c not in order), key=lambda c: (": " in c, c))]
     t["target (static, fp32 state)"] = [f"{HYBRID_TARGETS[b]:,}" if b in HYBRID_TARGETS else "—" for b in t.index]
-    for kind in sorted(d["type"].unique(), key=lambda k: k != HYBRID_TARGET_TYPE):
+    for kind in sorted(d.loc[d["device"] == HYBRID_TARGET_DEVICE, "type"].unique(), key=lambda k: k != HYBRID_TARGET_TYPE):
         fp32 = d[d["column"] == "static, fp32 state" + _type_suffix(kind)].set_index("B")["aggregate tok/s"]
         t["reached" + ("" if kind == HYBRID_TARGET_TYPE else f" ({kind.upper()})")] = [
             _share(fp32[b] / HYBRID_TARGETS[b]) if b in HYBRID_TARGETS and b in fp32 else "—" for b in t.index]
@@ -635,6 +668,13 @@ def main(argv: list[str] | None = None) -> int:
                     status = 1
                     continue
                 source += f" merged into experiments/{name}/runs.csv"
+        try:
+            check_one_device(name, df)
+        except ValueError as e:
+            print(f"[report] {e}", file=sys.stderr)
+            status = 1
+            continue
+        if args.record and source.startswith("the tracking store"):
             print(f"[report] {name}: recorded {len(df)} runs to {record_csv(name, df)}")
         path = write_report(name, df, source, Path(args.out))
         print(f"[report] {name}: {path} ({len(df)} runs from {source})")
