@@ -533,14 +533,22 @@ def test_hybrid_rows_of_another_card_stand_beside_the_targets_card(tmp_path, mon
     assert cells["H100 80GB HBM3: static, fp32 state, Q4_0"] == "5,524", cells
     assert not any("H100" in c and "reached" in c for c in cols), cols
     assert "| H100 80GB HBM3 |" in rows and "| H200 " in rows
-    # static_batching shows no device: a mix of cards is refused before anything is recorded
-    mixed = pd.DataFrame([{"tags.device": d, "params.batch.size": "1"} for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")])
+    # static_batching shows no device: a store holding two cards' runs is refused before anything is recorded
+    uri = f"sqlite:///{tmp_path}/store.db"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("t")
+    for device, tok in (("NVIDIA H200", 151.0), ("NVIDIA H100 80GB HBM3", 137.0)):
+        with mlflow.start_run(tags={"table": "static_batching", "device": device}):
+            mlflow.log_params({"batch.size": 1})
+            mlflow.log_metrics({"throughput_tok_s": tok, "per_stream_tok_s": tok, "speedup_vs_single": 1.0,
+                                "step_ms_p50": 1e3 / tok, "verify_ok": 1.0})
+    monkeypatch.setattr(report, "EXPERIMENTS", tmp_path / "experiments")
+    assert report.main(["static_batching", "--uri", uri, "--record", "--out", str(tmp_path / "r")]) == 1
+    assert not (tmp_path / "experiments").exists() and not (tmp_path / "r").exists()
+    mixed = report.runs_from_store("static_batching", uri)
     with pytest.raises(ValueError, match="2 devices.*DEVICE_TABLES"):
         report.check_one_device("static_batching", mixed)
     report.check_one_device("hybrid_27b", mixed)
-    monkeypatch.setattr(report, "runs_from_csv", lambda name: mixed)
-    assert report.main(["static_batching", "--source", "csv", "--out", str(tmp_path)]) == 1
-    assert not (tmp_path / "static_batching.md").exists()
 
 
 def test_int4_report_opens_with_the_targets_from_the_rows():
