@@ -1,6 +1,6 @@
 # Two entry points, each installing what it needs into .venv first:
 #   make run   - the default experiment (static batching on SmolLM2), logged to ./mlflow.db, report regenerated
-#   make test  - the test suite (what CI runs)
+#   make test  - the test suite (CI runs it after `make lint`)
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is installed only when the venv cannot import one (a GPU machine's system torch is reused).
@@ -26,4 +26,7 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
-.PHONY: install run test
+lint: install
+	$(BIN)/ruff check .
+
+.PHONY: install run test lint

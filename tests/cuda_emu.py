@@ -1,5 +1,5 @@
-"""Run the CUDA sources of onepass/kernels/int4_cuda.py, onepass/kernels/int4_mma.py and onepass/kernels/int4_wgmma.py on the CPU: the same source text
-compiled by g++ with a shim (blocks one after another, each block's threads as std::threads meeting at a
+"""Run the CUDA sources of kernels/int4_cuda.py, kernels/int4_mma.py and kernels/int4_wgmma.py on the CPU: the same
+source text compiled by g++ with a shim (blocks one after another, each block's threads as std::threads meeting at a
 std::barrier for __syncthreads, __shared__ as function statics shared by the block's threads (dynamic shared
 memory: one buffer of the host's size, checked against the kernel's; cp.async as an immediate copy), the inline-PTX
 helpers replaced by bit-exact C++, and mma.sync m16n8k16 as a warp-wide exchange of fragments through
@@ -77,7 +77,9 @@ extern "C" void launch_main(int grid, int block, const u16* x, const uint4* qw, 
         g_bar = &bar;
         std::vector<std::thread> ts;
         for (int t = 0; t < block; ++t)
-            ts.emplace_back([=] { threadIdx.x = t; w4a16_cuda(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt); });
+            ts.emplace_back([=] {
+                threadIdx.x = t; w4a16_cuda(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt);
+            });
         for (auto& t : ts) t.join();
     }
 }
@@ -90,7 +92,7 @@ extern "C" void launch_reduce(int grid, const float* ws, void* y, int sym, int M
 """
 
 
-# the extra helpers of onepass/kernels/int4_mma.py's source
+# the extra helpers of kernels/int4_mma.py's source
 SHIM_MMA = r"""
 static inline unsigned ld_word(const unsigned* p) { return *p; }
 static unsigned char* g_smem;          // the block's dynamic shared memory
@@ -151,7 +153,9 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
     g_smem = reinterpret_cast<unsigned char*>(smem.data());
     std::vector<int> order(grid);                      // blocks in a seeded random order: results must not care
     for (int i = 0; i < grid; ++i) order[i] = i;
-    for (int i = grid - 1; i > 0; --i) { seed = seed * 1664525u + 1013904223u; std::swap(order[i], order[seed % (i + 1)]); }
+    for (int i = grid - 1; i > 0; --i) {
+        seed = seed * 1664525u + 1013904223u; std::swap(order[i], order[seed % (i + 1)]);
+    }
     for (int ob = 0; ob < grid; ++ob) {
         const int b = order[ob];
         blockIdx.x = b;
@@ -184,7 +188,7 @@ extern "C" int launch_mma(int grid, int block, const u16* x, const u32* qw, cons
 }
 """
 
-# onepass/kernels/int4_wgmma.py's helpers: a warpgroup's 128 threads exchange their A fragments, B comes from the block's
+# kernels/int4_wgmma.py's helpers: a warpgroup's 128 threads exchange their A fragments, B comes from the block's
 # shared memory through the descriptor (PTX ISA: start address, leading-dimension offset = between the two k halves'
 # core matrices, stride-dimension offset = between 8-row blocks, each core matrix 8 rows x 16 B; 16 B units, no
 # swizzle; or the 128-byte swizzle, layout type 1), each k16 step summed in k order like mma16816; fences and waits
@@ -253,8 +257,8 @@ def _lib(src: str) -> ctypes.CDLL:
     if not so.exists():
         cpp = d / f"k{h}.cpp"
         cpp.write_text(src)
-        r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared", "-pthread",
-                            "-o", str(so), str(cpp)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
+                            "-pthread", "-o", str(so), str(cpp)], capture_output=True, text=True, timeout=300)
         if r.returncode:
             raise RuntimeError(f"g++ failed:\n{r.stderr[-4000:]}")
     return ctypes.CDLL(str(so))
@@ -266,7 +270,7 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None) -> torch.Tensor:
     """kernels.int4_cuda.w4a16_cuda's launches (same config, same arguments) on the CPU."""
-    from onepass.engine.quant_pack import GROUP
+    from onepass.kernels.quant_pack import GROUP
     from onepass.kernels import int4_cuda
 
     x = x.contiguous()
@@ -311,8 +315,8 @@ def splitk_reduce_emulated(ws: torch.Tensor, out32: bool = False) -> torch.Tenso
     lib = _lib("\n".join(h[:6]) + "\n" + SHIM + h[6] + LAUNCH)
     y = torch.zeros((M, N), dtype=torch.float32 if out32 else torch.bfloat16)
     ws = ws.contiguous()
-    lib.launch_reduce(ctypes.c_int(-(-M * N // 256)), _ptr(ws), _ptr(y), ctypes.c_int(N), ctypes.c_int(M), ctypes.c_int(N),
-                      ctypes.c_int(S))
+    lib.launch_reduce(ctypes.c_int(-(-M * N // 256)), _ptr(ws), _ptr(y), ctypes.c_int(N), ctypes.c_int(M),
+                      ctypes.c_int(N), ctypes.c_int(S))
     return y
 
 
@@ -324,7 +328,7 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
     Stream-K (cfg["workers"]): the workspace (a guard past its planned size must stay untouched) and zeroed flags
     too, which the kernel must leave zero. shape, dtype:
     x's [M, K] and dtype where x is a staged image rather than the matrix."""
-    from onepass.engine.quant_pack import GROUP
+    from onepass.kernels.quant_pack import GROUP
 
     M, K = shape or x.shape
     dtype = dtype or x.dtype
@@ -390,7 +394,7 @@ def w4a16_wgmma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict 
                             seed)
 
 
-# onepass/kernels/int4_wgmma_ws.py's helpers: mbarriers as (expected arrivals, pending bytes, completed phases) under a lock,
+# kernels/int4_wgmma_ws.py's helpers: mbarriers as (expected arrivals, pending bytes, completed phases) under a lock,
 # a bulk copy as an immediate copy that then completes its bytes, the consumers' named barrier as a std::barrier;
 # setmaxnreg is a no-op. The waits spin on the phase parity as try_wait.parity does, so the producer really runs
 # ahead of the consumers by the ring's depth and the ring's hand-over order is exercised.
@@ -409,7 +413,8 @@ static inline void mbar_init(unsigned bar, unsigned count) {
 }
 static inline void mbar_init_fence() {}
 static inline void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    std::lock_guard<std::mutex> l(g_mbar_mx); EmuBar& b = g_mbars.at(bar); b.tx += bytes; b.pending -= 1; emu_bar_step(b);
+    std::lock_guard<std::mutex> l(g_mbar_mx); EmuBar& b = g_mbars.at(bar);
+    b.tx += bytes; b.pending -= 1; emu_bar_step(b);
 }
 static inline void mbar_arrive(unsigned bar) {
     std::lock_guard<std::mutex> l(g_mbar_mx); EmuBar& b = g_mbars.at(bar); b.pending -= 1; emu_bar_step(b);
@@ -430,7 +435,8 @@ static inline void bulk_copy_w(unsigned dst, const void* src, unsigned bytes, un
 }
 template <int R> static inline void regs_dec() {}
 template <int R> static inline void regs_inc() {}
-// ldmatrix .x4: the warp's 32 row addresses exchanged; register m of lane l: matrix m's row l >> 2, 4 bytes at 4 (l & 3)
+// ldmatrix .x4: the warp's 32 row addresses exchanged; register m of lane l: matrix m's row l >> 2,
+// 4 bytes at 4 (l & 3)
 static inline void ldsm_x4(unsigned (&r)[4], unsigned addr) {
     const int lane = threadIdx.x & 31;
     WarpMma& W = g_warps[threadIdx.x >> 5];
@@ -457,7 +463,7 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
     """kernels.int4_wgmma_ws.w4a16_wgmma_ws's two launches (x staged into the ring's image, then the GEMM reading
     it; same config, same arguments) on the CPU, the GEMM's blocks in a random order (seed). staged_only: the
     staging launch alone; returns its image (int16, x_staged / 2 elements; the config must stage x)."""
-    from onepass.engine.quant_pack import GROUP
+    from onepass.kernels.quant_pack import GROUP
     from onepass.kernels import int4_wgmma_ws as ws
 
     x = x.contiguous()

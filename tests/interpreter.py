@@ -16,7 +16,8 @@ def run_in_interpreter(test_file: str | Path, note: str = "", **env: str) -> Non
     """Fail with the child's output unless every selected test passed (none skipped)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider",
                            "-m", "not gpu", "-k", "not subprocess"], cwd=ROOT,
-                          env={**os.environ, "TRITON_INTERPRET": "1", **env}, capture_output=True, text=True, timeout=600)
+                          env={**os.environ, "TRITON_INTERPRET": "1", **env}, capture_output=True, text=True,
+                          timeout=600)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"interpreter run failed {note}:\n{tail}"
     summary = proc.stdout.strip().splitlines()[-1]

@@ -2,14 +2,13 @@
 import pytest
 import torch
 
-from onepass.engine.errors import ConfigError
+from onepass.kernels.errors import ConfigError
 from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams, filter_logits
 from onepass.engine.static_batch import generate_static
 from onepass.engine.verify import verify_greedy, verify_sampled
-from onepass.kernels.ops import get_ops
 
 GREEDY = SamplingParams()
 
@@ -17,7 +16,7 @@ GREEDY = SamplingParams()
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def model(request, tiny_ggufs):
     cfg, weights, _ = load_gguf(tiny_ggufs[request.param], progress=False)
-    return build_model(cfg, weights, get_ops("torch"))
+    return build_model(cfg, weights)
 
 
 def kv_for(model, slots, ctx=64):

@@ -1,4 +1,4 @@
-"""The fused decode step (onepass/engine/fused_model.py + runner) against the reference model.
+"""The fused decode step (engine/fused_model.py + runner) against the reference model.
 
 On the CPU it runs with the torch reference kernels, which checks the step's structure (fused
 q|k|v and gate|up, rows of (slot, position), the scratch slot, feedback of sampled ids). On a GPU the
@@ -16,7 +16,6 @@ from onepass.engine.sampler import SamplingParams
 from onepass.engine.static_batch import generate_static, run_static
 from onepass.engine.verify import verify_greedy
 from onepass.kernels.backend import get_step_kernels
-from onepass.kernels.ops import get_ops
 
 
 def fused_run(path, backend, batch, prompt, new, prefill="batched", graphs=False, dtype=torch.float32, device="cpu",
@@ -33,7 +32,7 @@ def fused_run(path, backend, batch, prompt, new, prefill="batched", graphs=False
 def test_fused_torch_matches_reference_model(tiny_ggufs, arch, prefill):
     prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     cfg, w, _ = load_gguf(tiny_ggufs[arch], progress=False)
-    ref = generate_static(build_model(cfg, w, get_ops("torch")), ContiguousKVCache(cfg, 1, 64, torch.float32, "cpu"),
+    ref = generate_static(build_model(cfg, w), ContiguousKVCache(cfg, 1, 64, torch.float32, "cpu"),
                           [prompt], 12, SamplingParams())
     got = fused_run(tiny_ggufs[arch], "torch", 3, prompt, 12, prefill)
     assert verify_greedy(got.outputs, ref.outputs[0]).ok
@@ -52,7 +51,7 @@ def test_padded_rows_write_only_the_scratch_slot(tiny_ggufs):
     got = run_static(stepper, prompts, 5, ctx=64)
     assert stepper.positions.tolist() == [10, 10, 10, 0]
     ref_kv = ContiguousKVCache(cfg, 3, 64, torch.float32, "cpu")
-    ref = generate_static(build_model(cfg, w, get_ops("torch")), ref_kv, prompts, 5, SamplingParams())
+    ref = generate_static(build_model(cfg, w), ref_kv, prompts, 5, SamplingParams())
     assert got.outputs == ref.outputs
     for layer in range(cfg.n_layers):
         torch.testing.assert_close(kv.k[layer][:3, :10], ref_kv.k[layer][:, :10], rtol=1e-5, atol=1e-5)
@@ -69,7 +68,8 @@ def test_triton_graphs_bit_exact_across_batch(tiny_ggufs, arch):
         assert verify_greedy(r.outputs, runs[1].outputs[0]).ok, B
     eager = fused_run(tiny_ggufs[arch], "triton", 8, prompt, 24, graphs=False, dtype=torch.bfloat16, device="cuda")
     assert eager.outputs == runs[8].outputs
-    token = fused_run(tiny_ggufs[arch], "triton", 8, prompt, 24, "token", graphs=True, dtype=torch.bfloat16, device="cuda")
+    token = fused_run(tiny_ggufs[arch], "triton", 8, prompt, 24, "token", graphs=True, dtype=torch.bfloat16,
+                      device="cuda")
     assert token.outputs == runs[8].outputs
 
 

@@ -1,5 +1,5 @@
-"""The fused hybrid decode step (onepass/engine/fused_qwen35.py, driven by onepass/engine/runner.GraphStepper) against the
-qwen35 reference model (onepass/engine/models/qwen35.py, itself checked against HF transformers in test_qwen35.py).
+"""The fused hybrid decode step (engine/fused_qwen35.py, driven by engine/runner.GraphStepper) against the
+qwen35 reference model (engine/models/qwen35.py, itself checked against HF transformers in test_qwen35.py).
 
 Models: two tiny synthetic qwen35 GGUFs, one with value heads = key heads (2 GDN + 2 attention layers, tied
 head), one with 3x value heads (3 GDN + 1 attention layer, untied, an MTP block) -- test_qwen35's shapes.
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from onepass.engine.config import ModelConfig
-from onepass.engine.errors import ConfigError
+from onepass.kernels.errors import ConfigError
 from onepass.engine.fused_qwen35 import FusedQwen35Decoder
 from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.gguf_writer import random_weights, write_gguf
@@ -36,7 +36,6 @@ from onepass.engine.state_pool import HybridCache, StatePool, check_hybrid_servi
 from onepass.engine.static_batch import generate_static, run_static
 from onepass.engine.verify import verify_greedy
 from onepass.kernels.backend import get_step_kernels
-from onepass.kernels.ops import get_ops
 from tests.interpreter import run_in_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +103,7 @@ def test_logits_match_reference_model(ggufs, name):
     """Two slots prefilled as slot-major runs (seq_len = P), then 6 decode steps one row per slot: logits of
     every prompt position and every step match the reference model's."""
     cfg, w, _ = load(ggufs[name])
-    ref, model = build_model(cfg, w, get_ops("torch")), fused(cfg, w)
+    ref, model = build_model(cfg, w), fused(cfg, w)
     P = 7
     prompts = [prompt(1, P), prompt(2, P)]
     rkv, kv = hybrid(cfg, 2), hybrid(cfg, 3)
@@ -128,7 +127,7 @@ def test_logits_match_reference_model(ggufs, name):
 def test_greedy_matches_reference_model(ggufs, name, prefill):
     cfg, w, _ = load(ggufs[name])
     p = prompt(5, 9)
-    want = generate_static(build_model(cfg, w, get_ops("torch")), hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
+    want = generate_static(build_model(cfg, w), hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
     st, _ = stepper(fused(cfg, w), 3)  # 3 slots in the 4-row bucket: one padded row on the scratch slot
     got = run_static(st, [p] * 3, 12, prefill=prefill, ctx=64)
     assert verify_greedy(got.outputs, want).ok
@@ -141,7 +140,7 @@ def test_state_written_back_every_few_tokens(ggufs, writeback):
     refuses such a pool."""
     cfg, w, _ = load(ggufs["3x-value-heads"])
     p = prompt(5, 9)
-    ref = build_model(cfg, w, get_ops("torch"))
+    ref = build_model(cfg, w)
     want = generate_static(ref, hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
     st, kv = stepper(fused(cfg, w), 3, writeback=writeback)
     assert kv.state.writeback == writeback and kv.state.log[0] is not None
@@ -246,7 +245,7 @@ def test_serving_chunked_prefill_matches_single_stream(ggufs, name):
     some continuing a prompt from an earlier step, beside other slots' decode rows (ragged runs through the GDN
     layers) give every request its single-stream greedy output, as token prefill does, in fewer steps."""
     cfg, w, _ = load(ggufs[name])
-    model, ref = fused(cfg, w), build_model(cfg, w, get_ops("torch"))
+    model, ref = fused(cfg, w), build_model(cfg, w)
     prompts = [prompt(sd, n) for sd, n, _ in SERVE_PROMPTS]
     max_new = [m for _, _, m in SERVE_PROMPTS]
     want = {i: generate_static(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
@@ -295,7 +294,7 @@ def test_serving_pinned_prefix_matches_single_stream(ggufs, name, prefill, write
     rest, and every request (also one sharing part of the prefix, and one refilling a slot another used) gives its
     single-stream output. Three slots: with a write-back every 2 tokens two of them share a class, every 4 none."""
     cfg, w, _ = load(ggufs[name])
-    model, ref = fused(cfg, w), build_model(cfg, w, get_ops("torch"))
+    model, ref = fused(cfg, w), build_model(cfg, w)
     shared, prompts, max_new, requests = _pinned_workload()
     want = {i: generate_static(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
             for i, (p, m) in enumerate(zip(prompts, max_new))}
@@ -431,12 +430,14 @@ def test_triton_serving_chunked_prefill_matches_token_prefill(ggufs, writeback):
         st, _ = stepper(model, 1)
         want[i] = run_static(st, [p], m, prefill="batched", ctx=64).outputs[0]
     for pf in ("token", "chunked"):
-        r = _serve(model, hybrid(cfg, 3, dtype=torch.bfloat16, device=dev, writeback=writeback), prompts, max_new, pf, 8)
+        r = _serve(model, hybrid(cfg, 3, dtype=torch.bfloat16, device=dev, writeback=writeback), prompts, max_new, pf,
+                   8)
         assert {q.rid: q.output for q in r.finished} == want, pf
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
     run_in_interpreter(__file__, "(fused qwen35 under the Triton interpreter)")
 
@@ -462,7 +463,7 @@ def test_gpu_triton_matches_reference_model(ggufs, name):
     refs = {}
     for dtype in (torch.float32, torch.bfloat16):
         cfg, w, _ = load(ggufs[name], dtype, "cuda")
-        ref, rkv = build_model(cfg, w, get_ops("torch")), hybrid(cfg, 2, dtype=dtype, device="cuda")
+        ref, rkv = build_model(cfg, w), hybrid(cfg, 2, dtype=dtype, device="cuda")
         out = [ref.forward(torch.tensor(prompts, device="cuda"), torch.arange(P, device="cuda").expand(2, P), slots,
                            rkv).float()]
         for s in range(steps):
@@ -471,7 +472,8 @@ def test_gpu_triton_matches_reference_model(ggufs, name):
         refs[dtype] = out
     cfg, w, _ = load(ggufs[name], torch.bfloat16, "cuda")
     model, kv = fused(cfg, w, "triton"), hybrid(cfg, 3, dtype=torch.bfloat16, device="cuda")
-    got = [rows_logits(model, kv, sum(prompts, []), list(range(P)) * 2, [0] * P + [1] * P, seq_len=P).view(2, P, -1)[:, -1]]
+    got = [rows_logits(model, kv, sum(prompts, []), list(range(P)) * 2, [0] * P + [1] * P,
+                       seq_len=P).view(2, P, -1)[:, -1]]
     for s in range(steps):
         got.append(rows_logits(model, kv, refs[torch.float32][s].argmax(-1).tolist(), [P + s] * 2, [0, 1]))
     truth = torch.stack(refs[torch.float32])
@@ -651,7 +653,7 @@ def test_harness_hybrid_job_with_bf16_state(tmp_path, monkeypatch, materialize):
     import json
 
     from onepass.harness import report
-    from onepass.harness.run import run_job
+    from onepass.harness.job import run_job
 
     monkeypatch.setenv("ONEPASS_CACHE", str(tmp_path / "cache"))
     cfg = _job(tmp_path, "kv_cache.state_dtype=bfloat16", f"model.synthetic.materialize={materialize}")
@@ -669,7 +671,7 @@ def test_harness_hybrid_job_with_bf16_state(tmp_path, monkeypatch, materialize):
 
 
 def test_harness_refuses_prefix_caching(tmp_path):
-    from onepass.harness.run import build
+    from onepass.harness.build import build
 
     with pytest.raises(ConfigError, match="automatic prefix caching is not supported"):
         build(_job(tmp_path, "kv_cache.layout=paged", "kv_cache.prefix=auto", "scheduler=continuous"))
@@ -680,7 +682,7 @@ def test_harness_refuses_prefix_caching(tmp_path):
 def test_harness_state_writeback_refusals(tmp_path):
     """A negative write-back period, or one > 1 asked of the torch reference (it writes the state every token), is
     refused before anything runs; the default (0) leaves the reference at 1."""
-    from onepass.harness.run import build
+    from onepass.harness.build import build
 
     with pytest.raises(ConfigError, match="state_writeback=-1"):
         build(_job(tmp_path, "kv_cache.state_writeback=-1"))
@@ -702,7 +704,7 @@ def test_in_memory_weights_follow_the_loader_contract(ggufs):
     assert (w["blk.0.ssm_a"] < 0).all() and (w["blk.0.attn_norm.weight"] - 1).abs().max() < 1
     big = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,
                       gdn_v_heads=6, gdn_k_dim=16, gdn_v_dim=16)
-    from onepass.engine.quant_pack import PackedWeight, unpack_int, unpack_ref
+    from onepass.kernels.quant_pack import PackedWeight, unpack_int, unpack_ref
 
     for fmt in ("q4_0", "q4_1", "q4_k", "q8_0"):
         pw = LazyWeights(big, torch.bfloat16, "cpu", packed_fmt=fmt)["blk.0.ffn_up.weight"]
@@ -738,7 +740,8 @@ def test_report_tables_build_from_runs():
 
     from onepass.harness.report import TABLES
 
-    df = pd.DataFrame({"params.batch.size": ["1", "128"], "metrics.our_us": ["8.0", "230"], "metrics.floor_us": ["1.5", "193"],
+    df = pd.DataFrame({"params.batch.size": ["1", "128"], "metrics.our_us": ["8.0", "230"],
+                       "metrics.floor_us": ["1.5", "193"],
                        "metrics.floor_frac": ["0.19", "0.84"], "metrics.max_err": ["1e-6", "2e-6"],
                        "metrics.verify_ok": ["1", "1"]})
     md, _ = TABLES["gdn_step"](df)
@@ -749,7 +752,7 @@ def test_packed_projections_match_their_dense_values():
     """Weights kept packed (engine.weights=packed: PackedWeights from the in-memory generator) through the
     torch backend give the logits of the same values dequantized: packed q|k|v|z fused by cat_rows, the
     dense beta|alpha rows beside them in the same output buffer."""
-    from onepass.engine.quant_pack import PackedWeight, unpack_ref
+    from onepass.kernels.quant_pack import PackedWeight, unpack_ref
     from onepass.harness.synth import LazyWeights
 
     cfg = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 256, "name": "pk"}, full_attention_interval=4, gdn_k_heads=2,

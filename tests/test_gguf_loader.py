@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from onepass.engine.config import ModelConfig, RopeScaling, llama3_rope_factors
-from onepass.engine.errors import GGUFError
+from onepass.kernels.errors import GGUFError
 from onepass.engine.gguf_loader import ROPE_FREQS, config_from_metadata, load_gguf
 from onepass.engine.gguf_meta import read_metadata
 from onepass.engine.gguf_writer import WEIGHT_TYPES, random_weights, write_gguf
@@ -245,7 +245,8 @@ def test_unknown_type_id(good_file):
     reader.tensors[0].field.parts[4][0] = 200
     reader.data.flush()
     del reader
-    with pytest.raises(GGUFError, match=r"corrupt or truncated GGUF header .*200\)? is not a valid GGMLQuantizationType") as e:
+    with pytest.raises(GGUFError,
+                       match=r"corrupt or truncated GGUF header .*200\)? is not a valid GGMLQuantizationType") as e:
         load_gguf(path, progress=False)
     assert str(path) in str(e.value)
 
@@ -383,7 +384,8 @@ def test_smollm2_shapes_config_is_the_packaged_file_layout(smollm2):
     assert {f: getattr(cfg, f) for f in fields} == {f: getattr(real, f) for f in fields}
     assert cfg.norm_eps == pytest.approx(real.norm_eps, rel=1e-6)       # the file stores it as float32
     expected = cfg.tensor_shapes()
-    file = {t.name: (t.tensor_type, tuple(reversed(t.shape.tolist()))) for t in gguf.GGUFReader(smollm2["path"]).tensors}
+    file = {t.name: (t.tensor_type, tuple(reversed(t.shape.tolist())))
+            for t in gguf.GGUFReader(smollm2["path"]).tensors}
     assert set(file) == set(expected)
     for name, (qt, shp) in file.items():
         want = WEIGHT_TYPES[shape.embed_type if name == "token_embd.weight" else shape.weight_type][0]

@@ -17,7 +17,6 @@ from onepass.engine.sampler import SamplingParams
 from onepass.engine.static_batch import generate_static, run_static
 from onepass.engine.tokenizer import Tokenizer
 from onepass.kernels.backend import get_step_kernels
-from onepass.kernels.ops import get_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 PROMPTS = ["Tell me a short story about a robot learning to paint.", "What is the capital of France?",
@@ -28,12 +27,13 @@ PROMPTS = ["Tell me a short story about a robot learning to paint.", "What is th
 def test_smollm2_fp16_gpu_reproduces_cpu_reference(smollm2_path):
     tok = Tokenizer.from_gguf(smollm2_path)
     cfg, w, _ = load_gguf(smollm2_path, progress=False)
-    ref_model = build_model(cfg, w, get_ops("torch"))
+    ref_model = build_model(cfg, w)
     cfg16, w16, _ = load_gguf(smollm2_path, dtype=torch.float16, device="cuda", progress=False)
     fused = FusedDecoder(cfg16, w16, get_step_kernels("triton"), max_pos=600)
     for text in PROMPTS:
         ids = tok.encode_chat(text)
-        ref = generate_static(ref_model, ContiguousKVCache(cfg, 1, 512, torch.float32, "cpu"), [ids], 64, SamplingParams())
+        ref = generate_static(ref_model, ContiguousKVCache(cfg, 1, 512, torch.float32, "cpu"), [ids], 64,
+                              SamplingParams())
         kv = ContiguousKVCache(cfg16, 2, 512, torch.float16, "cuda")
         got = run_static(GraphStepper(fused, kv, 1, SamplingParams()), [ids], 64, ctx=512)
         assert got.outputs[0] == ref.outputs[0], f"{text!r}: {tok.decode(got.outputs[0])!r}"

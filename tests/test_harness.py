@@ -14,11 +14,11 @@ from hydra.errors import ConfigCompositionException
 
 from onepass.harness import report
 from onepass.harness.app import CONF_DIR
-from onepass.harness.run import run_job
+from onepass.harness.job import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXED_METRICS = {"throughput_tok_s", "per_stream_tok_s", "step_ms_p50", "step_ms_p90", "steps", "verify_ok", "peak_mem_mb",
-                 "ready_scales_mb"}
+FIXED_METRICS = {"throughput_tok_s", "per_stream_tok_s", "step_ms_p50", "step_ms_p90", "steps", "verify_ok",
+                 "peak_mem_mb", "ready_scales_mb"}
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
@@ -60,7 +60,7 @@ def test_misspelled_experiment_is_refused_not_run_as_the_default():
 def test_engine_ready_scales_sets_the_kernels_switch(tmp_path, monkeypatch):
     """engine.ready_scales=false turns int4_wgmma_ws's READY_SCALES off for the job (and frees words already made);
     the default turns it back on."""
-    from onepass.harness.run import build
+    from onepass.harness.build import build
     from onepass.kernels import int4_wgmma_ws as ws
 
     monkeypatch.setattr(ws, "READY_SCALES", ws.READY_SCALES)   # restored after the test
@@ -137,7 +137,8 @@ def test_int4_gemm_table_rounds_every_time_and_ratio():
                 "cuda_wgmma_ws", "cuda_wgmma_ws_t128", "dequant_cublas", "bf16"]
     row = {"params.micro.n": "5120", "params.micro.k": "17408", "params.micro.fmt": "q4_0", "params.batch.size": "1",
            "metrics.effective_tbps": 2.778180152025168, "metrics.speedup_vs_bf16": 2.751486782197134,
-           "metrics.verify_ok": 1.0, "metrics.pdl": 3.0, "tags.int4_pick": "cuda_mma_fold", "tags.int4_best": "cuda_mma_fold"}
+           "metrics.verify_ok": 1.0, "metrics.pdl": 3.0, "tags.int4_pick": "cuda_mma_fold",
+           "tags.int4_best": "cuda_mma_fold"}
     row.update({f"metrics.{v}_us": 100.0 + i + 0.123456789 for i, v in enumerate(variants)})
     md, _ = report.TABLES["int4_gemm"](pd.DataFrame([row]))
     assert "109.1" in md and "2.78" in md and "2.75" in md, md
@@ -258,7 +259,8 @@ def test_serving_run_verifies_and_logs(tmp_path, model, kv, sched):
     """Continuous serving, also of the hybrid model (its slots' recurrent state restarts at position 0, or from the
     pinned prefix's state snapshot), with its prompts token by token or in chunks (ragged runs through the GDN
     layers)."""
-    prefix = "off" if kv != "paged" else "auto" if model == "tiny-llama" else "pinned" if sched == "continuous" else "off"
+    prefix = ("off" if kv != "paged" else "auto" if model == "tiny-llama" else "pinned" if sched == "continuous"
+              else "off")
     extra = [f"scheduler={sched}", f"kv_cache={kv}", "workload.num_requests=6", "workload.min_new_tokens=2",
              "kv_cache.block_size=4", "kv_cache.ctx=64", f"kv_cache.prefix={prefix}"]
     cfg = cfg_of(*tiny(tmp_path, "table=serving_paged", *extra), f"model={model}", "batch.size=3")
@@ -273,7 +275,7 @@ def test_serving_run_verifies_and_logs(tmp_path, model, kv, sched):
 
 
 def test_prefix_cache_needs_paged_kv(tmp_path):
-    from onepass.engine.errors import ConfigError
+    from onepass.kernels.errors import ConfigError
 
     cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous", "workload.num_requests=2", "kv_cache.prefix=auto"))
     with pytest.raises(ConfigError, match="layout=paged"):
@@ -281,11 +283,13 @@ def test_prefix_cache_needs_paged_kv(tmp_path):
 
 
 def test_chunked_budget_beyond_the_graph_buckets_is_refused_before_loading(tmp_path, monkeypatch):
-    from onepass.engine.errors import ConfigError
-    from onepass.harness import run
+    from onepass.kernels.errors import ConfigError
+    from onepass.harness import decode_job
 
-    monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the budget was checked"))
-    cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous_chunked", "workload.num_requests=2", "scheduler.token_budget=1024"))
+    monkeypatch.setattr(decode_job, "build",
+                        lambda cfg: pytest.fail("the model was built before the budget was checked"))
+    cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous_chunked", "workload.num_requests=2",
+                       "scheduler.token_budget=1024"))
     with pytest.raises(ConfigError, match="token_budget=1024.*512 or less"):
         run_job(cfg, tmp_path / "out")
 
@@ -314,10 +318,11 @@ def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypat
     negative pool multiple or thread count ran as if they were 0; a serving job without requests, a prefix mode it
     could not run, a peak-sized pool without fixed lengths, a chunk budget below the batch and no new tokens were
     refused only after the model was built."""
-    from onepass.engine.errors import ConfigError
-    from onepass.harness import run
+    from onepass.kernels.errors import ConfigError
+    from onepass.harness import decode_job
 
-    monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before the settings were checked"))
+    monkeypatch.setattr(decode_job, "build",
+                        lambda cfg: pytest.fail("the model was built before the settings were checked"))
     with pytest.raises(ConfigError, match=msg):
         run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
 
@@ -325,20 +330,21 @@ def test_bad_kv_cache_and_threads_are_refused_before_loading(tmp_path, monkeypat
 def test_hybrid_prefix_cache_is_refused_from_the_header_before_loading(tmp_path, monkeypatch):
     """A hybrid model's prefix refusal needs its architecture, read from the GGUF header alone: before, it came after
     every tensor had loaded (minutes on the 27B shapes)."""
-    from onepass.engine.errors import ConfigError
-    from onepass.harness import run
+    from onepass.kernels.errors import ConfigError
+    from onepass.engine import engine
 
-    monkeypatch.setattr(run, "load_gguf", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
+    monkeypatch.setattr(engine, "load_gguf", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
     cfg = cfg_of(*tiny(tmp_path, "model=tiny-qwen35", "scheduler=continuous", "kv_cache=paged",
                        "workload.num_requests=2", "kv_cache.prefix=auto"))
-    with pytest.raises(ConfigError, match="prefix=auto: automatic prefix caching is not supported for the hybrid qwen35"):
+    with pytest.raises(ConfigError,
+                       match="prefix=auto: automatic prefix caching is not supported for the hybrid qwen35"):
         run_job(cfg, tmp_path / "out")
 
 
 def test_paged_pool_that_fits_no_request_is_refused_with_the_size_that_would(tmp_path):
     """A hand-sized pool smaller than one request used to reject every request, one line each, and log a run that
     served nothing; the job now stops before serving and names the pool that would hold the request."""
-    from onepass.engine.errors import ConfigError
+    from onepass.kernels.errors import ConfigError
 
     cfg = cfg_of(*tiny(tmp_path, "scheduler=continuous", "kv_cache=paged", "workload.num_requests=2",
                        "kv_cache.block_size=4", "kv_cache.num_blocks=3"))
@@ -371,7 +377,7 @@ def test_default_paged_pool_holds_a_request_of_the_whole_context(tmp_path):
     (["job=projection_crossover", "batch.size=0"], "batch.size=0")])
 def test_bad_micro_sizes_are_refused_before_the_device(tmp_path, overrides, msg):
     """Checked before the jobs' own CUDA check, so a CPU machine sees the same refusal as the GPU would."""
-    from onepass.engine.errors import ConfigError
+    from onepass.kernels.errors import ConfigError
 
     with pytest.raises(ConfigError, match=msg):
         run_job(cfg_of(*tiny(tmp_path, *overrides)), tmp_path / "out")
@@ -388,7 +394,7 @@ def test_paged_block_size_for_the_triton_kernels():
     """The Triton paged attention reads power-of-two blocks of 16+ positions; the torch reference takes any size."""
     from types import SimpleNamespace
 
-    from onepass.engine.errors import ConfigError
+    from onepass.kernels.errors import ConfigError
     from onepass.harness.checks import check_kv_cache
 
     kv = lambda bs: SimpleNamespace(layout="paged", block_size=bs, num_blocks=0, pool_vs_peak=0.0, prefix="off")  # noqa: E731
@@ -397,29 +403,33 @@ def test_paged_block_size_for_the_triton_kernels():
             check_kv_cache(kv(bs), "triton")
         check_kv_cache(kv(bs), "torch")
     check_kv_cache(kv(32), "triton")
-    check_kv_cache(SimpleNamespace(layout="contiguous", block_size=4, num_blocks=0, pool_vs_peak=0.0, prefix="off"), "triton")
+    check_kv_cache(SimpleNamespace(layout="contiguous", block_size=4, num_blocks=0, pool_vs_peak=0.0, prefix="off"),
+                   "triton")
 
 
 def test_misspelled_int4_policy_is_refused_whatever_the_weights(tmp_path):
     """engine.int4 names the packed projections' kernel policy; with dense weights it does nothing, yet a typo there
     is refused (before the model loads) rather than run as if it had been accepted."""
-    from onepass.engine.errors import ConfigError
-    from onepass.harness.run import resolve_engine
+    from onepass.kernels.errors import ConfigError
+    from onepass.harness.build import resolve_engine
 
     for weights in ("dequant", "packed"):
         cfg = cfg_of(*tiny(tmp_path, "engine.int4=invariantt", f"engine.weights={weights}"))
         with pytest.raises(ConfigError, match="engine.int4='invariantt'"):
             resolve_engine(cfg.engine)
-    assert resolve_engine(cfg_of(*tiny(tmp_path, "engine.int4=fastest")).engine)[0].type in ("cpu", "cuda")
+    assert resolve_engine(cfg_of(*tiny(tmp_path, "engine.int4=cuda_mma_fold")).engine)[0].type in ("cpu", "cuda")
+    with pytest.raises(ConfigError, match="engine.int4=fastest was removed"):     # the policy users typed
+        resolve_engine(cfg_of(*tiny(tmp_path, "engine.int4=fastest")).engine)
 
 
 @pytest.mark.parametrize("override, msg", [("sampling.temperature=-1", "0 for greedy"),
-                                            ("sampling.top_p=0", r"\(0, 1\]"), ("sampling.top_k=-5", "whole vocabulary")])
+                                            ("sampling.top_p=0", r"\(0, 1\]"),
+                                            ("sampling.top_k=-5", "whole vocabulary")])
 def test_bad_sampling_is_refused_before_loading(tmp_path, monkeypatch, override, msg):
-    from onepass.engine.errors import ConfigError
-    from onepass.harness import run
+    from onepass.kernels.errors import ConfigError
+    from onepass.harness import decode_job
 
-    monkeypatch.setattr(run, "build", lambda cfg: pytest.fail("the model was built before sampling was checked"))
+    monkeypatch.setattr(decode_job, "build", lambda cfg: pytest.fail("the model was built before sampling was checked"))
     with pytest.raises(ConfigError, match=msg):
         run_job(cfg_of(*tiny(tmp_path, override)), tmp_path / "out")
 
@@ -452,7 +462,8 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
     """The hybrid_27b report's first table: per B the newest packed Q4 (invariant) row of each mode and state, an
     unverified row marked, dequantized-weight rows left out, the static fp32-state rows against the targets."""
     def row(i, B, tok, state="float32", mode="static", weights="packed", ok=1.0, t=0):
-        return {"start_time": f"2026-11-30 1{t}:00:{i:02d}", "tags.device": "NVIDIA H200", "params.engine.weights": weights,
+        return {"start_time": f"2026-11-30 1{t}:00:{i:02d}", "tags.device": "NVIDIA H200",
+                "params.engine.weights": weights,
                 "params.engine.int4": "invariant", "params.kv_cache.state_dtype": state, "params.scheduler.mode": mode,
                 "params.scheduler.prefill": "token", "params.engine.pdl": "True", "params.batch.size": str(B),
                 "metrics.throughput_tok_s": tok, "metrics.verify_ok": ok, "metrics.pdl": 4.0}
@@ -460,8 +471,8 @@ def test_hybrid_report_opens_with_the_targets_from_the_newest_rows():
                        row(3, 32, 1638.0, mode="continuous", ok=0.0), row(4, 32, 9999.0, weights="dequant", t=2),
                        row(5, 1, 150.2), row(6, 8, 993.0)])
     md, _ = report.TABLES["hybrid_27b"](df)
-    standing = md.split("### Every recorded row")[0]
-    assert standing.startswith("### Where the targets stand")
+    headline, standing = md.split("### Every recorded row")[0].split("### Where the targets stand")
+    assert headline.startswith("### Headline")          # the report opens with its headline, then the targets
     line32 = next(l for l in standing.splitlines() if l.startswith("|  32 "))
     assert "2,767" in line32 and "2,000" not in line32 and "9,999" not in line32, line32
     assert "2,964" in line32 and "1,638 ✗" in line32 and "3,000" in line32 and "92.2%" in line32, line32
@@ -494,7 +505,8 @@ def test_hybrid_rows_keyed_and_labelled_by_ready_scales():
         r = {"run_id": f"r{t}", "start_time": f"2026-12-03 1{t}:00:00", "tags.device": "NVIDIA H200",
              "params.engine.weights": "packed",
              "params.model.synthetic.weight_type": kind, "params.engine.int4": "invariant",
-             "params.kv_cache.state_dtype": "float32", "metrics.state_writeback": 4.0, "params.scheduler.mode": "static",
+             "params.kv_cache.state_dtype": "float32", "metrics.state_writeback": 4.0,
+             "params.scheduler.mode": "static",
              "params.scheduler.prefill": "batched", "params.engine.pdl": "True", "params.batch.size": "32",
              "metrics.throughput_tok_s": 2987.0 + t, "metrics.verify_ok": 1.0, "metrics.pdl": 4.0}
         return r if ready is None else {**r, "params.engine.ready_scales": ready}
@@ -507,7 +519,8 @@ def test_hybrid_rows_keyed_and_labelled_by_ready_scales():
     head, _, *lines = [[c.strip() for c in l.split("|")[1:-1]]
                        for l in md.split("### Every recorded row")[1].splitlines() if l.startswith("|")]
     col = head.index("Q4_K scales")
-    assert sorted((r[head.index("type")], r[col]) for r in lines) == [("q4_0", "—"), ("q4_k", "file"), ("q4_k", "ready")]
+    assert sorted((r[head.index("type")], r[col]) for r in lines) == [("q4_0", "—"), ("q4_k", "file"),
+                                                                      ("q4_k", "ready")]
 
 
 def test_hybrid_rows_of_another_card_stand_beside_the_targets_card(tmp_path, monkeypatch):
@@ -518,7 +531,8 @@ def test_hybrid_rows_of_another_card_stand_beside_the_targets_card(tmp_path, mon
         return {"run_id": f"r{t}", "start_time": f"2026-12-05 1{t}:00:00", "tags.device": device,
                 "params.engine.weights": "packed", "params.model.synthetic.weight_type": kind,
                 "params.engine.int4": "invariant", "params.kv_cache.state_dtype": "float32",
-                "metrics.state_writeback": 4.0, "params.scheduler.mode": "static", "params.scheduler.prefill": "batched",
+                "metrics.state_writeback": 4.0, "params.scheduler.mode": "static",
+                "params.scheduler.prefill": "batched",
                 "params.engine.pdl": "True", "params.batch.size": "128", "metrics.throughput_tok_s": tok,
                 "metrics.verify_ok": 1.0, "metrics.pdl": 4.0}
     recorded = pd.DataFrame([row(0, 6114.0, "NVIDIA H200"), row(1, 5987.0, "NVIDIA H200", kind="q4_k")])
@@ -597,7 +611,7 @@ def test_load_time_leaves_out_writing_a_synthetic_file(tmp_path, monkeypatch):
     file a model without a path writes on first use (that can take longer than the load)."""
     import time
 
-    from onepass.harness import run as run_mod
+    from onepass.harness import build as run_mod
 
     real = run_mod.resolve_gguf
 

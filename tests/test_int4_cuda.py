@@ -1,5 +1,5 @@
-"""onepass/kernels/int4_cuda.py (CUDA C++ W4A16 kernel through CuPy / NVRTC) and every variant of
-onepass/kernels/int4_dispatch.py against w4a16_linear_ref on the GPU.
+"""kernels/int4_cuda.py (CUDA C++ W4A16 kernel through CuPy / NVRTC) and every variant of
+kernels/int4_dispatch.py against w4a16_linear_ref on the GPU.
 
 CPU: the module imports without CuPy and without a GPU, and its source compiles for sm_90 with nvcc when
 nvcc is on the PATH (a syntax / register check; nothing runs). tests/cuda_emu.py runs the source on the CPU
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.test_int4_gemm import FMTS, _check, _weight, _x  # noqa: F401  (also sets the interpreter flag)
-from onepass.engine.quant_pack import unpack_ref
+from onepass.kernels.quant_pack import unpack_ref
 from onepass.kernels import int4_cuda, int4_dispatch as disp
 from tests import cuda_emu
 
@@ -174,7 +174,8 @@ ISSUE = [(5120, 17408), (17408, 5120), (5120, 12288), (4096, 4096), (2048, 8192)
 
 @pytest.mark.gpu
 @needs_cuda_kernel
-@pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in FMTS], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+@pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in FMTS],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_cuda_matches_ref(seed, case):
     gpu_matches_ref(int4_cuda.w4a16_cuda, lambda M, N, K, fmt: int4_cuda.cuda_config(M, N, K, fmt), "cuda", seed, *case)
 

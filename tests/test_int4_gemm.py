@@ -1,4 +1,4 @@
-"""engine.quant_pack (GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 repacked for the kernel) and kernels.int4_gemm.w4a16_linear.
+"""kernels.quant_pack (GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 repacked for the kernel) and kernels.int4_gemm.w4a16_linear.
 
   * pack / unpack_ref: bit-exact against engine.quant.dequantize on random raw blocks (any finite fp16
     scale bit pattern, any quant bytes), the documented layout, row gathers / concatenation, sizes.
@@ -38,10 +38,10 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from onepass.engine.errors import GGUFError  # noqa: E402
+from onepass.kernels.errors import GGUFError  # noqa: E402
 from onepass.engine.gguf_loader import unpermute_qk  # noqa: E402
 from onepass.engine.quant import dequantize  # noqa: E402
-from onepass.engine.quant_pack import (FORMATS, PackedWeight, cat_rows, pack, packable, packed_nbytes,  # noqa: E402
+from onepass.kernels.quant_pack import (FORMATS, PackedWeight, cat_rows, pack, packable, packed_nbytes,  # noqa: E402
                                unpack_folded, unpack_int, unpack_ref)
 from onepass.kernels import int4_gemm  # noqa: E402  (after the interpreter flag)
 from onepass.kernels.int4_gemm import int4_config, w4a16_linear, w4a16_linear_ref  # noqa: E402
@@ -131,7 +131,7 @@ def test_pack_single_block_property(fmt, data):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_packed_layout(seed, fmt):
-    """The layout the kernel reads (onepass/engine/quant_pack.py docstring): shapes, dtypes, contiguity, where a
+    """The layout the kernel reads (kernels/quant_pack.py docstring): shapes, dtypes, contiguity, where a
     given weight's bits sit, and that the fp16 fields are the file's bits."""
     N, K = 5, 512
     raw = random_raw(fmt, N, K, seed)
@@ -528,7 +528,7 @@ def test_nibble_asm_text(seed, high, f16, sub8):
 @pytest.mark.parametrize("sub8", [False, True], ids=["q", "q-8"])
 def test_word_asm_text_folded(seed, f16, sub8):
     """Output $s is nibble q_s of the word $8 folded with the group's scale $9 and offset $10 (16-bit, both halves):
-    q_s * s + c rounded once to bf16 / fp16, i.e. engine.quant_pack.unpack_folded's value."""
+    q_s * s + c rounded once to bf16 / fp16, i.e. kernels.quant_pack.unpack_folded's value."""
     asm = int4_gemm._word_asm_text(f16, sub8, fold=True)
     g = torch.Generator().manual_seed(seed)
     dt = torch.float16 if f16 else torch.bfloat16
@@ -685,8 +685,8 @@ _ids = lambda v: f"{v[0]}x{v[1]}-{v[2]}"  # noqa: E731
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [(1000, 1088, "q4_0"), (130, 1280, "q4_k"), (5120, 6144, "q4_k"), (2048, 8192, "q4_1")],
-                         ids=_ids)
+@pytest.mark.parametrize("case", [(1000, 1088, "q4_0"), (130, 1280, "q4_k"), (5120, 6144, "q4_k"),
+                                  (2048, 8192, "q4_1")], ids=_ids)
 def test_gpu_w16_matches_folded_ref_and_is_batch_invariant(seed, case):
     """W16 (the inline-PTX fold, one packed fma per pair) against x @ unpack_folded(w)^T, bf16 and fp16 x, and every
     row the same bits at every M (BLOCK_M 16..128, M-chunked split-K)."""
@@ -699,7 +699,8 @@ def test_gpu_w16_matches_folded_ref_and_is_batch_invariant(seed, case):
     x = _x(seed, 200, K, xs, device="cuda")
     y_all = _f32(x, pw, config=cfg)
     for M in (1, 7, 16, 33, 64, 129):
-        assert torch.equal(_f32(x[:M], pw, config=cfg), y_all[:M]), f"seed={seed} {fmt} {N}x{K}: W16 rows differ at M={M}"
+        assert torch.equal(_f32(x[:M], pw, config=cfg), y_all[:M]), \
+            f"seed={seed} {fmt} {N}x{K}: W16 rows differ at M={M}"
 
 
 @pytest.mark.gpu

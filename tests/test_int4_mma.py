@@ -1,4 +1,4 @@
-"""onepass/kernels/int4_mma.py (mma.sync W4A16 kernel for small batches) against x @ unpack_ref(w)^T (exact weights).
+"""kernels/int4_mma.py (mma.sync W4A16 kernel for small batches) against x @ unpack_ref(w)^T (exact weights).
 
 CPU: tests/cuda_emu.py runs the source with g++ (mma.sync emulated with PTX's fragment layout): every format,
 rows past the 16-row tile and past the block, partial groups per warp, split-K, batch tiles of 1/2/4/8 and
@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 
-from onepass.engine.quant_pack import unpack_folded, unpack_ref
+from onepass.kernels.quant_pack import unpack_folded, unpack_ref
 from onepass.kernels import int4_cuda, int4_mma
 from tests import cuda_emu
 from tests.test_int4_cuda import (ISSUE, emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
@@ -67,7 +67,8 @@ def test_split_rule_is_shape_only_and_bounded():
     # 16-sequence tiles where the block's shared memory holds them, else tiles of 8 (same bits)
     assert int4_mma.mma_config(16, 5120, 4096, "q4_k", {"RT": 4, "P": 1})["BT"] == 16
     assert int4_mma.mma_config(32, 5120, 4096, "q4_k", {"RT": 8, "P": 2})["BT"] == 16    # 32 would not fit
-    assert int4_mma.mma_config(32, 5120, 4096, "q4_0")["BT"] == 32 and int4_mma.mma_config(33, 5120, 4096, "q4_0")["n_bt"] == 2
+    assert (int4_mma.mma_config(32, 5120, 4096, "q4_0")["BT"] == 32
+            and int4_mma.mma_config(33, 5120, 4096, "q4_0")["n_bt"] == 2)
     # tiles of 16+ sequences take RT16 / U16; the split (the bits) stays the shape's
     small, big = (int4_mma.mma_config(m, 5120, 4096, "q4_0", {"RT": 2, "U": 6, "RT16": 8, "U16": 3}) for m in (8, 16))
     assert (small["RT"], small["U"], big["RT"], big["U"]) == (2, 6, 8, 3)
@@ -102,7 +103,8 @@ ODD = [(40, 256, "q4_0"), (72, 1024, "q4_1"), (33, 768, "q4_k"), (1000, 1088, "q
 
 @pytest.mark.gpu
 @needs_mma
-@pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in MMA_FMTS], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+@pytest.mark.parametrize("case", ODD + [(n, k, f) for n, k in ISSUE for f in MMA_FMTS],
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_matches_ref(seed, case):
     gpu_matches_ref(int4_mma.w4a16_mma, lambda M, N, K, fmt: int4_mma.mma_config(M, N, K, fmt), "cuda_mma", seed, *case)
 

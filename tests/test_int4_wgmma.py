@@ -1,4 +1,4 @@
-"""onepass/kernels/int4_wgmma.py: the large-batch W4A16 kernel on sm_90's wgmma. On the CPU its source runs under
+"""kernels/int4_wgmma.py: the large-batch W4A16 kernel on sm_90's wgmma. On the CPU its source runs under
 tests/cuda_emu.py (wgmma emulated as PTX defines its operands); on an H200 the compiled kernel against the folded
 reference, rows independent of M, graph capture."""
 from __future__ import annotations
@@ -130,7 +130,8 @@ def test_wgmma_batch_invariant_fp32(seed, case):
 
 @pytest.mark.gpu
 @needs_wg
-@pytest.mark.parametrize("case", [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (72, 1024, "q4_1"), (5120, 12288, "q8_0")],
+@pytest.mark.parametrize("case", [(34816, 5120, "q4_k"), (5120, 17408, "q4_k"), (72, 1024, "q4_1"),
+                                  (5120, 12288, "q8_0")],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_wgmma_x2(seed, case):
     """The dispatch's cuda_wgmma_x2 (two blocks per SM below 128 sequences; tiles halved for stream-K on the

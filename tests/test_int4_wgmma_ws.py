@@ -1,4 +1,4 @@
-"""onepass/kernels/int4_wgmma_ws.py: the wgmma W4A16 kernel fed by a producer warpgroup. On the CPU its two launches (x
+"""kernels/int4_wgmma_ws.py: the wgmma W4A16 kernel fed by a producer warpgroup. On the CPU its two launches (x
 staged into the ring's image, then the GEMM) run under tests/cuda_emu.py, mbarriers and bulk copies emulated, and
 must give int4_wgmma's emulated bits for the same split; on an H200 the compiled kernel against the folded
 reference, bitwise against int4_wgmma, rows independent of M, graph capture."""
@@ -159,10 +159,12 @@ def test_ws_launch_rules():
         assert _plan(M, 5120, 17408, "q4_k", {"MMA": 1 - mma})["MMA"] == 1 - mma
         assert _plan(M, 5120, 17408, "q4_k", {"CWG": 4})["CWG"] == 4
     c4 = _plan(128, 5120, 17408, "q4_k", {"CWG": 4})
-    assert (c4["CWG"], c4["WG_MT"], c4["block"], c4["SPLIT_K"]) == (4, 1, 640, _plan(128, 5120, 17408, "q4_k")["SPLIT_K"])
+    assert (c4["CWG"], c4["WG_MT"], c4["block"], c4["SPLIT_K"]) == (4, 1, 640,
+                                                                     _plan(128, 5120, 17408, "q4_k")["SPLIT_K"])
     assert _plan(128, 17408, 5120, "q4_0", {"CWG": 4})["CWG"] == 2     # halved tiles: one m64 per warpgroup already
-    for N, K, fmt in [(16384, 5120, "q4_k"), (2048, 8192, "q4_0"), (4096, 4096, "q4_0")]:   # T128: 128-row tiles,
-        c, t = _plan(128, N, K, fmt), _plan(128, N, K, fmt, ws.T128)                         # twice as many, half the split
+    # T128: 128-row tiles, twice as many, half the split
+    for N, K, fmt in [(16384, 5120, "q4_k"), (2048, 8192, "q4_0"), (4096, 4096, "q4_0")]:
+        c, t = _plan(128, N, K, fmt), _plan(128, N, K, fmt, ws.T128)
         assert (t["MT"], t["CWG"], t["WG_MT"], t["block"]) == (1, 2, 1, 384)
         assert t["n_nt"] == 2 * c["n_nt"] and t["SPLIT_K"] * 2 == c["SPLIT_K"] and t["grid"] == c["grid"]
     for bad in ({"STAGES": 1}, {"STAGES": 9}, {"CWG": 3}, {"MMA": 2}):
@@ -184,7 +186,8 @@ def test_ws_ready_scales_rules(monkeypatch):
         assert c["stage_bytes"] == ws.stage_bytes(c["BT"], "q4_k", c["MT"], True)
         raw = _plan(M, N, K, "q4_k", {**(config or {}), "READY": 0})
         assert raw["ready"] == 0 and raw["stage_bytes"] == ws.stage_bytes(c["BT"], "q4_k", c["MT"])
-        assert {k: raw[k] for k in ("SPLIT_K", "grid", "BT", "MT")} == {k: c[k] for k in ("SPLIT_K", "grid", "BT", "MT")}
+        assert ({k: raw[k] for k in ("SPLIT_K", "grid", "BT", "MT")}
+                == {k: c[k] for k in ("SPLIT_K", "grid", "BT", "MT")})
         src = ws.source("q4_k", c["BT"], False, True, c["STAGES"], 1, c["workers"] > 0, c["WG_MT"], c["CWG"],
                         c["x_in_gemm"], bool(c["MMA"]))
         assert "#define READY_SCALES 1" in src and src.index("#define READY_SCALES") < src.index("QScales quad_scales")
@@ -207,9 +210,9 @@ def test_ws_ready_scales_rules(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_ready_words_are_the_affine_scale_and_offset_rounded(seed, dtype):
     """ready_words: per (group, row) the scale d * sc (low half) and offset -(dmin * mn) (high half) of
-    onepass/engine/quant_pack.py's affine form, each rounded to x's dtype, bit for bit (the offset's -0 too); made once per
+    kernels/quant_pack.py's affine form, each rounded to x's dtype, bit for bit (the offset's -0 too); made once per
     weight and dtype."""
-    from onepass.engine.quant_pack import _affine
+    from onepass.kernels.quant_pack import _affine
 
     pw, _ = _weight("q4_k", 264, 1024, seed % 1000, device="cpu")
     _, s, c = _affine(pw)                                       # [N, G, 1]
@@ -241,7 +244,8 @@ def test_ready_words_counted_and_freed(seed, monkeypatch):
 
 
 @needs_emu
-@pytest.mark.parametrize("case", [EMU[2], EMU[3], EMU[5], (264, 1024, "q4_k", (20,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})],
+@pytest.mark.parametrize("case", [EMU[2], EMU[3], EMU[5],
+                                  (264, 1024, "q4_k", (20,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})],
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
 def test_ws_ready_and_raw_scales_emulated_give_the_same_bits(seed, case):
     """Q4_K's ready scale words or its raw scales in the ring: int4_wgmma's emulated bits either way, over stream-K,
@@ -374,7 +378,7 @@ def test_ws_x_in_gemm_and_fresh_write_keep_the_bits(seed, config, fresh, monkeyp
                                               (128, 136, 512, "q4_1", ws.T128), (64, 264, 1280, "q4_k", None)],
                          ids=["bt16", "bt32_cwg4", "bt128_t128", "bt64"])
 def test_x_image_is_the_staging_launchs(seed, M, N, K, fmt, config):
-    """onepass/kernels/x_image.XImage.write_ref (what the producer kernels store) is byte for byte the image the staging
+    """kernels/x_image.XImage.write_ref (what the producer kernels store) is byte for byte the image the staging
     launch (wg_stage_x, emulated) writes."""
     from onepass.kernels.x_image import XImage
 

@@ -21,10 +21,11 @@ from onepass.engine.fused_model import FusedDecoder  # noqa: E402
 from onepass.engine.gguf_loader import load_gguf  # noqa: E402
 from onepass.engine.gguf_writer import random_weights, write_gguf  # noqa: E402
 from onepass.engine.kv_cache import ContiguousKVCache  # noqa: E402
-from onepass.engine.quant_pack import PackedWeight, pack, unpack_ref  # noqa: E402
+from onepass.kernels.quant_pack import PackedWeight, pack, unpack_ref  # noqa: E402
 from onepass.engine.runner import GraphStepper  # noqa: E402
 from onepass.engine.sampler import SamplingParams  # noqa: E402
 from onepass.engine.static_batch import run_static  # noqa: E402
+from onepass.harness import int4_tables as tables  # noqa: E402
 from onepass.kernels import int4_dispatch as disp  # noqa: E402
 from onepass.kernels.backend import get_step_kernels  # noqa: E402
 from onepass.kernels.int4_gemm import _INTERPRETED, w4a16_linear_ref  # noqa: E402
@@ -81,27 +82,38 @@ def test_fused_decoder_packed_matches_dequantized(quant_ggufs, fmt):
     m_dense, dense = _run(quant_ggufs[fmt], 3, prompt, 10, packed=False)
     m_packed, packed = _run(quant_ggufs[fmt], 3, prompt, 10, packed=True)
     assert packed.outputs == dense.outputs
-    assert isinstance(m_packed.layers[0]["qkv"], PackedWeight) and isinstance(m_packed.layers[0]["gate_up"], PackedWeight)
-    assert torch.equal(unpack_ref(m_packed.layers[0]["qkv"]), m_dense.layers[0]["qkv"])
+    qkv, gate_up = m_packed.layers[0]["qkv"].weights, m_packed.layers[0]["gate_up"].weights
+    assert len(qkv) == len(gate_up) == 1                     # each one fused GEMM
+    assert isinstance(qkv[0], PackedWeight) and isinstance(gate_up[0], PackedWeight)
+    assert torch.equal(unpack_ref(qkv[0]), m_dense.layers[0]["qkv"].weights[0])
     assert m_packed.weight_bytes() < m_dense.weight_bytes()
     for name in ("qkv", "gate_up"):     # fp32 dense vs <= 8.5 bits per weight packed
-        pw, w = m_packed.layers[0][name], m_dense.layers[0][name]
+        pw, w = m_packed.layers[0][name].weights[0], m_dense.layers[0][name].weights[0]
         assert pw.nbytes <= w.numel() * 8.5 / 8 * 1.03
 
 
-def test_fused_rows_of_mixed_formats_fall_back_to_dense():
-    from onepass.engine.fused_model import fuse_rows
+def test_projection_of_mixed_formats():
+    """Weights of one format fuse into one packed GEMM; mixed formats are dequantized into one dense GEMM
+    (dequant_mixed, the plain decoder's choice) or run as one GEMM each into column slices (the hybrid's)."""
+    from onepass.engine.projection import Projection
 
     g = torch.Generator().manual_seed(0)
     a = pack(torch.randint(0, 256, (4, 18), generator=g, dtype=torch.uint8), "q4_0", (4, 32))
     b = pack(torch.randint(0, 256, (2, 34), generator=g, dtype=torch.uint8), "q8_0", (2, 32))
-    a.scales.zero_()
+    a.scales.fill_(0.25)
     b.scales.fill_(0.5)
-    fused = fuse_rows([a, b], torch.float32)
-    assert isinstance(fused, torch.Tensor) and fused.shape == (6, 32)
-    assert torch.equal(fused, torch.cat([unpack_ref(a), unpack_ref(b)]))
-    same = fuse_rows([a, a], torch.float32)
-    assert isinstance(same, PackedWeight) and same.N == 8
+    k = get_step_kernels("torch")
+    x = torch.randn(3, 32, generator=g)
+    want = x @ torch.cat([unpack_ref(a), unpack_ref(b)]).T
+    fused = Projection([a, b], k, dequant_mixed=torch.float32)
+    assert len(fused.weights) == 1 and isinstance(fused.weights[0], torch.Tensor)
+    assert torch.equal(fused.weights[0], torch.cat([unpack_ref(a), unpack_ref(b)]))
+    split = Projection([a, b], k)
+    assert [w.fmt for w in split.weights] == ["q4_0", "q8_0"] and split.cols == [(0, 4), (4, 6)]
+    for p in (fused, split):
+        assert torch.allclose(p(x, torch.empty(3, 6)), want, rtol=1e-5, atol=1e-5)
+    same = Projection([a, a], k, dequant_mixed=torch.float32)
+    assert len(same.weights) == 1 and isinstance(same.weights[0], PackedWeight) and same.weights[0].N == 8
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,43 +123,35 @@ def test_choose_rule_table_and_policies(monkeypatch):
     monkeypatch.setattr(disp, "MEASURED", {})
     for mod in (disp.int4_cuda, disp.int4_mma, disp.int4_wgmma):   # the rule's inputs pinned: the same on any machine
         monkeypatch.setattr(mod, "available", lambda: False)
+    inv = disp.Int4Policy
     assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
-    monkeypatch.setattr(disp.int4_cuda, "available", lambda: True)
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
-    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
-    assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
-    assert disp.choose(32, 5120, 17408, "q4_k", "fastest") == "cuda_mma_fold"
-    assert disp.choose(4, 5120, 17408, "q8_0", "fastest") == "cuda_mma_fold"   # Q8_0: the folded form only
-    assert disp.choose(33, 5120, 17408, "q8_0", "fastest") == "triton"
-    assert disp.choose(33, 5120, 17408, "q4_0", "fastest") == "triton"
-    assert disp.choose(1024, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"
+    assert disp.choose(1, 5120, 17408, "q4_0", inv("invariant", 8)) == "cuda_mma_fold"     # small engine: folded mma
+    assert disp.choose(300, 5120, 17408, "q4_0", inv("invariant", 8)) == "cuda_mma_fold"   # for every M it runs
+    assert disp.choose(4, 5120, 17408, "q8_0", inv("invariant", 32)) == "cuda_mma_fold"    # Q8_0: the folded form
+    assert disp.choose(4, 5120, 17408, "q4_0", inv("invariant", 64)) == "triton"
     monkeypatch.setattr(disp.int4_wgmma, "available", lambda: True)          # sm_90: the ws kernel for big weights
-    assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "cuda_wgmma_ws"
-    assert disp.choose(256, 5120, 17408, "q8_0", "fastest") == "cuda_wgmma_ws"   # Q8_0 too
-    assert disp.choose(9, 2048, 2048, "q4_0", "fastest") == "cuda_mma_fold"   # small: below BIG
-    assert disp.choose(33, 2048, 2048, "q4_0", "fastest") == "triton"
-    assert disp.choose(33, 2048, 2048, "q8_0", "fastest") == "cuda_wgmma_ws_t128"   # Q8_0: Triton has no 16-bit fold
-    assert disp.choose(8, 5120, 17408, "q4_0", "fastest") == "cuda_mma_fold"
-    monkeypatch.setattr(disp.int4_wgmma, "available", lambda: False)
-    monkeypatch.setattr(disp.int4_mma, "available", lambda: False)
-    assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "cuda"
-    monkeypatch.setattr(disp.int4_cuda, "available", lambda: False)
-    assert disp.choose(1, 5120, 17408, "q4_0", "fastest") == "triton"
-    monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_0"): {"invariant": "cuda", 1: "cuda", 2: "cuda",
-                                                                   16: "dequant_cublas", 256: "triton"}})
-    assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "cuda"
-    assert disp.choose(100, 5120, 17408, "q4_0", "invariant") == "cuda"        # one variant for every M
-    assert disp.choose(2, 5120, 17408, "q4_0", "fastest") == "cuda"
-    assert disp.choose(9, 5120, 17408, "q4_0", "fastest") == "dequant_cublas"  # bucket 16
-    assert disp.choose(3000, 5120, 17408, "q4_0", "fastest") == "triton"      # beyond the last bucket
-    assert disp.choose(4, 5120, 17408, "q4_0", "fastest") == "triton"         # bucket 4 unmeasured: rule
+    assert disp.choose(9, 5120, 17408, "q4_0", inv("invariant", 16)) == "cuda_wgmma_ws"
+    assert disp.choose(9, 2048, 2048, "q4_0", inv("invariant", 16)) == "cuda_mma_fold"    # small: below BIG
+    assert disp.choose(9, 2048, 2048, "q4_0", inv("invariant", 64)) == "triton"
+    assert disp.choose(9, 2048, 2048, "q8_0", inv("invariant", 64)) == "cuda_wgmma_ws_t128"  # no 16-bit Triton fold
+    monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_0"): {"invariant": "cuda",
+                                                                   "invariant_at": {1: "cuda_mma", 32: "triton"}}})
+    assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "cuda"        # no engine batch: the one pick
+    assert disp.choose(100, 5120, 17408, "q4_0", "invariant") == "cuda"      # one variant for every M
+    assert disp.choose(100, 5120, 17408, "q4_0", inv("invariant", 1)) == "cuda_mma"
+    assert disp.choose(1, 5120, 17408, "q4_0", inv("invariant", 16)) == "triton"   # the next measured B up
+    assert disp.choose(1, 5120, 17408, "q4_0", inv("invariant", 512)) == "triton"  # beyond: the last
     assert disp.choose(4, 4096, 4096, "q4_0", "invariant") == "triton"        # other shape: rule
-    assert disp.choose(1, 5120, 17408, "q4_0", "dequant_cublas") == "dequant_cublas"
-    # an invariant entry never names a batch-dependent variant
+    assert disp.choose(1, 5120, 17408, "q4_0", "cuda_wgmma") == "cuda_wgmma"  # forced
+    # a table entry naming no known variant falls back to the rule
     monkeypatch.setattr(disp, "MEASURED", {(64, 64, "q4_0"): {"invariant": "dequant_cublas"}})
     assert disp.choose(1, 64, 64, "q4_0", "invariant") == "triton"
-    with pytest.raises(ValueError):
-        disp.set_policy("fast")
+    for bad in ("fast", "fastest", "dequant_cublas"):
+        with pytest.raises(ValueError):
+            disp.set_policy(bad)
+        with pytest.raises(ValueError):
+            inv(bad, 8)
     with pytest.raises(ValueError):
         disp.set_policy("invariant", max_batch=0)
 
@@ -191,7 +195,6 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
     for fmt in ("q4_0", "q4_1"):
         disp.set_policy("invariant", max_batch=5)
         assert disp.choose(1, 5120, 17408, fmt) == "cuda_mma"
-        assert disp.choose(9, 5120, 17408, fmt, "fastest") == disp.rule(9, 5120, 17408, fmt, "fastest")  # no bucket
     monkeypatch.setitem(disp.MEASURED, (5120, 17408, "q4_1"), {"invariant": "cuda_wgmma"})
     disp.set_policy("invariant")
     assert disp.choose(1, 5120, 17408, "q4_0") == "cuda_wgmma"            # q4_1 before q4_k for q4_0
@@ -200,7 +203,8 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
     # big weights on sm_90; then the folded kernel to 32; else Triton
     monkeypatch.setattr(disp.int4_mma, "available", lambda: True)
     disp.set_policy("invariant", max_batch=8)
-    assert disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma_fold" and disp.choose(1, 4096, 4096, "q8_0") == "cuda_mma_fold"
+    assert (disp.choose(300, 4096, 4096, "q4_0") == "cuda_mma_fold"
+            and disp.choose(1, 4096, 4096, "q8_0") == "cuda_mma_fold")
     disp.set_policy("invariant", max_batch=32)
     assert {disp.choose(m, 4096, 4096, "q4_k") for m in (1, 32, 300)} == {"cuda_mma_fold"}
     disp.set_policy("invariant", max_batch=33)
@@ -209,7 +213,8 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
     assert {disp.choose(m, 4096, 4096, "q4_0") for m in (1, 33, 300)} == {"cuda_wgmma_ws"}
     assert disp.choose(1, 2048, 2048, "q4_0") == "triton"                 # below BIG
     disp.set_policy("invariant", max_batch=16)
-    assert disp.choose(1, 4096, 4096, "q4_k") == "cuda_wgmma_ws" and disp.choose(1, 2048, 2048, "q4_k") == "cuda_mma_fold"
+    assert (disp.choose(1, 4096, 4096, "q4_k") == "cuda_wgmma_ws"
+            and disp.choose(1, 2048, 2048, "q4_k") == "cuda_mma_fold")
     disp.set_policy("invariant")
     assert disp.choose(1, 4096, 4096, "q4_1") == "cuda_wgmma_ws"           # no engine batch: one pick for every M
 
@@ -260,19 +265,29 @@ def test_table_entries_from_recorded_runs(tmp_path, capsys):
                      "metrics.dequant_cublas_ok": 1})
     rows.append({**rows[0], "params.micro.n": "2048", "params.micro.k": "8192", "metrics.cuda_ok": 0})
     df = pd.DataFrame(rows)
-    entries = disp.table_entries(df)
+    entries = tables.table_entries(df)
     assert entries[(5120, 17408, "q4_0")] == {"invariant": "triton", 1: "cuda", 16: "triton", 128: "dequant_cublas",
                                               "invariant_at": {1: "cuda", 16: "triton", 128: "triton"}}
     assert entries[(2048, 8192, "q4_0")] == {"invariant": "triton", 1: "triton",   # cuda failed verification
                                              "invariant_at": {1: "triton"}}
     path = tmp_path / "runs.csv"
     df.to_csv(path, index=False)
-    assert disp.main(["--csv", str(path)]) == 0
-    printed = capsys.readouterr().out
-    assert "(5120, 17408, 'q4_0'): {'invariant': 'triton', 'invariant_at': {1: 'cuda'" in printed
+    out = tmp_path / "table.py"
+    assert tables.main(["--csv", str(path), "--out", str(out)]) == 0
+    generated = {}
+    exec(out.read_text(), generated)                      # the written module holds exactly the entries
+    assert generated["MEASURED"] == entries and out.read_text().startswith('"""Generated by onepass-int4-table')
+    assert tables.main(["--csv", str(path), "--out", str(out), "--check"]) == 0
+    out.write_text(out.read_text().replace("'triton'", "'cuda'", 1))   # a hand edit is caught
+    assert tables.main(["--csv", str(path), "--out", str(out), "--check"]) == 1
     with pytest.raises(SystemExit) as e:                   # a missing file: an argparse error naming it, exit 2
-        disp.main(["--csv", str(tmp_path / "missing.csv")])
+        tables.main(["--csv", str(tmp_path / "missing.csv")])
     assert e.value.code == 2 and "missing.csv: no such file" in capsys.readouterr().err
+
+
+def test_committed_table_is_what_the_recorded_runs_give():
+    """kernels/int4_measured.py is regenerated from experiments/int4_gemm/runs.csv, never edited by hand."""
+    assert tables.main(["--check"]) == 0
 
 
 def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
@@ -288,7 +303,7 @@ def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
     df = pd.DataFrame([{"params.micro.n": "2048", "params.micro.k": "8192", "params.micro.fmt": "q4_0",
                         "params.batch.size": str(b), **{f"metrics.{v}_us": t[v][i] for v in t}}
                        for i, b in enumerate(B)])
-    entry = disp.table_entries(df)[(2048, 8192, "q4_0")]
+    entry = tables.table_entries(df)[(2048, 8192, "q4_0")]
     assert entry["invariant"] == "triton" and entry[1] == "cuda_mma" and entry[128] == "dequant_cublas"
     # an engine built for B sequences takes the fastest batch-invariant kernel at B
     assert entry["invariant_at"] == {1: "cuda_mma", 2: "cuda_mma", 4: "cuda_mma", 8: "cuda_mma", 16: "cuda_mma",
@@ -301,15 +316,15 @@ def test_ws_variants_pay_their_chain_cost_in_the_picks():
     import pandas as pd
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cost = disp.CHAIN_US["cuda_wgmma_ws_t128"]
-    assert cost > 0 and set(disp.CHAIN_US) == set(disp.WS_CONFIGS)
+    cost = tables.CHAIN_US["cuda_wgmma_ws_t128"]
+    assert cost > 0 and set(tables.CHAIN_US) == set(disp.WS_CONFIGS)
     base = 10.0 + 40.0 * torch.rand(2, generator=g)
     near, far = (base - cost * torch.tensor([0.5, 1.5])).tolist()
     df = pd.DataFrame([{"params.micro.n": "5120", "params.micro.k": "6144", "params.micro.fmt": "q4_k",
                         "params.batch.size": str(b), "metrics.cuda_wgmma_x2_us": float(base[i]),
                         "metrics.cuda_wgmma_ws_t128_us": ws}
                        for i, (b, ws) in enumerate([(32, near), (128, far)])])
-    entry = disp.table_entries(df)[(5120, 6144, "q4_k")]
+    entry = tables.table_entries(df)[(5120, 6144, "q4_k")]
     assert entry[32] == entry["invariant_at"][32] == "cuda_wgmma_x2"
     assert entry[128] == entry["invariant_at"][128] == "cuda_wgmma_ws_t128"
 
@@ -333,23 +348,6 @@ def test_cuda_module_imports_and_configures_without_cupy():
 
 def _interp_or_gpu() -> bool:
     return ON_GPU or _INTERPRETED
-
-
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k", "q8_0"])
-def test_dequant_kernel_equals_unpack_ref(fmt):
-    if not _interp_or_gpu():
-        pytest.skip("triton imported without the interpreter; covered by test_in_interpreter_subprocess")
-    from tests.test_int4_gemm import QTYPE, random_raw
-
-    dev = "cuda" if ON_GPU else "cpu"
-    N, K = (40, 512) if fmt == "q4_k" else (40, 96)
-    pw = pack(random_raw(fmt, N, K, 7, device=dev), QTYPE[fmt], (N, K))
-    dst = torch.empty(N, K, dtype=torch.float32, device=dev)
-    disp.dequantize_into(pw, dst)
-    assert torch.equal(dst, unpack_ref(pw))
-    if ON_GPU:
-        d16 = torch.empty(N, K, dtype=torch.bfloat16, device=dev)
-        assert torch.equal(disp.dequantize_into(pw, d16), unpack_ref(pw).bfloat16())
 
 
 def test_in_interpreter_subprocess():

@@ -1,4 +1,4 @@
-"""Decode attention kernel (onepass/kernels/decode_attention.py) against the torch reference (attention_ref).
+"""Decode attention kernel (kernels/decode_attention.py) against the torch reference (attention_ref).
 
 Where the kernels run:
 * CUDA available: every test runs on the GPU (the small ones too).
@@ -104,12 +104,14 @@ def _ref(c, scale=None):
 def _assert_close(out, ref, dtype, what):
     tol = TOL[dtype]
     err = (out.float() - ref.float()).abs().max().item()
-    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol), _msg(f"{what}: max abs err {err:.3g} > tol {tol}")
+    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol), \
+        _msg(f"{what}: max abs err {err:.3g} > tol {tol}")
 
 
 def _bitwise(a, b):
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32),
-                                              b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32))
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32),
+        b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,8 +144,8 @@ def test_paged_reference_matches_contiguous_reference():
     # and both equal attention_ref called on each row alone
     q, s, p = c["q"], c["slots"].long(), c["positions"].long()
     for r in range(len(s)):
-        one = attention_ref(q[r:r + 1, None], c["k_dense"][s[r:r + 1], : p[r] + 1], c["v_dense"][s[r:r + 1], : p[r] + 1],
-                            p[r:r + 1, None])[:, 0]
+        one = attention_ref(q[r:r + 1, None], c["k_dense"][s[r:r + 1], : p[r] + 1],
+                            c["v_dense"][s[r:r + 1], : p[r] + 1], p[r:r + 1, None])[:, 0]
         assert torch.allclose(one, dense[r:r + 1], atol=1e-6, rtol=1e-6), _msg(f"row {r}")
 
 
@@ -243,7 +245,8 @@ def test_row_ignores_other_slots_later_positions_and_stale_buffers(layout):
 # CPU-only: the kernel tests above, in a child process under the Triton interpreter
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
     run_in_interpreter(__file__, _msg(""), DECODE_ATTN_SEED=str(SEED))
 

@@ -96,7 +96,7 @@ def test_references_agree_with_model_ops():
     v_cache = torch.zeros_like(k_cache)
     q = rope_kv_write_ref(qkv, positions, slots, rope_cache(inv, 40), k_cache, v_cache, nh, kvh, D,
                           q_norm=qn, k_norm=kn, eps=1e-6)
-    # the model's path (onepass/engine/models/llama.py + qwen3.py): view, per-head norm, rope_cos_sin, apply_rope_ref
+    # the model's path (engine/models/llama.py + qwen3.py): view, per-head norm, rope_cos_sin, apply_rope_ref
     cos, sin = rope_cos_sin(positions, inv)
     q_m = apply_rope_ref(rms_norm_ref(qkv[:, : nh * D].view(R, nh, D), qn, 1e-6), cos, sin)
     k_m = apply_rope_ref(rms_norm_ref(qkv[:, nh * D: (nh + kvh) * D].view(R, kvh, D), kn, 1e-6), cos, sin)
@@ -256,7 +256,7 @@ def test_embedding_packed_is_the_dense_table(fmt):
     """A packed table's gather (the file's bytes kept, each row decoded on the fly): bitwise the rows of the dense
     table the loader makes (unpack_ref rounded once to the model's dtype), fp32 rows when no out is given, any id
     shape; bad ids' dtype and out shapes refused."""
-    from onepass.engine.quant_pack import unpack_ref
+    from onepass.kernels.quant_pack import unpack_ref
     from onepass.harness.int4_bench import random_packed
 
     g = _gen(51)

@@ -1,4 +1,4 @@
-"""GDN decode kernels (onepass/kernels/gdn.py) against their torch references (which call Qwen35Model's own
+"""GDN decode kernels (kernels/gdn.py) against their torch references (which call Qwen35Model's own
 causal_conv / delta_rule) and against the model's multi-token recurrence.
 
 Where the kernels run (same scheme as tests/test_kernels_decode_attention.py):
@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onepass.engine.models.qwen35 import Qwen35Model, l2norm
-from onepass.kernels.gdn import (UpdateLog, conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref, gdn_step_triton,
-                         materialize_state)
+from onepass.kernels.gdn_ref import causal_conv, delta_rule, l2norm
+from onepass.kernels.gdn import (UpdateLog, conv_ring_update_ref, conv_ring_update_triton, gdn_step_ref,
+                                 gdn_step_triton, materialize_state)
 from tests.interpreter import run_in_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -171,13 +171,13 @@ def _model_tokens(qkv, a_in, b_in, w, A, dt, ring, pool, slots, hk, hv, dk, dv):
     B, T, _ = qkv.shape
     beta = torch.sigmoid(b_in.float())
     g = A.float() * F.softplus(a_in.float() + dt.float())
-    c = Qwen35Model.causal_conv(qkv, w, ring, slots)
+    c = causal_conv(qkv, w, ring, slots)
     q, k, v = c.split((hk * dk, hk * dk, hv * dv), dim=-1)
     q = l2norm(q.reshape(B, T, hk, dk)) * dk ** -0.5
     k = l2norm(k.reshape(B, T, hk, dk))
     rep = hv // hk
     q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    return Qwen35Model.delta_rule(q, k, v.reshape(B, T, hv, dv), g, beta, pool, slots)
+    return delta_rule(q, k, v.reshape(B, T, hv, dv), g, beta, pool, slots)
 
 
 @needs_kernel
@@ -352,7 +352,7 @@ def _write_back_steps(M, state_dtype, lens_per_step, salt, hk=2, hv=6, dk=16, dv
     Triton forms give the same bits, the references agree with them, and the rebuilt states equal the state written
     every token."""
     g = _gen(salt)
-    A, dt = -torch.exp(_randn(g, hv) * 0.5), _randn(g, hv) * 0.5
+    _A, _dt = -torch.exp(_randn(g, hv) * 0.5), _randn(g, hv) * 0.5
     init = (_randn(g, N_SLOTS, hv, dk, dv) * 0.3).to(state_dtype)
     pools = {f: init.clone() for f in ("te", "tl", "re", "rl")}
     logs = {f: UpdateLog.empty(N_SLOTS, hv, dk, dv, M, DEV, block_v=block_v) for f in ("tl", "rl")}
@@ -423,7 +423,7 @@ def test_write_back_refusals():
 
 @needs_kernel
 def test_state_read_before_the_wait_keeps_the_bits():
-    """The graphed form reads each run's state before its PDL wait (onepass/kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS):
+    """The graphed form reads each run's state before its PDL wait (kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS):
     with ragged runs, a run at position 0 over a NaN-filled slot, an empty run and a padding row, it writes the same
     output and state bits as the eager order, and both agree with the reference."""
     hk, hv, dk, dv = 2, 6, 16, 16
@@ -454,7 +454,8 @@ def test_state_read_before_the_wait_keeps_the_bits():
 # CPU-only: the kernel tests above, in a child process under the Triton interpreter
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
     run_in_interpreter(__file__, _msg(""), GDN_SEED=str(SEED))
 

@@ -1,5 +1,5 @@
 """The hybrid model's small kernels against their torch references: gated q/k norm + partial RoPE + KV write
-and the sigmoid output gate (onepass/kernels/gated_attention.py), the GDN gated RMSNorm (onepass/kernels/gdn.py).
+and the sigmoid output gate (kernels/gated_attention.py), the GDN gated RMSNorm (kernels/gdn.py).
 
 Where they run: as tests/test_kernels_gdn.py (GPU in-process; CPU under TRITON_INTERPRET=1 in-process, or
 in a child pytest started by test_cpu_kernels_in_interpreter_subprocess). fp32 results within 1e-5
@@ -125,6 +125,7 @@ def test_gated_rms_norm_into_permuted_columns():
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
     run_in_interpreter(__file__, _msg(""), KERNEL_TEST_SEED=str(SEED))

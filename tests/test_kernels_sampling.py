@@ -1,4 +1,4 @@
-"""On-device argmax and temperature / top-k / top-p sampling (onepass/kernels/sampling.py) against the torch
+"""On-device argmax and temperature / top-k / top-p sampling (kernels/sampling.py) against the torch
 references, plus statistical checks of the sampled distribution.
 
 Where the kernels run: as in tests/test_kernels_elementwise.py. CUDA available: everything on the
@@ -6,7 +6,7 @@ GPU. CPU only: the kernel tests run in-process under TRITON_INTERPRET=1 when it 
 otherwise `test_cpu_kernels_in_interpreter_subprocess` reruns this file in a child pytest with the
 variable set (Triton picks interpreter vs compiler when the kernels are decorated, i.e. at import,
 which another test module may already have done in this process). The pure-torch tests (Philox
-known answers, the reference's distribution, the reference vs onepass/engine/sampler.py) run everywhere.
+known answers, the reference's distribution, the reference vs engine/sampler.py) run everywhere.
 On CPU the chunk size is lowered (MAX_CHUNK = 64) so tiny vocabularies still span several chunks.
 
 What is compared, and how exactly:
@@ -163,7 +163,7 @@ def test_philox_known_answers():
 
 
 def test_reference_threshold_matches_engine_sampler():
-    """Without ties, the kept set is exactly onepass/engine/sampler.py's filter_logits (the CPU sampler's spec)."""
+    """Without ties, the kept set is exactly engine/sampler.py's filter_logits (the CPU sampler's spec)."""
     g = _gen(1)
     V = 200
     for trial in range(20):
@@ -199,7 +199,7 @@ def test_reference_distribution(T, k, p):
 @needs_kernel
 def test_uniforms_match_torch_mirror():
     g = _gen(10)
-    R, V = 5, 37
+    V = 37
     seeds = torch.tensor([0, -1, 2 ** 40 + 3, -(2 ** 62), int(torch.randint(0, 2 ** 62, (1,), generator=g))]).to(DEV)
     for step in (torch.tensor(7), torch.tensor([2 ** 33 + 5]), torch.tensor([0, 1, -1, 2 ** 32, 123456789])):
         step = step.to(DEV)

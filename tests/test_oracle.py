@@ -13,7 +13,6 @@ from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.static_batch import generate_static
 from onepass.engine.tokenizer import Tokenizer
-from onepass.kernels.ops import get_ops
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -24,17 +23,19 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 
 def ours(path):
     cfg, w, _ = load_gguf(path, progress=False)
-    return build_model(cfg, w, get_ops("torch"))
+    return build_model(cfg, w)
 
 
 def full_logits(model, ids):
     kv = ContiguousKVCache(model.cfg, 1, len(ids) + 1, torch.float32, "cpu")
-    return model.forward(torch.tensor([ids]), torch.arange(len(ids)).view(1, -1), torch.tensor([0]), kv, last_only=False)[0]
+    return model.forward(torch.tensor([ids]), torch.arange(len(ids)).view(1, -1), torch.tensor([0]), kv,
+                         last_only=False)[0]
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                                           dtype=torch.float32)
     return ours(smollm2_path), hf.eval(), Tokenizer.from_gguf(smollm2_path)
 
 

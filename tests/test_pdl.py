@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (onepass/kernels/pdl.py): every kernel that may be launched with it keeps the contract
+"""Programmatic dependent launch (kernels/pdl.py): every kernel that may be launched with it keeps the contract
 (trigger, then wait, before touching anything but weights), and a step's outputs are bitwise the same with it
 on and off."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from onepass.kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws, pdl
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_FILES = sorted((ROOT / "onepass" / "kernels").glob("*.py"))
+KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
 
 
 def _jit_functions(tree):
@@ -32,7 +32,7 @@ def _launched_kernels(tree):
             yield node.func.value.id, node
 
 
-# the one kernel that reads before its wait (onepass/kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS): under which constexpr, and
+# the one kernel that reads before its wait (kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS): under which constexpr, and
 # the only calls it may make there (its run's bounds and its slot's state, never an input the kernel before writes)
 PRE_WAIT_READS = {("gdn.py", "_gdn_step_kernel"): ("STATE_EARLY", {"_run", "_load_state"})}
 
@@ -65,7 +65,7 @@ def _after_pre_wait_reads(body: list, allowed: tuple, where: str) -> list:
 
 
 def test_every_launched_triton_kernel_enters_with_pdl():
-    """A kernel launched from onepass/kernels/ takes PDL, its first statement is pdl.enter(PDL) (PRE_WAIT_READS: after its
+    """A kernel launched from kernels/ takes PDL, its first statement is pdl.enter(PDL) (PRE_WAIT_READS: after its
     allowed reads), and its launch passes pdl.triton_opts (which sets PDL and launch_pdl together: the attribute never
     comes without the wait)."""
     checked = 0
@@ -325,7 +325,7 @@ def _on_off(fn):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", CONFIGS)
-def test_gpu_dense_hybrid_same_tokens_with_pdl(ggufs, name):
+def test_gpu_dense_hybrid_same_tokens_with_pdl(ggufs, name):  # noqa: F811 (ggufs: the imported fixture)
     from tests.test_fused_qwen35 import prompt
     assert pdl.supported(torch.cuda.current_device()), "the H200 path runs with PDL: it must be supported"
     runs = _on_off(lambda: gpu_run(ggufs[name], 8, prompt(73, 11), 24))

@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from hypothesis import given, settings, strategies as st
 
-from onepass.engine.errors import GGUFError
+from onepass.kernels.errors import GGUFError
 from onepass.engine.quant import SUPPORTED_TYPES, dequantize
 
 QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K]
@@ -94,7 +94,8 @@ def test_known_values():
         return dequantize(torch.from_numpy(np.concatenate(parts)), qtype, (32,)).tolist()
 
     nib = np.arange(16, dtype=np.uint8)
-    assert decode([f16(0.5), np.arange(-16, 16, dtype=np.int8).view(np.uint8)], QT.Q8_0) == [0.5 * i for i in range(-16, 16)]
+    assert (decode([f16(0.5), np.arange(-16, 16, dtype=np.int8).view(np.uint8)], QT.Q8_0)
+            == [0.5 * i for i in range(-16, 16)])
     low_then_high = [*range(16), *range(15, -1, -1)]  # low nibbles are elements 0-15, high nibbles 16-31
     assert decode([f16(2.0), nib | ((15 - nib) << 4)], QT.Q4_0) == [2.0 * (v - 8) for v in low_then_high]
     assert decode([f16(1.0), f16(-3.0), nib | ((15 - nib) << 4)], QT.Q4_1) == [v - 3.0 for v in low_then_high]

@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from onepass.engine.config import LAYER_ATTENTION, LAYER_GDN, ModelConfig
-from onepass.engine.errors import ConfigError, GGUFError
+from onepass.kernels.errors import ConfigError, GGUFError
 from onepass.engine.gguf_loader import config_from_metadata, load_gguf
 from onepass.engine.gguf_meta import read_metadata
 from onepass.engine.gguf_writer import random_weights, write_gguf
@@ -33,7 +33,6 @@ from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
 from onepass.engine.static_batch import generate_static
-from onepass.kernels.ops import get_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -149,7 +148,7 @@ def tiny(tmp_path_factory):
         given = random_weights(cfg, seed=SEEDS[name])
         write_gguf(path, cfg, given, weight_type="f32")
         lcfg, w, _ = load_gguf(path, progress=False)
-        out[name] = (path, given, lcfg, w, build_model(lcfg, w, get_ops("torch")), hf_from_gguf(path))
+        out[name] = (path, given, lcfg, w, build_model(lcfg, w), hf_from_gguf(path))
     return out
 
 
@@ -269,7 +268,7 @@ def test_quantized_file_matches_transformers(tmp_path):
     assert types["blk.0.ssm_out.weight"] == QT.Q8_0 and types["blk.0.ssm_conv1d.weight"] == QT.F32
     assert torch.equal(w["blk.0.ssm_out.weight"], tiled_to_hf(raw["blk.0.ssm_out.weight"], 1, 2, 6, 16))
     ids = prompt(13, 16)
-    got = build_model(lcfg, w, get_ops("torch")).forward(
+    got = build_model(lcfg, w).forward(
         torch.tensor([ids]), torch.arange(16).view(1, -1), torch.tensor([0]), cache(lcfg), last_only=False)[0]
     with torch.no_grad():
         ref = hf_from_gguf(path)(torch.tensor([ids])).logits[0]
@@ -395,7 +394,7 @@ def test_conv_ring_in_activation_dtype_is_exact(tiny):
     already that dtype, so a bf16 model gives the same logits and ring contents as with fp32 rings."""
     _, _, cfg, w, _, _ = tiny["3x-value-heads"]
     wb = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in w.items()}
-    model = build_model(cfg, wb, get_ops("torch"))
+    model = build_model(cfg, wb)
     narrow = HybridCache.create(cfg, 1, 64, torch.bfloat16, "cpu")
     wide = HybridCache(drop_recurrent_kv(ContiguousKVCache(cfg, 1, 64, torch.bfloat16, "cpu"), cfg), StatePool(cfg, 1))
     assert narrow.state.conv[0].dtype == torch.bfloat16 and wide.state.conv[0].dtype == torch.float32
@@ -460,13 +459,15 @@ def test_bad_metadata_names_key_and_file(tiny, key, value, message):
         del meta[f"qwen35.{key}"]
     else:
         meta[f"qwen35.{key}"] = value
-    with pytest.raises(GGUFError, match="^" + re.escape(f"{path}: metadata key qwen35.{key} ") + ".*" + re.escape(message)):
+    with pytest.raises(GGUFError,
+                       match="^" + re.escape(f"{path}: metadata key qwen35.{key} ") + ".*" + re.escape(message)):
         config_from_metadata(meta, str(path))
 
 
 def test_bad_metadata_through_load_gguf(tmp_path, monkeypatch):
     cfg = CONFIGS["equal-heads"]
-    monkeypatch.setattr(gguf.GGUFWriter, "add_ssm_inner_size", lambda self, v: self.add_uint32("qwen35.ssm.inner_size", v + 1))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_ssm_inner_size",
+                        lambda self, v: self.add_uint32("qwen35.ssm.inner_size", v + 1))
     path = _write(tmp_path, cfg, random_weights(cfg, seed=1))
     with pytest.raises(GGUFError, match=r"bad\.gguf: metadata key qwen35\.ssm\.inner_size \(33\) is not a multiple"):
         load_gguf(path, progress=False)

@@ -1,7 +1,7 @@
 """A qwen35 GGUF loaded with keep_quantized=True (engine.weights=packed): its projections stay packed
-(onepass/engine/quant_pack.PackedWeight) and the fused hybrid decoder runs them through kernels.linear's packed path.
+(kernels/quant_pack.PackedWeight) and the fused hybrid decoder runs them through kernels.linear's packed path.
 
-Files: tiny synthetic qwen35 GGUFs (onepass/engine/gguf_writer) with quantized matrices -- test_fused_qwen35's two
+Files: tiny synthetic qwen35 GGUFs (engine/gguf_writer) with quantized matrices -- test_fused_qwen35's two
 shapes (equal heads, tied head; 3x value heads, untied head, an MTP block) in Q4_0 and Q8_0, and a wider one
 (4x value heads, rows of 256) in Q4_K, whose projections are random-but-valid Q4_K blocks.
 
@@ -33,7 +33,7 @@ from onepass.engine.gguf_loader import (GDN_PACKABLE_PROJECTIONS, INPUT_ORDER, P
                                 load_gguf)
 from onepass.engine.gguf_writer import random_weights, write_gguf
 from onepass.engine.quant import dequantize
-from onepass.engine.quant_pack import PackedWeight, unpack_ref
+from onepass.kernels.quant_pack import PackedWeight, unpack_ref
 from onepass.engine.runner import GraphStepper
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.state_pool import HybridCache
@@ -134,7 +134,8 @@ def test_packed_projections_unpack_to_the_dequantized_weights(files, case):
         order = packed.get(f"blk.{i}.ssm_out{INPUT_ORDER}")
         if order is not None:
             x = torch.randn(3, cfg.gdn_value_dim, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
-            w_file, w = unpack_ref(packed[f"blk.{i}.ssm_out.weight"]).double(), dense[f"blk.{i}.ssm_out.weight"].double()
+            w_file, w = (unpack_ref(packed[f"blk.{i}.ssm_out.weight"]).double(),
+                         dense[f"blk.{i}.ssm_out.weight"].double())
             torch.testing.assert_close(x[:, order] @ w_file.T, x @ w.T, rtol=1e-12, atol=1e-12)
 
 
@@ -214,6 +215,7 @@ def test_triton_packed_within_bf16_error(files, case):
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
     run_in_interpreter(__file__, "(packed qwen35 under the Triton interpreter)")

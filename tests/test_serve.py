@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from onepass.engine.block_manager import BlockManager
-from onepass.engine.errors import ConfigError
+from onepass.kernels.errors import ConfigError
 from onepass.engine.fused_model import FusedDecoder
 from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
@@ -16,7 +16,6 @@ from onepass.engine.scheduler import Request, Scheduler
 from onepass.engine.serve import ServingEngine
 from onepass.engine.static_batch import generate_static
 from onepass.kernels.backend import get_step_kernels
-from onepass.kernels.ops import get_ops
 
 CTX, BS = 64, 4
 # a 13-token shared prefix: three full blocks of 4 (12 rows pad to a 16-row bucket when pinned) + one token
@@ -27,7 +26,7 @@ SHARED = list(range(7, 20))
 def setup(tiny_ggufs):
     cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
     fused = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=CTX + 1)
-    ref_model = build_model(cfg, w, get_ops("torch"))
+    ref_model = build_model(cfg, w)
     rng = random.Random(0)
     prompts = [SHARED + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 8))] for _ in range(6)]
     prompts += [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 14))] for _ in range(6)]

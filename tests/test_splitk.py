@@ -1,4 +1,4 @@
-"""Split-K partials handed to the consuming kernel (onepass/kernels/splitk.py): the residual add + RMSNorm and SwiGLU fed a
+"""Split-K partials handed to the consuming kernel (kernels/splitk.py): the residual add + RMSNorm and SwiGLU fed a
 SplitSums give bitwise what they give on the reduce kernel's output, and the GEMMs' defer=True hands back partials
 that do. Where kernels run: as tests/test_kernels_elementwise.py (the GPU, or the CPU interpreter, in this process
 under TRITON_INTERPRET=1 or in a child process otherwise); the CUDA mma kernel's deferral on the GPU only."""
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onepass.kernels.gemm import linear, splitk_reduce
+from onepass.kernels.gemm import linear
+from onepass.kernels.splitk import splitk_reduce
 from onepass.kernels.int4_gemm import w4a16_linear
 from onepass.kernels.rmsnorm import add_rms_norm_triton
 from onepass.kernels.splitk import SplitSums
@@ -17,7 +18,7 @@ from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, need
 
 
 def _reduce_kernel(ws: torch.Tensor, dtype: torch.dtype, rne: bool) -> torch.Tensor:
-    """The reduce the consumers replace (onepass/kernels/gemm.py's; int4_cuda's adds in the same order)."""
+    """The reduce the consumers replace (kernels/gemm.py's; int4_cuda's adds in the same order)."""
     S, M, N = ws.shape
     return splitk_reduce(ws, torch.empty(M, N, dtype=dtype, device=ws.device), S, rne)
 
@@ -123,7 +124,7 @@ def _split_kernels(honor_defer: bool):
     Triton W4A16 kernel), deferring or not."""
     from dataclasses import replace
 
-    from onepass.engine.quant_pack import PackedWeight
+    from onepass.kernels.quant_pack import PackedWeight
     from onepass.kernels.backend import get_step_kernels
 
     def lin(x, w, out=None, defer=False, x_image=None):
@@ -160,7 +161,8 @@ def test_fused_decoders_consume_partials(tiny_ggufs, tmp_path):
                        lambda c: ContiguousKVCache(c, 3, 32, torch.bfloat16, DEV)),
              "qwen35": (lambda: loaded(tmp_path / "h.gguf"), FusedQwen35Decoder, hcache),
              "qwen35-packed": (lambda: (hybrid, dict(LazyWeights(hybrid, torch.bfloat16, DEV, seed=5,
-                                                                 packed_fmt="q4_0").items())), FusedQwen35Decoder, hcache)}
+                                                                 packed_fmt="q4_0").items())),
+                               FusedQwen35Decoder, hcache)}
     tokens = torch.tensor([5, 9, 7, 3], device=DEV)
     positions, slots = torch.tensor([0, 0, 1, 1], device=DEV), torch.tensor([0, 1, 0, 1], device=DEV)
     for name, (weights, cls, cache) in cases.items():

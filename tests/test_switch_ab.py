@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from onepass.engine.errors import ConfigError
+from onepass.kernels.errors import ConfigError
 from onepass.engine.fused_qwen35 import Projection
 from onepass.harness import switch_ab
 
@@ -23,8 +23,9 @@ def test_values_from_files_are_literals_and_print_by_path(tmp_path):
     from onepass.kernels import int4_dispatch
 
     old = tmp_path / "old_dispatch.py"
-    old.write_text("X = 1\nMEASURED: dict = {(8, 8, 'q4_0'): {'invariant': 'triton'}}\nMEASURED = {(64, 64, 'q4_0'): {}}\n")
-    s = switch_ab.parse_switch(f"kernels.int4_dispatch.MEASURED=@{old},@onepass/kernels/int4_dispatch.py")
+    old.write_text("X = 1\nMEASURED: dict = {(8, 8, 'q4_0'): {'invariant': 'triton'}}\n"
+                   "MEASURED = {(64, 64, 'q4_0'): {}}\n")
+    s = switch_ab.parse_switch(f"kernels.int4_dispatch.MEASURED=@{old},@kernels/int4_measured.py")
     assert s.values[0] == {(64, 64, "q4_0"): {}}                 # the last top-level assignment
     assert s.values[1] == int4_dispatch.MEASURED and s.values[1] is not int4_dispatch.MEASURED
     assert switch_ab.variant_name([s], (s.values[0],)) == f"MEASURED=@{old}"
@@ -54,7 +55,8 @@ def test_cli_refuses_bad_arguments_with_exit_2(capsys):
     assert "--switch" in capsys.readouterr().err
     assert switch_ab.main(["--switch", "engine.fused_qwen35.Projection.concurrent=True,False", "--batches", "a"]) == 2
     assert "--batches 'a'" in capsys.readouterr().err
-    assert switch_ab.main(["experiment=hybrid_27b_q5", "--switch", "engine.fused_qwen35.Projection.concurrent=True,False"]) == 2
+    assert switch_ab.main(["experiment=hybrid_27b_q5", "--switch",
+                           "engine.fused_qwen35.Projection.concurrent=True,False"]) == 2
     assert "experiment/hybrid_27b_q5" in capsys.readouterr().err
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
-from onepass.engine.errors import GGUFError
+from onepass.kernels.errors import GGUFError
 from onepass.engine.tokenizer import Tokenizer
 
 TEXTS = [

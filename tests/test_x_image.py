@@ -1,4 +1,4 @@
-"""onepass/kernels/x_image.py: a ws GEMM's staged x written by the kernel that makes x.
+"""kernels/x_image.py: a ws GEMM's staged x written by the kernel that makes x.
 
 - the image's offsets are a permutation of the buffer (every element written once), partial tiles are refused;
 - the Triton producers (RMSNorm, residual add + RMSNorm in both its one-program and chunked forms, SwiGLU, on plain
@@ -158,7 +158,8 @@ def test_producers_refuse_an_image_of_another_shape():
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
     run_in_interpreter(__file__, "(x images under the Triton interpreter)")
 
@@ -168,7 +169,7 @@ def test_cpu_kernels_in_interpreter_subprocess():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [16, 32])
-def test_gpu_hybrid_tokens_with_images(packed_file, B, monkeypatch):
+def test_gpu_hybrid_tokens_with_images(packed_file, B, monkeypatch):  # noqa: F811 (the imported fixture)
     from onepass.kernels import int4_dispatch as disp
     from onepass.kernels import int4_wgmma_ws as ws
     from tests.test_fused_qwen35 import prompt

@@ -1,0 +1,111 @@
+"""The decode step as a flat sequence of kernels over rows, on preallocated buffers.
+
+Same math as engine/models/llama.py, arranged for the GPU: row r is one token of slot `slots[r]` at
+position `positions[r]`, so a decode step is one row per slot and a batched prefill is many rows per
+slot, through the same kernels. q|k|v and gate|up are fused into one GEMM each; RoPE, Qwen3's q/k
+norm and the KV write are one kernel; the residual add is fused into the next RMSNorm. With the
+Triton kernels every row's arithmetic is independent of how many rows the step holds, which is what
+makes B streams bit-exact with a single-stream run.
+"""
+from __future__ import annotations
+
+import torch
+
+from onepass.engine.config import ModelConfig
+from onepass.engine.models.base import DecoderBase
+from onepass.engine.projection import Projection
+from onepass.kernels.backend import StepKernels
+from onepass.kernels.quant_pack import PackedWeight
+from onepass.kernels.rope import rope_cache, rope_inv_freq
+
+
+def tensor_bytes(t) -> int:
+    return t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
+
+
+class FusedHead(DecoderBase):
+    """What both fused decoders end with: the final norm and the LM head over the rows that sample."""
+
+    k: StepKernels
+
+    def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None,
+               normed: torch.Tensor | None = None) -> torch.Tensor:
+        img = self.k.x_image(hidden_rows, self.lm_head)
+        normed = self.k.rms_norm(hidden_rows, self.out_norm, self.cfg.norm_eps, out=normed, image=img)
+        return self.k.linear(normed, self.lm_head, out=out, x_image=img)
+
+
+class FusedDecoder(FusedHead):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int):
+        self.cfg, self.k = cfg, kernels
+        self._init_head(weights)
+        self.rope = rope_cache(rope_inv_freq(cfg.head_dim, cfg.rope_theta, weights.get("rope_freqs.weight")), max_pos)
+        self.rope = self.rope.to(self.embed.device)
+        self.layers = []
+        for i in range(cfg.n_layers):
+            def proj(*names, i=i):
+                # q|k|v of mixed formats (a Q4_K_M file's Q6_K v) are dequantized into one GEMM
+                return Projection([weights[f"blk.{i}.{n}.weight"] for n in names], kernels, dequant_mixed=self.dtype)
+
+            self.layers.append({
+                "attn_norm": weights[f"blk.{i}.attn_norm.weight"], "ffn_norm": weights[f"blk.{i}.ffn_norm.weight"],
+                "qkv": proj("attn_q", "attn_k", "attn_v"), "o": proj("attn_output"),
+                "gate_up": proj("ffn_gate", "ffn_up"), "down": proj("ffn_down"),
+                "q_norm": weights.get(f"blk.{i}.attn_q_norm.weight"),
+                "k_norm": weights.get(f"blk.{i}.attn_k_norm.weight"),
+            })
+
+    def weight_bytes(self) -> int:
+        """Bytes one step reads from weights (embedding rows are a gather: not counted); packed weights
+        count their packed bytes (quantized values + scales)."""
+        n = tensor_bytes(self.lm_head) + tensor_bytes(self.out_norm)
+        for layer in self.layers:
+            n += sum(t.nbytes if isinstance(t, Projection) else tensor_bytes(t) for t in layer.values()
+                     if t is not None)
+        return n
+
+    def packed_weights(self) -> list[PackedWeight]:
+        """The projections kept quantized (for sizing the int4 workspaces before CUDA-graph capture)."""
+        ws = [w for layer in self.layers for p in layer.values() if isinstance(p, Projection)
+              for w in p.weights if isinstance(w, PackedWeight)]
+        return ws + ([self.lm_head] if isinstance(self.lm_head, PackedWeight) else [])
+
+    def buffers(self, rows: int) -> dict[str, torch.Tensor]:
+        """Every activation of a step with `rows` rows, allocated once (a CUDA graph replays on them)."""
+        c, dev, dt = self.cfg, self.device, self.dtype
+        e = lambda *s, dtype=dt: torch.empty(*s, device=dev, dtype=dtype)  # noqa: E731
+        return {
+            "residual": e(rows, c.dim), "h": e(rows, c.dim), "qkv": e(rows, c.q_dim + 2 * c.kv_dim),
+            "q": e(rows, c.n_heads, c.head_dim), "attn": e(rows, c.n_heads, c.head_dim), "x": e(rows, c.dim),
+            "gate_up": e(rows, 2 * c.ffn_dim), "act": e(rows, c.ffn_dim),
+        }
+
+    def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None) -> torch.Tensor:
+        """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm).
+        Every position must be < max_len (default: the cache's ctx)."""
+        c, k, eps = self.cfg, self.k, self.cfg.norm_eps
+        res, h, x = buf["residual"], buf["h"], buf["x"]
+        k.embedding(tokens, self.embed, out=res)
+        # img: the next GEMM's staged x, written by the kernel that makes x (k.x_image, kernels/x_image.py)
+        for i, layer in enumerate(self.layers):
+            img = layer["qkv"].image(h)
+            if i == 0:
+                k.rms_norm(res, layer["attn_norm"], eps, out=h, image=img)
+            else:
+                k.add_rms_norm(x, res, layer["attn_norm"], eps, out=h, image=img)  # res += x (the last FFN output)
+            layer["qkv"](h, buf["qkv"], x_image=img)
+            k.rope_kv_write(buf["qkv"], positions, slots, self.rope, kv.k[i], kv.v[i], c.n_heads, c.n_kv_heads,
+                            c.head_dim, q_norm=layer["q_norm"], k_norm=layer["k_norm"], eps=eps,
+                            block_table=block_table, q_out=buf["q"])
+            k.decode_attention(buf["q"], kv.k[i], kv.v[i], slots, positions, block_table=block_table,
+                               out=buf["attn"], workspace=attn_ws, max_len=max_len or kv.ctx)
+            # the o, gate|up and down GEMMs may leave split-K partials for the next kernel to add (kernels/splitk.py)
+            x = layer["o"](buf["attn"].view(-1, c.q_dim), buf["x"], defer=True)
+            img = layer["gate_up"].image(h)
+            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h, image=img)
+            gate_up = layer["gate_up"](h, buf["gate_up"], defer=True, x_image=img)
+            img = layer["down"].image(buf["act"])
+            k.swiglu(gate_up, out=buf["act"], image=img)
+            x = layer["down"](buf["act"], buf["x"], defer=i + 1 < len(self.layers), x_image=img)
+        k.add_residual(x, res)
+        return res

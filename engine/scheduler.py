@@ -1,0 +1,284 @@
+"""Which rows each step computes, over a fixed set of slots.
+
+A request feeds its tokens (prompt, then each sampled token) into its slot's KV positions in order.
+`computed` counts positions already written; a step feeds the next rows of some requests, and a
+request samples when its last fed row is its newest token, so prefill and decode are one thing.
+- mode "static": a wave of requests fills the slots; the next wave waits until every slot is free.
+- mode "continuous": a slot freed by a finished request is refilled from the queue the next step.
+- prefill "token": one row per running request per step (the seed's way: prompt tokens through the
+  decode step); "chunked": decode rows first, then prompt chunks of waiting prefills under a per-step
+  token budget.
+- shared-prefix burst (token prefill with automatic prefix caching, `prefix_burst` > 0): when the next
+  waiting request shares an uncached block-aligned prompt prefix with the one just admitted, that one
+  feeds the prefix as one chunk and admission pauses for the step; the next step's requests find the
+  prefix's blocks in the cache. The seed's pinned prefix, found from the queue instead of configured.
+With a block manager (paged KV) a request is admitted only when blocks for its uncached prompt can be
+had; when growth finds the pool empty the youngest other request is preempted (its blocks freed, its
+tokens recomputed later; greedy output is unchanged because every row's arithmetic is batch-invariant).
+
+A step's bookkeeping is split in two so the serving loop can prepare step t+1 while step t runs:
+`advance(plan)` right after the step is launched (positions written, one sampled token now in flight,
+requests that reach their max-gen retired, their slots and blocks freed), and `receive(plan, ids)` once
+the sampled ids arrive (appended; a stop token retires its request, and a token computed after that
+stop is dropped). A row whose token is still in flight reads it on the device (`Scheduled.feed_device`).
+`finish_step` does both at once (the synchronous loop).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from onepass.engine.block_manager import BlockManager
+from onepass.kernels.errors import ConfigError
+
+MODES = ("static", "continuous")
+PREFILLS = ("token", "chunked")
+
+
+def check_token_budget(prefill: str, token_budget: int, num_slots: int) -> None:
+    """A chunked-prefill step must hold a decode row for every slot."""
+    if prefill == "chunked" and token_budget < num_slots:
+        raise ConfigError(f"scheduler.token_budget={token_budget} is below the {num_slots} decode rows a step may need "
+                          f"(batch.size={num_slots}); set scheduler.token_budget >= {num_slots}")
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    slot: int = -1
+    computed: int = 0  # KV positions written
+    cached: int = 0  # prompt positions served by shared prefix blocks
+    admitted_step: int = -1
+    finished_step: int = -1
+    preemptions: int = 0
+    inflight: int = 0  # sampled tokens launched whose ids the host has not received yet
+    retired: bool = False  # slot and blocks given back (max-gen reached or stop token seen)
+    burst: int = 0  # prompt positions fed as one chunk on its first step (a shared prefix; see the module doc)
+    stopped: bool = False  # a stop token arrived: later in-flight tokens are dropped
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence so far, in-flight ones included."""
+        return len(self.prompt) + len(self.output) + self.inflight
+
+    @property
+    def pending(self) -> int:
+        return self.length - self.computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+@dataclass
+class Scheduled:
+    request: Request
+    rows: int  # tokens fed this step: positions computed .. computed + rows - 1
+    samples: bool  # its last row is the newest token: sample the next one
+    feed_device: bool = False  # its last row's token is still in flight: read it on the device
+
+
+@dataclass
+class Plan:
+    items: list[Scheduled]
+    admitted: list[Request]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.rows for s in self.items)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, mode: str = "continuous", prefill: str = "token", token_budget: int = 512,
+                 block_manager: BlockManager | None = None, ctx: int = 512, stop_ids: tuple[int, ...] = (),
+                 prefix_burst: int = 0):
+        """prefix_burst: the most prompt rows one shared-prefix burst may feed in a step (token prefill with
+        automatic prefix caching only; 0 = off)."""
+        if mode not in MODES:
+            raise ConfigError(f"scheduler.mode={mode!r}; choose one of {MODES}")
+        if prefill not in PREFILLS:
+            raise ConfigError(f"scheduler.prefill={prefill!r} for serving; choose one of {PREFILLS}")
+        check_token_budget(prefill, token_budget, num_slots)
+        self.num_slots, self.mode, self.prefill, self.budget = num_slots, mode, prefill, token_budget
+        self.bm, self.ctx, self.stop_ids = block_manager, ctx, set(stop_ids)
+        bursts = prefill == "token" and block_manager is not None and block_manager.prefix_caching
+        self.max_burst = prefix_burst // block_manager.block_size * block_manager.block_size if bursts else 0
+        self._wave_forming = False
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.finished: list[Request] = []
+        self.rejected: list[tuple[Request, str]] = []
+        self.step = 0
+        self.dirty_tables: dict[int, list[int]] = {}  # slot -> block table to upload before the step
+
+    # -- requests in ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        need = len(req.prompt) + req.max_new_tokens - 1  # the last sampled token is never fed
+        if need > self.ctx:
+            self._reject(req, f"needs {need} KV positions, the per-slot context is {self.ctx}")
+        elif self.bm is not None and self.bm.blocks_for(need) > self.bm.num_blocks - 1:
+            self._reject(req, f"needs {self.bm.blocks_for(need)} KV blocks of {self.bm.block_size} positions, "
+                              f"the pool has {self.bm.num_blocks - 1}; raise kv_cache.num_blocks")
+        else:
+            self.waiting.append(req)
+
+    def _reject(self, req: Request, why: str) -> None:
+        self.rejected.append((req, f"request {req.rid} rejected: {why}"))
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows one step may hold."""
+        return self.num_slots + self.max_burst if self.prefill == "token" else self.budget
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        admitted = self._admit()
+        items: list[Scheduled] = []
+        budget = self.budget if self.prefill == "chunked" else None
+        order = sorted(self.running.values(), key=lambda r: (r.in_prefill, r.admitted_step, r.rid))
+        for req in order:
+            if req.slot < 0:  # preempted earlier in this loop
+                continue
+            if self.prefill == "token":
+                rows = req.burst - req.computed if req.burst > req.computed else 1
+            else:
+                rows = min(req.pending, budget)
+            if rows <= 0:
+                continue
+            if not self._grow(req, req.computed + rows):
+                continue
+            if budget is not None:
+                budget -= rows
+            last = req.computed + rows
+            items.append(Scheduled(req, rows, last == req.length, last > len(req.prompt) + len(req.output)))
+        items = [s for s in items if s.request.slot >= 0]  # drop any preempted while growing others
+        return Plan(items, admitted)
+
+    def _admit(self) -> list[Request]:
+        wave_forming, self._wave_forming = self._wave_forming, False
+        if self.mode == "static" and self.running and not wave_forming:
+            return []
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if req.inflight:  # preempted with a token in flight: readmit once it has arrived
+                break
+            if self.bm is not None:
+                if not self.bm.can_allocate(req.tokens):
+                    break  # admission control: wait for blocks
+                req.cached = self.bm.allocate(req.rid, req.tokens)
+                req.computed = req.cached
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            req.admitted_step = self.step
+            self.running[req.slot] = req
+            if self.bm is not None:
+                self.dirty_tables[req.slot] = self.bm.table(req.rid)
+            admitted.append(req)
+            if self._start_burst(req):
+                self._wave_forming = True  # a static wave keeps filling at the next step
+                break  # the others wait a step for the prefix's blocks
+        return admitted
+
+    def _start_burst(self, req: Request) -> bool:
+        """Make req feed its uncached block-aligned prompt prefix in one chunk when the next waiting
+        request shares it (the last prompt token is always left to the normal path)."""
+        req.burst = 0
+        if not self.max_burst or not self.waiting or req.output:
+            return False
+        bs = self.bm.block_size
+        end = min((len(req.prompt) - 1) // bs * bs, req.cached + self.max_burst)
+        if end <= req.cached or self.waiting[0].prompt[:end] != req.prompt[:end]:
+            return False
+        req.burst = end
+        return True
+
+    def _grow(self, req: Request, new_len: int) -> bool:
+        """Make the request's blocks cover new_len positions, preempting the youngest others if needed."""
+        if self.bm is None:
+            return True
+        while (added := self.bm.grow(req.rid, new_len)) < 0:
+            victims = [r for r in self.running.values() if r is not req]
+            if not victims:
+                raise ConfigError(f"request {req.rid} cannot grow to {new_len} positions even alone: "
+                                  f"the KV pool of {self.bm.num_blocks - 1} blocks is too small")
+            self._preempt(max(victims, key=lambda r: (r.admitted_step, r.rid)))
+        if added:  # the slot's table row changes
+            self.dirty_tables[req.slot] = self.bm.table(req.rid)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req.rid)
+        del self.running[req.slot]
+        self.free_slots.append(req.slot)
+        req.slot, req.computed, req.cached = -1, 0, 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def advance(self, plan: Plan) -> None:
+        """The step is launched: its rows' positions are written; each sampling row puts one token in
+        flight. A request whose max-gen is now reached is retired at once (its last token still in flight),
+        so the next step can reuse its slot."""
+        for s in plan.items:
+            req = s.request
+            if req.retired:  # a stop token arrived after this step was launched
+                continue
+            req.computed += s.rows
+            if self.bm is not None:
+                if self.bm.commit_needs_tokens(req.rid, req.computed):
+                    self.bm.commit(req.rid, req.tokens, req.computed)
+                else:  # no block filled: skip building the token list (the common step)
+                    self.bm.mark_written(req.rid, req.computed)
+            if s.samples:
+                req.inflight += 1
+                if len(req.output) + req.inflight >= req.max_new_tokens:
+                    self._retire(req)
+        self.step += 1
+
+    def receive(self, plan: Plan, sampled: list[int]) -> list[Request]:
+        """The sampled ids of `plan`, in plan order; returns the requests that completed."""
+        it = iter(sampled)
+        done = []
+        for s in plan.items:
+            if not s.samples:
+                continue
+            req, tok = s.request, next(it)
+            req.inflight -= 1
+            if not req.stopped:
+                req.output.append(tok)
+                if tok in self.stop_ids:
+                    req.stopped = True
+                    if not req.retired:
+                        self._retire(req)
+            if req.retired and not req.inflight and req.finished_step < 0:
+                req.finished_step = self.step - 1
+                self.finished.append(req)
+                done.append(req)
+        return done
+
+    def finish_step(self, plan: Plan, sampled: list[int]) -> list[Request]:
+        """Both halves of a step at once: advance every scheduled request, then take its sampled ids."""
+        self.advance(plan)
+        return self.receive(plan, sampled)
+
+    def _retire(self, req: Request) -> None:
+        req.retired = True
+        if req.slot < 0:  # preempted and waiting when its stop token arrived
+            self.waiting.remove(req)
+            return
+        if self.bm is not None:
+            self.bm.free(req.rid)
+        del self.running[req.slot]
+        self.free_slots.append(req.slot)

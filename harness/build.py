@@ -1,0 +1,77 @@
+"""The job's engine from its config: the model source resolved (a path, a package's file, a synthetic file or
+in-memory weights) and loaded under the EngineSpec its engine, batch and kv_cache groups make."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+from omegaconf import OmegaConf
+
+from onepass.engine.config import ModelConfig, RopeScaling
+from onepass.engine.engine import Engine, EngineSpec
+from onepass.engine.gguf_loader import read_config
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.state_pool import check_hybrid_serving
+from onepass.harness.synth import resolve_gguf, synthetic_config
+
+
+def spec_of(cfg) -> EngineSpec:
+    """The job's engine, batch and kv_cache groups as the engine's spec."""
+    e, kvc = cfg.engine, cfg.kv_cache
+    return EngineSpec(device=e.device, dtype=e.dtype, backend=e.backend, gemm=e.gemm, weights=e.weights, int4=e.int4,
+                      batch=cfg.batch.size, ctx=kvc.ctx, cuda_graphs=e.cuda_graphs, pdl=e.pdl,
+                      ready_scales=e.ready_scales, state_dtype=kvc.state_dtype,
+                      state_writeback=int(kvc.state_writeback), threads=e.threads)
+
+
+def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
+    """(device, dtype, backend) of an engine group, every setting checked."""
+    return EngineSpec(device=e.device, dtype=e.dtype, backend=e.backend, gemm=e.gemm, weights=e.weights,
+                      int4=e.int4, threads=e.threads).resolve()
+
+
+_IN_MEMORY: dict = {}  # the last in-memory synthetic model built, reused by the next job of a sweep
+
+
+def _in_memory(cfg) -> bool:
+    return cfg.model.synthetic is not None and not cfg.model.path and not cfg.model.package \
+        and cfg.model.synthetic.materialize == "memory"
+
+
+def build(cfg) -> Engine:
+    """The job's engine: its model file (or in-memory synthetic weights) loaded under the job's spec."""
+    spec = spec_of(cfg)
+    dev, dtype, _ = spec.resolve()
+    # an in-memory model is reused by the next job of a sweep when only run-time settings changed
+    memo = (OmegaConf.to_yaml(cfg.model), tuple(getattr(spec, f) for f in Engine.LOAD_FIELDS))
+    if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:
+        return _IN_MEMORY["engine"].respec(spec)
+    _IN_MEMORY.clear()  # free the previous model before making another
+    gguf_path = None if _in_memory(cfg) else resolve_gguf(cfg.model, progress=cfg.progress)
+    # what the job may not do with this model, refused from its header before minutes of loading
+    check_hybrid_serving(synthetic_config(cfg.model.name, cfg.model.synthetic) if gguf_path is None
+                         else read_config(gguf_path), cfg.kv_cache.prefix)
+    if gguf_path is not None:
+        engine = Engine.from_gguf(gguf_path, spec, progress=cfg.progress)
+    else:   # random weights made on the device under the loader's contract (harness/synth.py)
+        from onepass.harness.synth import synthetic_in_memory
+
+        t0 = time.perf_counter()
+        mcfg, weights = synthetic_in_memory(cfg.model.name, cfg.model.synthetic, dtype, dev, spec.weights == "packed")
+        engine = Engine.from_weights(mcfg, weights, spec, name=f"{cfg.model.name}-in-memory")
+        engine.load_s += time.perf_counter() - t0
+        _IN_MEMORY.update(key=memo, engine=engine)
+    if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
+        engine.cfg = _with_scaling(engine.cfg)  # the file keeps only rope_freqs; the peer wants the parameters
+    return engine
+
+
+def _with_scaling(mcfg: ModelConfig) -> ModelConfig:
+    return replace(mcfg, rope_scaling=RopeScaling())
+
+
+def sampling_params(cfg) -> SamplingParams:
+    """The job's sampling group as SamplingParams (which refuses values out of range)."""
+    s = cfg.sampling
+    return SamplingParams(s.temperature, s.top_k, s.top_p, s.seed)

@@ -1,0 +1,213 @@
+"""The decode job: the engine from the config, the single-stream reference, the batched run or the served queue,
+the verification, the printed lines and the run record."""
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from onepass.engine.engine import Engine
+from onepass.engine.sampler import SamplingParams
+from onepass.engine.static_batch import StaticBatchResult, check_fits, run_static
+from onepass.engine.tokenizer import Tokenizer
+from onepass.engine.verify import verify_greedy, verify_sampled
+from onepass.harness.build import build, resolve_engine, sampling_params
+from onepass.harness.checks import check_decode, check_pool
+from onepass.harness.job import RunRecord
+from onepass.harness.roofline import copy_bandwidth, decode_floor_bytes, hybrid_floor_bytes, weight_bytes_per_step
+from onepass.harness.serve_job import run_serving
+from onepass.harness.workload import prompt_ids, workload_digest
+from onepass.kernels.errors import ConfigError
+
+
+def file_mb(path: Path) -> float:
+    return path.stat().st_size / 2**20 if path.is_file() else 0.0  # in-memory synthetic models have no file
+
+
+def weights_mb(weights: dict) -> float:
+    """MiB the loaded weights hold on the device (packed projections: their packed bytes; a tensor under two names,
+    a tied LM head, once)."""
+    from onepass.engine.fused_model import tensor_bytes
+
+    return sum(tensor_bytes(t) for t in {id(t): t for t in weights.values()}.values()) / 2**20
+
+
+def ready_scales_mb(dev: torch.device) -> float:
+    """MiB the ready Q4_K scale words hold on dev (engine.ready_scales; made at each weight's first GEMM call), beside
+    the weights' own bytes (weights_mb)."""
+    from onepass.kernels.int4_wgmma_ws import ready_bytes
+
+    return ready_bytes(dev) / 2**20 if dev.type == "cuda" else 0.0
+
+
+def peak_mem_mb(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB: the process peak RSS
+
+
+def percentile_ms(xs: list[float], q: float) -> float:
+    return float(torch.tensor(xs, dtype=torch.float64).quantile(q)) * 1e3 if xs else 0.0
+
+
+def decode_rate(r: StaticBatchResult) -> float:
+    return r.decode_tokens / r.decode_s if r.decode_s > 0 else 0.0
+
+
+class DecodeJob:
+    """A model decoding its workload: one static batch checked against the single stream (scheduler.mode=static),
+    or a queue of requests served in waves or continuously, each checked against its prompt's single stream."""
+
+    def __init__(self, name: str = "decode"):
+        self.name = name
+
+    def run(self, cfg) -> Iterator[RunRecord]:
+        yield decode_run(cfg)
+
+
+def decode_run(cfg) -> RunRecord:
+    w, B = cfg.workload, cfg.batch.size
+    check_decode(cfg, resolve_engine(cfg.engine)[2])
+    sampling = sampling_params(cfg)
+    built = build(cfg)
+    mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
+    ids = prompt_ids(w, tok, mcfg.vocab_size)
+    check_pool(check_fits(len(ids), w.max_new_tokens, cfg.kv_cache.ctx), cfg.kv_cache, B)
+    stop_ids = () if w.ignore_eos else (tok.stop_ids if tok else mcfg.eos_ids)
+    ctx = cfg.kv_cache.ctx
+    print(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "
+          f"{mcfg.vocab_size}; {built.source.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "
+          f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''}"
+          f"{', PDL' if built.pdl_mode() else ''}; "
+          f"weights {cfg.engine.weights}: {weights_mb(built.weights):,.0f} MiB on the device, file "
+          f"{file_mb(built.source):,.0f} MiB)")
+    print(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
+          f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, prefill={cfg.scheduler.prefill}")
+
+    if cfg.scheduler.mode != "static":
+        metrics, artifacts, vline, perf = run_serving(cfg, built, ids, stop_ids, sampling)
+        metrics.update(peak_mem_mb=peak_mem_mb(dev), prompt_len=len(ids), load_s=built.load_s,
+                       ready_scales_mb=ready_scales_mb(dev))
+        print(f"[verify] {vline}")
+        print(perf)
+        tags = {"workload_hash": workload_digest([ids], w), "model_file": built.source.name, "backend": built.backend,
+                "dtype": str(dtype).removeprefix("torch."), "verify": vline}
+        return RunRecord(f"{cfg.table} {cfg.model.name} B={B} {cfg.scheduler.mode}", dev, metrics, tags, artifacts)
+
+    def run(batch: int, new_tokens: int, progress: bool = False) -> tuple[StaticBatchResult, object]:
+        stepper, kv = built.stepper(batch, sampling, ctx, max_len=len(ids) + new_tokens)  # positions < P + new
+        r = run_static(stepper, [ids] * batch, new_tokens, stop_ids, cfg.scheduler.prefill, ctx, progress)
+        return r, kv
+
+    for n in (1, B):  # warm both shapes so neither timed run pays first-call costs
+        run(n, min(4, w.max_new_tokens))
+    # The single-stream run: the greedy reference and the "x single stream" baseline, same process.
+    single, _ = run(1, w.max_new_tokens)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    result, kv = run(B, w.max_new_tokens, cfg.progress)
+
+    verdict = (verify_greedy(result.outputs, single.outputs[0]) if sampling.greedy
+               else verify_sampled(result.outputs, sampling.temperature))
+    tput, single_tput = decode_rate(result), decode_rate(single)
+    metrics = {
+        "throughput_tok_s": tput, "per_stream_tok_s": tput / B,
+        "step_ms_p50": percentile_ms(result.step_s, 0.5), "step_ms_p90": percentile_ms(result.step_s, 0.9),
+        "steps": len(result.step_s), "verify_ok": int(verdict.ok), "peak_mem_mb": peak_mem_mb(dev),
+        "pdl": built.pdl_mode(),
+        "single_stream_tok_s": single_tput, "speedup_vs_single": tput / single_tput if single_tput else 0.0,
+        "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
+        "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),
+        "kv_cache_mb": kv.nbytes / 2**20, "load_s": built.load_s, "weights_mb": weights_mb(built.weights),
+        "ready_scales_mb": ready_scales_mb(dev),
+        "gguf_mb": file_mb(built.source),
+    }
+    metrics.update({k: float(v) for k, v in verdict.detail.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    if mcfg.arch == "qwen35":
+        metrics.update(_hybrid_metrics(built, kv, B, ids, single, w.max_new_tokens, ctx, cfg.scheduler.prefill))
+    if dev.type == "cuda":
+        bw = copy_bandwidth(dev)
+        floor_bytes = decode_floor_bytes(mcfg, dtype.itemsize, B, len(ids), len(result.step_s))
+        if mcfg.arch == "qwen35":  # weights as held + recurrent state + attention-layer KV
+            floor_bytes = hybrid_floor_bytes(mcfg, built.model.weight_bytes(), kv, B, len(ids), len(result.step_s))
+        elif cfg.engine.weights == "packed" and hasattr(built.model, "weight_bytes"):  # the bytes the step reads
+            floor_bytes += built.model.weight_bytes() - weight_bytes_per_step(mcfg, dtype.itemsize)
+        metrics.update(copy_bw_tbps=bw / 1e12, step_floor_ms=floor_bytes / bw * 1e3,
+                       floor_frac=floor_bytes / bw / (metrics["step_ms_p50"] / 1e3))
+    print(f"[verify] {verdict.line}")
+    perf = (f"[perf] B={B}: {tput:,.1f} tok/s aggregate ({tput / B:,.1f} per stream, "
+            f"{metrics['speedup_vs_single']:.2f}x single stream at {single_tput:,.1f} tok/s); "
+            f"step p50 {metrics['step_ms_p50']:.3f} ms, p90 {metrics['step_ms_p90']:.3f} ms "
+            f"over {metrics['steps']} steps; "
+            f"prefill {metrics['prefill_ms']:.1f} ms; peak mem {metrics['peak_mem_mb']:.0f} MB"
+            + (f" (ready Q4_K scale words {metrics['ready_scales_mb']:,.0f} MB of it)"
+               if metrics["ready_scales_mb"] else ""))
+    if "floor_frac" in metrics:
+        perf += f"; floor {metrics['step_floor_ms']:.3f} ms/step ({metrics['floor_frac']:.0%} reached)"
+    print(perf)
+    if cfg.peer.enabled and (not cfg.peer.batches or B in cfg.peer.batches):
+        metrics.update(_peer(built, ids, B, w.max_new_tokens, tput))
+
+    artifacts = {
+        "samples.txt": _samples(tok, ids, single.outputs[0], result.outputs, cfg.verify.sample_streams),
+        "step_times.json": {"decode_step_ms": [s * 1e3 for s in result.step_s], "prefill_ms": result.prefill_s * 1e3},
+    }
+    tags = {"workload_hash": workload_digest([ids], w), "model_file": built.source.name, "backend": built.backend,
+            "dtype": str(dtype).removeprefix("torch."), "verify": verdict.line}
+    return RunRecord(f"{cfg.table} {cfg.model.name} B={B}", dev, metrics, tags, artifacts)
+
+
+def _hybrid_metrics(built: Engine, kv, B: int, ids: list[int], single: StaticBatchResult, new_tokens: int, ctx: int,
+                    prefill: str) -> dict[str, float]:
+    """State size per slot, and with a bf16 state pool what it costs against fp32 state: the greedy single
+    stream rerun with fp32 state (leading tokens that agree), and teacher-forced logits of the prompt's last
+    position plus 16 decode steps (tokens from the fp32 run) through both pools: max |logit error| relative
+    to the logit scale and the fraction of positions whose argmax agrees."""
+    st = kv.state
+    out = {"state_mb_per_slot": st.nbytes / st.num_slots / 2**20, "state_writeback": float(st.writeback)}
+    if built.state_dtype == torch.float32:
+        return out
+    bf16_state = built.state_dtype
+    built.state_dtype = torch.float32
+    try:
+        stepper, _ = built.stepper(1, SamplingParams(), ctx, max_len=len(ids) + new_tokens)
+        ref = run_static(stepper, [ids], new_tokens, (), prefill, ctx).outputs[0]
+        del stepper
+        got = single.outputs[0]
+        agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        out["bf16_state_greedy_agree"] = agree / max(len(ref), 1)
+        logits = {}
+        for dt in (torch.float32, bf16_state):
+            built.state_dtype = dt
+            logits[dt] = built.teacher_forced_logits(ids, ref[:16])
+    finally:
+        built.state_dtype = bf16_state
+    hi, lo = logits[torch.float32], logits[bf16_state]
+    out["bf16_state_logit_err"] = ((lo - hi).abs().max() / hi.abs().max().clamp(min=1e-6)).item()
+    out["bf16_state_top1_agree"] = (lo.argmax(-1) == hi.argmax(-1)).float().mean().item()
+    return out
+
+
+def _peer(built: Engine, ids: list[int], batch: int, new_tokens: int, ours: float) -> dict[str, float]:
+    from onepass.harness.peers import hf_model, hf_static_generate_rate
+
+    if built.device.type != "cuda":
+        raise ConfigError("peer.enabled=true compares on the GPU (transformers' static cache is compiled for CUDA)")
+    model = hf_model(built.cfg, built.weights, built.device, built.dtype)
+    r = hf_static_generate_rate(model, ids, batch, new_tokens)
+    del model
+    torch.cuda.empty_cache()
+    print(f"[peer] HF transformers generate(static cache, compiled) B={batch}: {r['peer_tok_s']:,.1f} tok/s "
+          f"({r['peer_step_ms']:.2f} ms/step); onepass is {ours / r['peer_tok_s']:.2f}x")
+    return {"peer_tok_s": r["peer_tok_s"], "peer_step_ms": r["peer_step_ms"], "peer_warmup_s": r["peer_warmup_s"],
+            "speedup_vs_peer": ours / r["peer_tok_s"]}
+
+
+def _samples(tok: Tokenizer | None, prompt: list[int], reference: list[int], outputs: list[list[int]], n: int) -> str:
+    show = (lambda ids: tok.decode(ids)) if tok else (lambda ids: " ".join(map(str, ids)))
+    lines = [f"prompt: {show(prompt)!r}", f"single-stream reference: {show(reference)!r}"]
+    lines += [f"slot {b}: {show(o)!r}" for b, o in enumerate(outputs[:n])]
+    return "\n".join(lines) + "\n"

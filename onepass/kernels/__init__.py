@@ -1,1 +1,0 @@
-"""Kernels: each operation beside the plain torch reference that defines what it must compute."""
