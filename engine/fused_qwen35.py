@@ -43,7 +43,7 @@ import torch
 
 from onepass.engine.config import LAYER_ATTENTION, ModelConfig
 from onepass.engine.gguf_loader import INPUT_ORDER
-from onepass.engine.fused_model import FusedHead
+from onepass.engine.fused_model import FusedBase
 from onepass.engine.projection import Projection, _nbytes
 from onepass.kernels.backend import StepKernels
 from onepass.kernels.errors import ConfigError
@@ -52,7 +52,7 @@ from onepass.kernels.rope import rope_cache, rope_inv_freq
 from onepass.kernels.splitk import SplitSums
 
 
-class FusedQwen35Decoder(FusedHead):
+class FusedQwen35Decoder(FusedBase):
     hybrid = True  # GraphStepper passes seq_len to batched prefill; the cache must be a HybridCache
 
     def __init__(self, cfg: ModelConfig, weights, kernels: StepKernels, max_pos: int):
@@ -153,13 +153,7 @@ class FusedQwen35Decoder(FusedHead):
                 x = self._attention(i, layer, h, img, positions, slots, cache, buf, attn_ws, block_table, max_len)
             else:
                 x = self._gdn(self.gdn_index[i], layer, h, img, positions, slots, state, buf, seq_len, runs)
-            img = layer["gate_up"].image(h)
-            k.add_rms_norm(x, res, layer["ffn_norm"], eps, out=h, image=img)
-            gate_up = layer["gate_up"](h, buf["gate_up"], defer=True, x_image=img)
-            img = layer["down"].image(buf["act"])
-            k.swiglu(gate_up, out=buf["act"], image=img)
-            # the last layer's down projection: a tensor
-            x = layer["down"](buf["act"], buf["x"], defer=i + 1 < len(self.layers), x_image=img)
+            x = self.feed_forward(layer, x, res, h, buf, defer=i + 1 < len(self.layers))   # the last: a tensor
         k.add_residual(x, res)
         return res
 

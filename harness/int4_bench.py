@@ -2,7 +2,7 @@
 
 For every shape N x K of ``micro.shapes`` (weights [N, K], the issue's notation), format of ``micro.fmts``
 and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro.fmt / batch.size) with:
-  <variant>_us      time per call of triton / cuda / cuda_mma / cuda_mma_fold / cuda_mma_fold_lat / cuda_wgmma /
+  <variant>_us      time per call of triton / cuda_mma / cuda_mma_fold / cuda_mma_fold_lat / cuda_wgmma /
                     cuda_wgmma_x2 / cuda_wgmma_ws / cuda_wgmma_ws_t128 (kernels/int4_dispatch.py) and bf16
                     (torch.matmul on the dequantized weight in bf16), each inside one CUDA graph of many calls
                     over rotating copies of the weight (>= 256 MB in all, so every call streams from HBM, not
@@ -43,7 +43,7 @@ ROTATE_BYTES = 256 << 20       # weight copies per timed graph: at least this ma
 CALLS_PER_GRAPH = 48
 REPLAYS = 5
 # exact weights: 1e-2; weights rounded to bf16 first (triton's FOLD, cuda_mma_fold, cuda_wgmma, bf16): 3e-2
-TOL = {"triton": 3e-2, "cuda": 1e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "cuda_mma_fold_lat": 3e-2,
+TOL = {"triton": 3e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "cuda_mma_fold_lat": 3e-2,
        "cuda_wgmma": 3e-2, "cuda_wgmma_x2": 3e-2,
        "cuda_wgmma_ws": 3e-2, "cuda_wgmma_ws_t128": 3e-2, "bf16": 3e-2}
 _QT = {v: k for k, v in FORMATS.items()}
@@ -100,7 +100,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple[bool, float]
 def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.device, dtype: torch.dtype,
                 seed: int = 0) -> list[dict]:
     """One dict of metrics (+ '_tags') per B for this shape and format."""
-    from onepass.kernels import int4_cuda, int4_dispatch as disp, int4_mma, int4_wgmma, int4_wgmma_ws
+    from onepass.kernels import int4_dispatch as disp, int4_mma, int4_wgmma, int4_wgmma_ws, nvrtc
 
     pw = random_packed(fmt, N, K, seed, device)
     w32 = unpack_ref(pw)
@@ -112,7 +112,7 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
     del w32
     pws = [pw] + [_clone(pw) for _ in range(max(0, math.ceil(ROTATE_BYTES / pw.nbytes) - 1))]
     w16s = [w16] + [w16.clone() for _ in range(max(0, math.ceil(ROTATE_BYTES / (w16.numel() * 2)) - 1))]
-    variants = (["triton"] + (["cuda"] if int4_cuda.available() else [])
+    variants = (["triton"]
                 + ([v for v in disp.MMA_VARIANTS
                     if int4_mma.available() and int4_mma.supports(fmt, fold=v != "cuda_mma")])
                 + (list(disp.WGMMA_CONFIGS) if int4_wgmma.available() and int4_wgmma.supports(fmt) else [])
@@ -158,7 +158,7 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
             m["best_tbps"] = pw.nbytes / (timed[best] / 1e6) / 1e12
         m["verify_ok"] = int(ok_all)
         m["pdl"] = pdl.mode(device)
-        m["_tags"] = {"int4_pick": pick, "int4_best": best, "cuda_compiler": int4_cuda.compiler()}
+        m["_tags"] = {"int4_pick": pick, "int4_best": best, "cuda_compiler": nvrtc.compiler()}
         rows.append(m)
     return rows
 
@@ -218,7 +218,7 @@ def int4_gemm_runs(cfg) -> Iterator[RunRecord]:
 def _print(N, K, fmt, B, m, tags) -> None:
     us = lambda v: f"{m[v + '_us']:.1f}" if v + "_us" in m else "-"  # noqa: E731
     print(f"[verify] int4_gemm {N}x{K} {fmt} B={B}: {str(bool(m['verify_ok'])).lower()}")
-    print(f"[perf] int4_gemm {N}x{K} {fmt} B={B}: triton {us('triton')} us, cuda {us('cuda')} us, cuda_mma "
+    print(f"[perf] int4_gemm {N}x{K} {fmt} B={B}: triton {us('triton')} us, cuda_mma "
           f"{us('cuda_mma')} us, fold {us('cuda_mma_fold')} us, fold lat {us('cuda_mma_fold_lat')} us, wgmma "
           f"{us('cuda_wgmma')} us, wgmma x2 {us('cuda_wgmma_x2')} us, "
           f"wgmma ws {us('cuda_wgmma_ws')} us, ws t128 {us('cuda_wgmma_ws_t128')} us, "

@@ -77,13 +77,15 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
                    "params.scheduler.prefill", "params.engine.pdl", "params.engine.ready_scales", "params.batch.size"),
     "int4_e2e": ("params.model.name", "params.engine.weights", "params.engine.pdl", "params.engine.ready_scales",
                  "params.batch.size"),
+    "static_scaling": ("params.model.name", "params.engine.gemm", "params.batch.size"),
+    "serving_full": ("params.scheduler.mode", "params.scheduler.prefill", "params.batch.size"),
 }
 # Every table's row key also holds the card (tags.device): a rerun on another device is recorded beside the rows it
 # re-measures, never in their place.
 DEVICE_KEY = "tags.device"
 # Tables that show each row's device, so they may hold runs of several cards; any other table refuses a mix
 # (check_one_device), since its rows would compare figures of different cards without saying so.
-DEVICE_TABLES = {"hybrid_27b"}
+DEVICE_TABLES = {"hybrid_27b", "static_scaling", "int4_e2e", "serving_full"}
 # a key column that runs recorded before it existed lack, and the value they ran with
 ROW_KEY_DEFAULTS = {DEVICE_KEY: "unknown device",
                     "params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
@@ -123,6 +125,11 @@ def check_one_device(name: str, df: pd.DataFrame) -> None:
         raise ValueError(f"table {name!r} has runs from {len(devices)} devices ({', '.join(devices)}) and no device "
                          f"column; record one device's runs (a store of that card, or without --merge), or give the "
                          f"table a device column and add it to harness/report.py DEVICE_TABLES")
+
+
+def _card_order(label: str):
+    """Cards in a table: the H200 (whose figures the issues' targets name) first, then the others by name."""
+    return (0 if label == "H200" else 1, label)
 
 
 def device_label(df: pd.DataFrame) -> pd.Series:
@@ -293,6 +300,7 @@ def _opt(df: pd.DataFrame, col: str) -> pd.Series:
                          "transformers' static-cache generate.")
 def static_scaling(df: pd.DataFrame):
     d = pd.DataFrame({
+        "card": device_label(df),
         "B": num(df, "params.batch.size").astype(int),
         "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
         "vs single-stream": num(df, "metrics.speedup_vs_single"),
@@ -302,16 +310,24 @@ def static_scaling(df: pd.DataFrame):
         "HF static tok/s": _opt(df, "metrics.peer_tok_s"),
         "vs HF": _opt(df, "metrics.speedup_vs_peer"),
         "verified": check(num(df, "metrics.verify_ok")),
-    }).sort_values("B")
-    md = _md(d, (".0f", ",.0f", ".1f", ".3f", ".3f", ".0%", ",.0f", ".2f", ""))
-    head = d[["B", "aggregate tok/s", "vs single-stream", "per-step latency (ms, p50)", "floor reached", "vs HF",
-              "verified"]].rename(columns={"vs single-stream": "x single stream", "per-step latency (ms, p50)":
-                                           "per-step ms (p50)", "vs HF": "x HF static"})
-    headline = _md(head, (".0f", ",.0f", ".1f", ".3f", ".0%", ".2f", ""))
-    x = d["B"]
-    curves = {"onepass": (x, d["aggregate tok/s"]),
-              "HF transformers, static cache": (x[d["HF static tok/s"].notna()], d["HF static tok/s"].dropna()),
-              "linear in B from B = 1": (x, d["aggregate tok/s"].iloc[0] * x / x.iloc[0])}
+    }).sort_values(["card", "B"], key=lambda c: c.map(_card_order) if c.name == "card" else c)
+    md = _md(d, ("", ".0f", ",.0f", ".1f", ".3f", ".3f", ".0%", ",.0f", ".2f", ""))
+    head = _newest(d.assign(_start=_start(df)), ["card", "B"]).sort_values(
+        ["card", "B"], key=lambda c: c.map(_card_order) if c.name == "card" else c)
+    head = head[["card", "B", "aggregate tok/s", "vs single-stream", "per-step latency (ms, p50)", "floor reached",
+                 "vs HF", "verified"]].rename(columns={"vs single-stream": "x single stream",
+                                                       "per-step latency (ms, p50)": "per-step ms (p50)",
+                                                       "vs HF": "x HF static"})
+    headline = _md(head, ("", ".0f", ",.0f", ".1f", ".3f", ".0%", ".2f", ""))
+    curves = {}
+    for card, g in head.groupby("card", sort=False):
+        x = g["B"]
+        curves[f"onepass, {card}"] = (x, g["aggregate tok/s"])
+    first = head[head["card"] == head["card"].iloc[0]]
+    hf = d[d["card"] == head["card"].iloc[0]]
+    curves[f"HF transformers, static cache, {head['card'].iloc[0]}"] = (hf["B"][hf["HF static tok/s"].notna()],
+                                                                        hf["HF static tok/s"].dropna())
+    curves["linear in B from B = 1"] = (first["B"], first["aggregate tok/s"].iloc[0] * first["B"] / first["B"].iloc[0])
     fig = _curves(curves, "B (slots)", "aggregate tok/s", "Static batching, Llama-3.2-1B shapes", logy=True,
                   styles={"linear in B from B = 1": ":"})
     return _report(headline, md), fig
@@ -551,6 +567,7 @@ def _pdl(df: pd.DataFrame) -> pd.Series:
                    "against the same file dequantized to bf16 at load, per model and B.")
 def int4_e2e(df: pd.DataFrame):
     d = pd.DataFrame({
+        "card": device_label(df),
         "model": df["params.model.name"],
         "weights": df["params.engine.weights"] if "params.engine.weights" in df else "dequant",
         "PDL": _pdl(df),
@@ -564,18 +581,19 @@ def int4_e2e(df: pd.DataFrame):
         "load (s)": num(df, "metrics.load_s"),
         "floor reached": _opt(df, "metrics.floor_frac"),
         "verified": check(num(df, "metrics.verify_ok")),
-    }).sort_values(["model", "B", "weights", "PDL"], ascending=[True, True, False, True])
-    md = _md(d, ("", "", "", ".0f", ",.0f", ".3f", ",.0f", ",.0f", ",.0f", ".1f", ".0%", ""))
+    }).sort_values(["card", "model", "B", "weights", "PDL"], ascending=[True, True, True, False, True])
+    md = _md(d, ("", "", "", "", ".0f", ",.0f", ".3f", ",.0f", ",.0f", ",.0f", ".1f", ".0%", ""))
     h = d.assign(_start=_start(df))
     bs = [b for b in (1, 32, 128) if b in set(d["B"])] or sorted(set(d["B"]))[:3]
-    t = _by_b(h, ["model", "weights"], "aggregate tok/s", ",.0f", bs, "tok/s, B = {}")
-    size = _newest(h, ["model", "weights"]).set_index(["model", "weights"])
+    t = _by_b(h, ["card", "model", "weights"], "aggregate tok/s", ",.0f", bs, "tok/s, B = {}")
+    size = _newest(h, ["card", "model", "weights"]).set_index(["card", "model", "weights"])
     for col in ("weights on GPU (MiB)", "GGUF file (MiB)"):
-        t[col] = [_cell(size.loc[(m, w), col], ",.0f") for m, w in zip(t["model"], t["weights"])]
-    t = t.assign(_w=t["weights"] != "packed").sort_values(["model", "_w"]).drop(columns="_w")
+        t[col] = [_cell(size.loc[(c, m, w), col], ",.0f") for c, m, w in zip(t["card"], t["model"], t["weights"])]
+    t = t.assign(_w=t["weights"] != "packed", _c=t["card"].map(_card_order)).sort_values(
+        ["_c", "model", "_w"]).drop(columns=["_w", "_c"])
     note = ("Aggregate tok/s. Packed: the projections kept quantized; dequant: the same file as bf16. "
             + NEWEST_NOTE + " Each row's PDL setting: the appendix.")
-    return _report(_grid(t, left=2), md, note=note), None
+    return _report(_grid(t, left=3), md, note=note), None
 
 
 @table("gdn_step", "The fused Gated DeltaNet decode step on one Qwen3.8-27B layer against flash-linear-attention, "
@@ -836,6 +854,7 @@ def serving_sampling(df: pd.DataFrame):
                        "against HF transformers' continuous batching on the same requests in the same job.")
 def serving_full(df: pd.DataFrame):
     d = pd.DataFrame({
+        "card": device_label(df),
         "prefill": df["params.scheduler.prefill"],
         "steps": num(df, "metrics.steps").astype(int),
         "gen tok/s": num(df, "metrics.throughput_tok_s"),
@@ -848,9 +867,10 @@ def serving_full(df: pd.DataFrame):
         "vs HF": _opt(df, "metrics.speedup_vs_peer"),
         "correct": check(num(df, "metrics.verify_ok")),
     })
-    fmt = ("", ",.0f", ",.0f", ".1f", ".2f", ".2f", ".0%", ".0%", ",.0f", ".1f", "")
-    head = d.drop(columns=["steps", "host ms/step (mean)", "host / GPU"]).rename(columns={"vs HF": "x HF"})
-    headline = _md(head, ("", ",.0f", ".1f", ".2f", ".0%", ",.0f", ".1f", ""))
+    fmt = ("", "", ",.0f", ",.0f", ".1f", ".2f", ".2f", ".0%", ".0%", ",.0f", ".1f", "")
+    head = d.drop(columns=["steps", "requests/s", "host ms/step (mean)", "host / GPU"])
+    head = head.rename(columns={"vs HF": "x HF"})
+    headline = _md(head, ("", "", ",.0f", ".2f", ".0%", ",.0f", ".1f", ""))
     return _report(headline, _md(d, fmt)), None
 
 

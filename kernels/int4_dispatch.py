@@ -2,9 +2,8 @@
 shape among these variants:
 
   "triton"          kernels/int4_gemm.py: tensor-core W4A16 kernel, any B, batch-invariant
-  "cuda"            kernels/int4_cuda.py: CUDA-core W4A16 kernel for small B (CuPy / NVRTC), batch-invariant
   "cuda_mma"        kernels/int4_mma.py: mma.sync kernel for small B (tiles of up to 32 sequences; Q4_0 /
-                    Q4_1 / Q4_K; NVRTC like "cuda"), batch-invariant
+                    Q4_1 / Q4_K; CuPy / NVRTC through kernels/nvrtc.py), batch-invariant
   "cuda_mma_fold"   the same kernel's folded form: group scales folded into bf16 / fp16 weights
                     (kernels.quant_pack.unpack_folded), one fp32 accumulation across K; Q8_0 too; batch-invariant
   "cuda_mma_fold_lat"  the folded form's latency launch (int4_mma.latency_config): the fewest splits, a ring of
@@ -28,7 +27,7 @@ Policies (``set_policy`` / ``engine.int4``):
               still one kernel per shape for every M the engine runs (its prefill rows included), so its
               streams equal its single stream; engines built for different B may differ in the last bits,
               as engine.gemm=cublas engines do.
-  "triton" | "cuda" | "cuda_mma" | "cuda_mma_fold" | "cuda_mma_fold_lat" | "cuda_wgmma" | "cuda_wgmma_x2" |
+  "triton" | "cuda_mma" | "cuda_mma_fold" | "cuda_mma_fold_lat" | "cuda_wgmma" | "cuda_wgmma_x2" |
   "cuda_wgmma_ws" | "cuda_wgmma_ws_t128": force one variant (benchmarks, tests).
               ``ONEPASS_INT4_VARIANT`` does the same from the environment.
 
@@ -52,11 +51,11 @@ from dataclasses import dataclass
 import torch
 
 from onepass.kernels.quant_pack import PackedWeight
-from onepass.kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws
+from onepass.kernels import int4_mma, int4_wgmma, int4_wgmma_ws
 from onepass.kernels.int4_gemm import _INTERPRETED, w4a16_linear, w4a16_linear_ref
 from onepass.kernels.int4_measured import MEASURED
 
-VARIANTS = ("triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma", "cuda_wgmma_x2",
+VARIANTS = ("triton", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma", "cuda_wgmma_x2",
             "cuda_wgmma_ws", "cuda_wgmma_ws_t128")
 INVARIANT_VARIANTS = VARIANTS   # every variant keeps a row's arithmetic independent of the batch
 WGMMA_CONFIGS = {"cuda_wgmma": None, "cuda_wgmma_x2": int4_wgmma.X2}
@@ -163,13 +162,11 @@ def choose(M: int, N: int, K: int, fmt: str, policy: str | Int4Policy | None = N
 
 
 def runnable(variant: str, x: torch.Tensor, fmt: str | None = None) -> str:
-    """variant, or what runs instead where it cannot: cuda / cuda_mma -> triton without CuPy/NVRTC (and
-    cuda_mma -> triton for a format it does not take); on the CPU everything -> "ref" unless Triton's
-    interpreter is on (then triton)."""
+    """variant, or what runs instead where it cannot: the CUDA variants -> triton without their NVRTC binding
+    (kernels/nvrtc.py; wgmma: torch's, on sm_90) or for a format the kernel does not take; on the CPU everything ->
+    "ref" unless Triton's interpreter is on (then triton)."""
     if not x.is_cuda:
         return "triton" if _INTERPRETED else "ref"
-    if variant == "cuda" and not int4_cuda.available():
-        return "triton"
     if variant in MMA_VARIANTS and not (int4_mma.available()
                                         and (fmt is None or int4_mma.supports(fmt, fold=variant != "cuda_mma"))):
         return "triton"
@@ -190,8 +187,6 @@ def reserve(device: torch.device | str, dtype: torch.dtype, weights, max_rows: i
     if not shapes or device.type != "cuda":
         return
     triton_reserve(device, shapes, max_rows)
-    if int4_cuda.available():
-        int4_cuda.reserve_workspace(device, shapes, max_rows)
     if int4_mma.available():
         int4_mma.reserve_workspace(device, shapes, max_rows)
         int4_mma.reserve_workspace(device, shapes, max_rows, latency=True)
@@ -215,8 +210,6 @@ def run_variant(variant: str, x: torch.Tensor, pw: PackedWeight, out: torch.Tens
     if v == "ref":
         y = w4a16_linear_ref(x, pw)
         return y if out is None else out.copy_(y)
-    if v == "cuda":
-        return int4_cuda.w4a16_cuda(x, pw, out, defer=defer)
     if v in MMA_VARIANTS:
         return int4_mma.w4a16_mma(x, pw, out, fold=v != "cuda_mma", latency=v == "cuda_mma_fold_lat", defer=defer)
     if v in WGMMA_CONFIGS:

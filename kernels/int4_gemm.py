@@ -114,8 +114,8 @@ FOLD_DEFAULT: bool = os.environ.get("ONEPASS_INT4_FOLD", "1").strip() not in (""
 def w4a16_linear_ref(x: torch.Tensor, pw: PackedWeight, *, exact: bool = False, folded: bool = False) -> torch.Tensor:
     """The definition: x [M, K] @ w^T in fp32, rounded once to x's dtype, where w = unpack_ref(pw) rounded to
     x's dtype -- the weights the dequantized model holds, what the FOLD kernel multiplies -- or, with
-    ``exact``, unpack_ref(pw) itself in fp32 (the group-loop kernel and kernels/int4_cuda.py), or with ``folded``
-    unpack_folded(pw, x.dtype) (FOLD with W16, and kernels/int4_mma.py's folded form)."""
+    ``exact``, unpack_ref(pw) itself in fp32 (the group-loop kernel and kernels/int4_mma.py's exact form), or with
+    ``folded`` unpack_folded(pw, x.dtype) (FOLD with W16, and kernels/int4_mma.py's folded form)."""
     if folded:
         w = unpack_folded(pw, x.dtype).to(x.device)
         return (x.float() @ w.T).to(x.dtype)

@@ -1,12 +1,12 @@
 """W4A16 projection for small batches on tensor cores, y[M, N] = x[M, K] @ w[N, K]^T, in CUDA C++ compiled at
-run time (the same NVRTC bindings as kernels/int4_cuda.py), on the PackedWeight layout of kernels/quant_pack.py
+run time (through kernels/nvrtc.py, the NVRTC runtime), on the PackedWeight layout of kernels/quant_pack.py
 (Q4_0 / Q4_1 / Q4_K; Q8_0 in the folded form only, see below).
 
 Definition: kernels.int4_gemm.w4a16_linear_ref(x, pw, exact=True), i.e. x @ unpack_ref(w)^T with the file's
 exact weights: every group's integer dot product is taken on the tensor cores and scaled in fp32.
 
-Why: the CUDA-core kernel (int4_cuda) spends ~3.5 instructions per weight per lane (nibble to fp32, one FMA per
-sequence), so at B = 1 it is issue-bound long before HBM is, and its time grows with every sequence. Here a
+Why: a CUDA-core kernel (the former "cuda" variant) spends ~3.5 instructions per weight per lane (nibble to fp32,
+one FMA per sequence), so at B = 1 it is issue-bound long before HBM is, and its time grows with every sequence. Here a
 warp's mma.sync m16n8k16 takes 16 rows x 16 weights x 8 sequences in one instruction; what is left on the
 CUDA cores is turning nibbles into 16-bit integers (a shift, a mask-and-or and a packed fma per pair of
 weights: 1.5 instructions per weight), the same for 1 and for 8 sequences, plus per group 2 mmas and 4 fp32
@@ -30,10 +30,10 @@ are two and four such blocks sharing the dequantized A fragments)
   row of zeros that the mma's spare columns read, so no lane masks its operands.
   Per group: D = mma(A_hi, B_hi, mma(A_lo, B_lo, 0)) is the exact-weight dot product P_g (fp32 tensor-core
   accumulation), then acc = fma(s_g, P_g, acc) and, Q4_1 / Q4_K, acc = fma(c_g, X_g, acc) with X_g the
-  group's sum of x -- the same per-group formula as int4_cuda, so the two agree to fp32 rounding.
+  group's sum of x: the Definition's per-group formula, so it agrees with it to fp32 rounding.
   Block: RT row tiles x P phases = KW warps; phase p takes the split's groups p, p + P, ... in ascending
   order with a ring of U groups of loads in flight (a slot is refilled as soon as it is used); the phases'
-  sums are added in phase order at the end; split-K partials go to a workspace and int4_cuda's reduce kernel
+  sums are added in phase order at the end; split-K partials go to a workspace and nvrtc's reduce kernel
   adds them in split order. x for the split's whole K range is staged before the loop, so the loop has no
   barrier; that bounds a split to GMAX groups.
 
@@ -81,7 +81,7 @@ import functools
 import torch
 
 from onepass.kernels.quant_pack import GROUP, WORDS_PER_GROUP, PackedWeight
-from onepass.kernels import int4_cuda, pdl
+from onepass.kernels import nvrtc, pdl
 
 FORMATS = ("q4_0", "q4_1", "q4_k")           # the exact form
 FOLD_FORMATS = FORMATS + ("q8_0",)           # the folded form: Q8_0's bytes become weights as the nibbles do
@@ -90,7 +90,7 @@ BTG = 32                       # sequences per batch tile: up to four blocks of 
 BT_CHOICES = (1, 2, 4, 8, 16, 32)
 GMAX = 32                      # groups per split: x for BT = 32 (and its group sums) staged once in < 99 KB
 ROWS_PER_TILE = 16             # the mma's m
-NUM_SMS = int4_cuda.NUM_SMS
+NUM_SMS = nvrtc.NUM_SMS
 # launch shape: RT row tiles and P phases per block (KW = RT * P warps), U loads in flight per warp, for tiles of up
 # to 8 sequences; RT16, U16 for tiles of 16 and 32. The split is the smallest count that keeps a split within
 # GMAX groups and reaches TARGET_BLOCKS blocks (RT row tiles, one batch tile), unless SPLIT_K names it. The split
@@ -250,15 +250,15 @@ SMEM_LIMIT = 99 * 1024    # dynamic shared memory per block: what sm_86 and up a
 MAX_WARPS = 32            # warps per block (1024 threads)
 
 # the C++ (kernels/cuda/): the device code int4_wgmma and int4_wgmma_ws share (after pdl's helpers), the kernel
-MMA_COMMON = pdl.CUDA_HELPERS + int4_cuda.cuda_text("int4_mma_common.cuh")
-MMA_KERNEL = int4_cuda.cuda_text("int4_mma.cu")
+MMA_COMMON = pdl.CUDA_HELPERS + nvrtc.cuda_text("int4_mma_common.cuh")
+MMA_KERNEL = nvrtc.cuda_text("int4_mma.cu")
 MMA_SOURCE = MMA_COMMON + MMA_KERNEL
 
 
 def available() -> bool:
     """Whether the kernel can run here: a CUDA device of compute capability >= 8.0 (mma.sync bf16) and an
-    NVRTC binding (int4_cuda's)."""
-    if not int4_cuda.available():
+    NVRTC binding (kernels/nvrtc.py)."""
+    if not nvrtc.available():
         return False
     return torch.cuda.get_device_capability()[0] >= 8
 
@@ -287,10 +287,10 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int,
 @functools.lru_cache(maxsize=None)
 def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, rt: int, p: int, u: int, n16: bool, fold: bool, minb: int,
             mt: int, device: torch.device):
-    how = int4_cuda._compiler()
+    how = nvrtc._compiler()
     if how is None:
         raise RuntimeError("int4_mma: no CUDA device or no NVRTC binding (install cupy-cuda12x/13x)")
-    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb, mt), "w4a16_mma", how, device)
+    return nvrtc._Kernel(source(fmt, bt, x_f16, out32, rt, p, u, n16, fold, minb, mt), "w4a16_mma", how, device)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -300,10 +300,10 @@ def _cdiv(a: int, b: int) -> int:
 def shape_config(N: int, K: int, fmt: str, config: dict | None = None, fold: bool = False) -> dict:
     """{"RT", "P", "U", "RT16", "U16", "MINB16"} and one of "SPLIT_K" / "TARGET_BLOCKS": the defaults,
     MEASURED[(N, K, fmt)], for the folded form FOLD_TILES[fmt] and MEASURED_FOLD[(N, K, fmt)] (tiles of 16+ only),
-    then config (int4_cuda.layered_config)."""
+    then config (nvrtc.layered_config)."""
     layers = ((MEASURED.get((N, K, fmt)), FOLD_TILES.get(fmt), MEASURED_FOLD.get((N, K, fmt)), config) if fold
               else (MEASURED.get((N, K, fmt)), config))
-    out = int4_cuda.layered_config("int4_mma", (N, K, fmt), {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16,
+    out = nvrtc.layered_config("int4_mma", (N, K, fmt), {"RT": RT, "P": P, "U": U, "RT16": RT16, "U16": U16,
                                                              "MINB": 1, "MINB16": MINB16, "MT": 1, "MT16": 1,
                                                              "BTMAX": BT_CHOICES[-1], "TARGET_BLOCKS": TARGET_BLOCKS},
                                      layers, CONFIG_KEYS)
@@ -378,7 +378,7 @@ def mma_config(M: int, N: int, K: int, fmt: str, config: dict | None = None, fol
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None,
                       latency: bool = False) -> None:
-    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt): the exact and
+    """Size the split-K workspace (nvrtc's, shared) for up to max_rows rows of these (N, K, fmt): the exact and
     the folded form's splits (a shape's folded split may be the larger, e.g. MEASURED_FOLD's 5120x12288); latency:
     the latency launch's splits (config on top, as in w4a16_mma)."""
     def plan(M, N, K, fmt):
@@ -387,7 +387,7 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
         return max((mma_config(M, N, K, fmt, config, fold=f) for f in (False, True) if supports(fmt, f)),
                    key=lambda c: c["workspace_floats"])
 
-    int4_cuda.reserve_splits(device, [s for s in shapes if supports(s[2], fold=True)], max_rows, plan)
+    nvrtc.reserve_splits(device, [s for s in shapes if supports(s[2], fold=True)], max_rows, plan)
 
 
 def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None, *,
@@ -395,15 +395,15 @@ def w4a16_mma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = None
     """y = x @ w^T for a packed Q4_0 / Q4_1 / Q4_K weight on tensor cores (module docstring). x [M, K] bf16 /
     fp16; out [M, N] of x's dtype or float32 (unit column stride), allocated when None. fold: the folded form,
     y = x @ unpack_folded(w, x.dtype)^T. latency: the folded form's latency launch (latency_config, its own split;
-    config layered on top). defer: split-K partials returned unreduced (int4_cuda.run_packed)."""
+    config layered on top). defer: split-K partials returned unreduced (nvrtc.run_packed)."""
     if isinstance(pw, PackedWeight) and not supports(pw.fmt, fold):
         raise ValueError(f"w4a16_mma: format {pw.fmt} not supported by the {'folded' if fold else 'exact'} form (only "
-                         f"{FOLD_FORMATS if fold else FORMATS}); use the folded form or the Triton / CUDA-core kernel")
+                         f"{FOLD_FORMATS if fold else FORMATS}); use the folded form or the Triton kernel")
     if latency:
         if not fold:
             raise ValueError("w4a16_mma: the latency launch is the folded form's (fold=True)")
         config = {**latency_config(pw.N, pw.K, pw.fmt), **(config or {})}
-    return int4_cuda.run_packed(
+    return nvrtc.run_packed(
         "w4a16_mma", x, pw, out,
         plan=lambda M, N, K, fmt: mma_config(M, N, K, fmt, config, fold),
         kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["RT"], cfg["P"], cfg["U"],

@@ -29,7 +29,7 @@ The kernel
   stage the quad before last used: every warpgroup's wgmma_wait<1> has retired those reads by this barrier),
   then per word p one commit group of 2 MT wgmmas (m64 n BT k16, A from registers), waiting for the previous
   word's group only, so the next word's dequantization overlaps the tensor cores.
-  Splits: the K range is cut into SPLIT_K splits of whole quads; partials go to int4_cuda's split-K workspace and
+  Splits: the K range is cut into SPLIT_K splits of whole quads; partials go to nvrtc's split-K workspace and
   its reduce (or to the consumer, defer=True), in split order.
   Stream-K: with more row tiles than one wave of blocks (34816x5120: 136 tiles of 256 rows on 132 SMs; the LM
   heads), whole tiles in a second wave would leave most SMs idle. Instead TARGET_BLOCKS blocks take equal ranges
@@ -57,11 +57,11 @@ import functools
 import torch
 
 from onepass.kernels.quant_pack import GROUP, WORDS_PER_GROUP, PackedWeight
-from onepass.kernels import int4_cuda, int4_mma
+from onepass.kernels import int4_mma, nvrtc
 
 FORMATS = int4_mma.FOLD_FORMATS   # its loads and fragments are int4_mma's folded form's, Q8_0 included
 BT_CHOICES = (8, 16, 32, 64, 128)   # the wgmma's N extent; more sequences run over the grid
-NUM_SMS = int4_cuda.NUM_SMS
+NUM_SMS = nvrtc.NUM_SMS
 SMEM_LIMIT = 227 * 1024             # dynamic shared memory per block on sm_90 (opt-in)
 MAX_SPLIT = 32
 MIN_QUADS_PER_SPLIT = 4             # >= 512 weights of K per split
@@ -95,8 +95,8 @@ MEASURED: dict[tuple[int, int, str], dict] = {}
 X2 = {"TARGET_BLOCKS": 2 * NUM_SMS, "SK_HALVE": 1}
 
 # the C++ (kernels/cuda/): the part int4_wgmma_ws shares (its /*WGMMA_RS*/ line: common_text), the kernel
-WG_COMMON = int4_cuda.cuda_text("int4_wgmma_common.cuh")
-WG_KERNEL = int4_cuda.cuda_text("int4_wgmma.cu")
+WG_COMMON = nvrtc.cuda_text("int4_wgmma_common.cuh")
+WG_KERNEL = nvrtc.cuda_text("int4_wgmma.cu")
 
 SOURCE_DEFINES = 15
 
@@ -151,7 +151,7 @@ def _kernel(fmt: str, bt: int, x_f16: bool, out32: bool, wgs: int, mt: int, u: i
             swz: int, sk: bool, device: torch.device):
     if not available():
         raise RuntimeError("int4_wgmma: needs an sm_90 GPU and torch.cuda._compile_kernel")
-    return int4_cuda._Kernel(source(fmt, bt, x_f16, out32, wgs, mt, u, stages, minb, swz, sk), "w4a16_wgmma", "torch",
+    return nvrtc._Kernel(source(fmt, bt, x_f16, out32, wgs, mt, u, stages, minb, swz, sk), "w4a16_wgmma", "torch",
                              device, arch="90a")
 
 
@@ -160,8 +160,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def shape_config(N: int, K: int, fmt: str, config: dict | None = None) -> dict:
-    """DEFAULTS, then MEASURED[(N, K, fmt)], then config (int4_cuda.layered_config), checked."""
-    out = int4_cuda.layered_config("int4_wgmma", (N, K, fmt), DEFAULTS,
+    """DEFAULTS, then MEASURED[(N, K, fmt)], then config (nvrtc.layered_config), checked."""
+    out = nvrtc.layered_config("int4_wgmma", (N, K, fmt), DEFAULTS,
                                    (FORMAT_DEFAULTS.get(fmt), MEASURED.get((N, K, fmt)), config), CONFIG_KEYS)
     if out["WGS"] not in (1, 2) or out["MT"] not in (1, 2) or not 1 <= out["U"] <= 4 or not 3 <= out["STAGES"] <= 6 \
             or not 0 <= out["MINB"] <= 4 or out["SWZ"] not in (0, 1) or out["SK"] not in (0, 1) \
@@ -235,8 +235,8 @@ def wg_config(M: int, N: int, K: int, fmt: str, config: dict | None = None) -> d
 
 
 def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config: dict | None = None) -> None:
-    """Size the split-K workspace (shared with int4_cuda) for up to max_rows rows of these (N, K, fmt)."""
-    int4_cuda.reserve_splits(device, [s for s in shapes if supports(s[2])], max_rows,
+    """Size the split-K workspace (nvrtc's, shared) for up to max_rows rows of these (N, K, fmt)."""
+    nvrtc.reserve_splits(device, [s for s in shapes if supports(s[2])], max_rows,
                              lambda M, N, K, fmt: wg_config(M, N, K, fmt, config))
 
 
@@ -247,7 +247,7 @@ def w4a16_wgmma(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None = No
     split-K partials returned as a kernels.splitk.SplitSums."""
     if isinstance(pw, PackedWeight) and not supports(pw.fmt):
         raise ValueError(f"w4a16_wgmma: format {pw.fmt} not supported (only {FORMATS}); use the Triton kernel")
-    return int4_cuda.run_packed(
+    return nvrtc.run_packed(
         "w4a16_wgmma", x, pw, out,
         plan=lambda M, N, K, fmt: wg_config(M, N, K, fmt, config),
         kernel=lambda cfg, x_f16, out32, dev: _kernel(pw.fmt, cfg["BT"], x_f16, out32, cfg["WGS"], cfg["MT"], cfg["U"],

@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from onepass.kernels.quant_pack import GROUP, WORDS_PER_GROUP, PackedWeight
-from onepass.kernels import int4_cuda, int4_mma, int4_wgmma
+from onepass.kernels import int4_mma, int4_wgmma, nvrtc
 from onepass.kernels.workspace import SplitKWorkspace
 
 FORMATS = int4_mma.FOLD_FORMATS   # the folded form's: a Q8_0 stage holds 32-byte records
@@ -176,8 +176,8 @@ _READY = weakref.WeakKeyDictionary()           # PackedWeight -> {x's dtype: its
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
 # the C++ (kernels/cuda/): helpers put before int4_wgmma's common part; the kernels wg_stage_x, w4a16_wgmma_ws
-WS_PRELUDE = int4_cuda.cuda_text("int4_wgmma_ws_prelude.cuh")
-WS_KERNEL = int4_cuda.cuda_text("int4_wgmma_ws.cu")
+WS_PRELUDE = nvrtc.cuda_text("int4_wgmma_ws_prelude.cuh")
+WS_KERNEL = nvrtc.cuda_text("int4_wgmma_ws.cu")
 
 
 def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 1, sk: bool = False,
@@ -319,8 +319,8 @@ def _kernels(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, sk: bool,
     if not available():
         raise RuntimeError("int4_wgmma_ws: needs an sm_90 GPU and torch.cuda._compile_kernel")
     src = source(fmt, bt, x_f16, out32, stages, 1, sk, mt, cwg, x_in_gemm, mma, fresh, step_groups, ready)
-    return (int4_cuda._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
-            int4_cuda._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
+    return (nvrtc._Kernel(src, "wg_stage_x", "torch", device, arch="90a"),
+            nvrtc._Kernel(src, "w4a16_wgmma_ws", "torch", device, arch="90a"))
 
 
 class _StagedLaunch:
@@ -349,7 +349,7 @@ def reserve_workspace(device: torch.device | str, shapes, max_rows: int, config:
     """The split-K workspace, the stream-K flags and the staged-x buffer for up to max_rows rows (before graphs
     are captured)."""
     shapes = [s for s in shapes if supports(s[2])]
-    int4_cuda.reserve_splits(device, shapes, max_rows, lambda M, N, K, fmt: ws_config(M, N, K, fmt, config))
+    nvrtc.reserve_splits(device, shapes, max_rows, lambda M, N, K, fmt: ws_config(M, N, K, fmt, config))
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -414,7 +414,7 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
                                            cfg["BT"] >= FRESH_MIN_BT, cfg["BT"] >= STEP_GROUPS_MIN_BT,
                                            bool(cfg["ready"])), x_image)
 
-    return int4_cuda.run_packed(
+    return nvrtc.run_packed(
         "w4a16_wgmma_ws", x, pw, out,
         plan=plan,
         kernel=launch,

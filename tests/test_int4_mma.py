@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from onepass.kernels.quant_pack import unpack_folded, unpack_ref
-from onepass.kernels import int4_cuda, int4_mma
+from onepass.kernels import int4_mma, nvrtc
 from tests import cuda_emu
-from tests.test_int4_cuda import (ISSUE, emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
-                                  gpu_strided_and_graph_capture)
+from tests.test_nvrtc import (ISSUE, emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
+                              gpu_strided_and_graph_capture)
 from tests.test_int4_gemm import _weight, _x  # noqa: F401  (also sets the interpreter flag)
 
 ON_GPU = torch.cuda.is_available()
@@ -125,21 +125,6 @@ def test_mma_strided_and_graph_capture(seed):
     gpu_strided_and_graph_capture(int4_mma.w4a16_mma, seed, 2048, 8192, "q4_0")
 
 
-@pytest.mark.gpu
-@needs_mma
-def test_mma_agrees_with_cuda_core_kernel(seed):
-    """Same per-group formula as int4_cuda (only the group sums' order differs): close to fp32 rounding."""
-    from onepass.kernels import int4_cuda
-
-    if not int4_cuda.available():
-        pytest.skip("no CUDA-core kernel here")
-    pw, xs = _weight("q4_k", 5120, 4096, seed % 1000, device="cuda")
-    x = _x(seed, 8, 4096, xs, device="cuda")
-    a = int4_mma.w4a16_mma(x, pw, torch.empty(8, 5120, device="cuda"))
-    b = int4_cuda.w4a16_cuda(x, pw, torch.empty(8, 5120, device="cuda"))
-    assert (a - b).abs().max().item() <= 1e-4 * (1 + b.abs().max().item())
-
-
 # --------------------------------------------------------------------------------------------------
 # the folded form (fold=True, the dispatch's cuda_mma_fold): y = x @ unpack_folded(w, x.dtype)^T
 
@@ -227,7 +212,7 @@ def test_fold_launch_shapes(monkeypatch):
         G, gps = K // 32, fold["groups_per_split"]
         assert gps % 4 == 0 and gps <= int4_mma.GMAX and (fold["SPLIT_K"] - 1) * gps < G <= fold["SPLIT_K"] * gps
         seen = []                                                      # the reserved workspace holds either form's
-        monkeypatch.setattr(int4_cuda, "reserve_splits", lambda dev, shp, rows, plan: seen.append(
+        monkeypatch.setattr(nvrtc, "reserve_splits", lambda dev, shp, rows, plan: seen.append(
             max(plan(rows, *s)["workspace_floats"] for s in shp)))
         int4_mma.reserve_workspace("cpu", [(N, K, fmt)], 32)
         assert seen == [max(fold["workspace_floats"], exact["workspace_floats"])]

@@ -10,8 +10,8 @@ import torch
 
 from onepass.kernels import int4_wgmma
 from tests import cuda_emu
-from tests.test_int4_cuda import (emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
-                                  gpu_strided_and_graph_capture)
+from tests.test_nvrtc import (emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
+                              gpu_strided_and_graph_capture)
 from tests.test_int4_gemm import _weight, _x  # noqa: F401  (also sets the interpreter flag)
 from tests.test_int4_mma import folded_weights
 

@@ -2,7 +2,8 @@
 weights, the int4 dispatch (table lookup, rule, fallbacks, the table printed from recorded runs) and the
 dequantize-into-workspace kernel (Triton's interpreter).
 
-GPU tests live in tests/test_int4_cuda.py (CUDA kernel vs reference) and tests/test_gpu_int4_smollm2.py.
+GPU tests live in tests/test_nvrtc.py (every dispatch variant vs reference), the CUDA kernels' own tests and
+tests/test_gpu_int4_smollm2.py.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from onepass.engine.runner import GraphStepper  # noqa: E402
 from onepass.engine.sampler import SamplingParams  # noqa: E402
 from onepass.engine.static_batch import run_static  # noqa: E402
 from onepass.harness import int4_tables as tables  # noqa: E402
-from onepass.kernels import int4_dispatch as disp  # noqa: E402
+from onepass.kernels import int4_dispatch as disp, nvrtc  # noqa: E402
 from onepass.kernels.backend import get_step_kernels  # noqa: E402
 from onepass.kernels.int4_gemm import _INTERPRETED, w4a16_linear_ref  # noqa: E402
 from tests.conftest import TINY_LLAMA, TINY_QWEN3  # noqa: E402
@@ -121,7 +122,7 @@ def test_projection_of_mixed_formats():
 
 def test_choose_rule_table_and_policies(monkeypatch):
     monkeypatch.setattr(disp, "MEASURED", {})
-    for mod in (disp.int4_cuda, disp.int4_mma, disp.int4_wgmma):   # the rule's inputs pinned: the same on any machine
+    for mod in (nvrtc, disp.int4_mma, disp.int4_wgmma):   # the rule's inputs pinned: the same on any machine
         monkeypatch.setattr(mod, "available", lambda: False)
     inv = disp.Int4Policy
     assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "triton"        # rule until measured
@@ -135,19 +136,21 @@ def test_choose_rule_table_and_policies(monkeypatch):
     assert disp.choose(9, 2048, 2048, "q4_0", inv("invariant", 16)) == "cuda_mma_fold"    # small: below BIG
     assert disp.choose(9, 2048, 2048, "q4_0", inv("invariant", 64)) == "triton"
     assert disp.choose(9, 2048, 2048, "q8_0", inv("invariant", 64)) == "cuda_wgmma_ws_t128"  # no 16-bit Triton fold
-    monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_0"): {"invariant": "cuda",
+    monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_0"): {"invariant": "cuda_wgmma",
                                                                    "invariant_at": {1: "cuda_mma", 32: "triton"}}})
-    assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "cuda"        # no engine batch: the one pick
-    assert disp.choose(100, 5120, 17408, "q4_0", "invariant") == "cuda"      # one variant for every M
+    assert disp.choose(1, 5120, 17408, "q4_0", "invariant") == "cuda_wgmma"   # no engine batch: the one pick
+    assert disp.choose(100, 5120, 17408, "q4_0", "invariant") == "cuda_wgmma"  # one variant for every M
     assert disp.choose(100, 5120, 17408, "q4_0", inv("invariant", 1)) == "cuda_mma"
     assert disp.choose(1, 5120, 17408, "q4_0", inv("invariant", 16)) == "triton"   # the next measured B up
     assert disp.choose(1, 5120, 17408, "q4_0", inv("invariant", 512)) == "triton"  # beyond: the last
-    assert disp.choose(4, 4096, 4096, "q4_0", "invariant") == "triton"        # other shape: rule
+    assert disp.choose(4, 2048, 2048, "q4_0", "invariant") == "triton"        # other shape: rule
     assert disp.choose(1, 5120, 17408, "q4_0", "cuda_wgmma") == "cuda_wgmma"  # forced
-    # a table entry naming no known variant falls back to the rule
-    monkeypatch.setattr(disp, "MEASURED", {(64, 64, "q4_0"): {"invariant": "dequant_cublas"}})
-    assert disp.choose(1, 64, 64, "q4_0", "invariant") == "triton"
-    for bad in ("fast", "fastest", "dequant_cublas"):
+    # a table entry naming no known variant (e.g. a removed one) falls back to the rule
+    for gone in ("dequant_cublas", "cuda"):
+        monkeypatch.setattr(disp, "MEASURED", {(64, 64, "q4_0"): {"invariant": gone, "invariant_at": {1: gone}}})
+        assert disp.choose(1, 64, 64, "q4_0", "invariant") == "triton"
+        assert disp.choose(1, 64, 64, "q4_0", inv("invariant", 1)) == disp.rule(1, 64, 64, "q4_0", "invariant", 1)
+    for bad in ("fast", "fastest", "dequant_cublas", "cuda"):
         with pytest.raises(ValueError):
             disp.set_policy(bad)
         with pytest.raises(ValueError):
@@ -183,12 +186,12 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
     """Given the engine's batch, the invariant policy takes the fastest batch-invariant kernel at that B (the next
     measured B up, the last beyond), the same for every M the engine runs; without it, the all-B pick."""
     monkeypatch.setattr(disp, "MEASURED", {(5120, 17408, "q4_k"): {"invariant": "triton",
-                                                                   "invariant_at": {1: "cuda", 8: "cuda_mma",
+                                                                   "invariant_at": {1: "cuda_mma_fold", 8: "cuda_mma",
                                                                                     32: "triton"}}})
     monkeypatch.setattr(disp, "_max_batch", None)
     monkeypatch.setattr(disp, "_policy", disp._policy)          # restored after the test
     assert disp.choose(1, 5120, 17408, "q4_k", "invariant") == "triton"
-    for max_batch, want in ((1, "cuda"), (5, "cuda_mma"), (8, "cuda_mma"), (20, "triton"), (512, "triton")):
+    for max_batch, want in ((1, "cuda_mma_fold"), (5, "cuda_mma"), (8, "cuda_mma"), (20, "triton"), (512, "triton")):
         disp.set_policy("invariant", max_batch=max_batch)
         assert {disp.choose(m, 5120, 17408, "q4_k") for m in (1, max_batch, 22 * max_batch)} == {want}
     # a format not measured on the shape takes a sibling format's picks
@@ -222,13 +225,13 @@ def test_invariant_pick_for_the_engine_batch(monkeypatch):
 def test_runnable_fallbacks(monkeypatch):
     x = torch.zeros(2, 32)
     monkeypatch.setattr(disp, "_INTERPRETED", False)
-    n = len(disp.VARIANTS) - 1                          # every kernel variant but dequant_cublas
-    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["ref"] * n + ["dequant_cublas"]
+    n = len(disp.VARIANTS)                             # on the CPU every kernel variant runs the reference
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["ref"] * n
     monkeypatch.setattr(disp, "_INTERPRETED", True)
-    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["triton"] * n + ["dequant_cublas"]
+    assert [disp.runnable(v, x) for v in disp.VARIANTS] == ["triton"] * n
 
 
-@pytest.mark.parametrize("policy", ["invariant", "fastest", "dequant_cublas", "cuda"])
+@pytest.mark.parametrize("policy", ["invariant", "cuda_mma"])
 def test_w4a16_on_cpu_matches_reference(policy, monkeypatch):
     monkeypatch.setattr(disp, "_policy", policy)
     monkeypatch.setattr(disp, "_INTERPRETED", False)   # the CPU path without the interpreter: the reference
@@ -260,15 +263,17 @@ def test_table_entries_from_recorded_runs(tmp_path, capsys):
     rows = []
     for B, (t, c, d) in {1: (10.0, 6.0, 30.0), 16: (12.0, 20.0, 31.0), 128: (25.0, 90.0, 24.0)}.items():
         rows.append({"params.micro.n": "5120", "params.micro.k": "17408", "params.micro.fmt": "q4_0",
-                     "params.batch.size": str(B), "metrics.triton_us": t, "metrics.cuda_us": c,
-                     "metrics.dequant_cublas_us": d, "metrics.triton_ok": 1, "metrics.cuda_ok": 1,
-                     "metrics.dequant_cublas_ok": 1})
-    rows.append({**rows[0], "params.micro.n": "2048", "params.micro.k": "8192", "metrics.cuda_ok": 0})
+                     "params.batch.size": str(B), "metrics.triton_us": t, "metrics.cuda_mma_us": c,
+                     "metrics.dequant_cublas_us": d, "metrics.cuda_us": 1.0, "metrics.triton_ok": 1,
+                     "metrics.cuda_mma_ok": 1, "metrics.dequant_cublas_ok": 1, "metrics.cuda_ok": 1})
+    rows.append({**rows[0], "params.micro.n": "2048", "params.micro.k": "8192", "metrics.cuda_mma_ok": 0})
     df = pd.DataFrame(rows)
     entries = tables.table_entries(df)
-    assert entries[(5120, 17408, "q4_0")] == {"invariant": "triton", 1: "cuda", 16: "triton", 128: "dequant_cublas",
-                                              "invariant_at": {1: "cuda", 16: "triton", 128: "triton"}}
-    assert entries[(2048, 8192, "q4_0")] == {"invariant": "triton", 1: "triton",   # cuda failed verification
+    # dequant_cublas and cuda (rows recorded before they were removed) are not variants any more: their times are
+    # not read
+    assert entries[(5120, 17408, "q4_0")] == {"invariant": "triton",
+                                              "invariant_at": {1: "cuda_mma", 16: "triton", 128: "triton"}}
+    assert entries[(2048, 8192, "q4_0")] == {"invariant": "triton",   # cuda_mma failed verification
                                              "invariant_at": {1: "triton"}}
     path = tmp_path / "runs.csv"
     df.to_csv(path, index=False)
@@ -278,7 +283,7 @@ def test_table_entries_from_recorded_runs(tmp_path, capsys):
     exec(out.read_text(), generated)                      # the written module holds exactly the entries
     assert generated["MEASURED"] == entries and out.read_text().startswith('"""Generated by onepass-int4-table')
     assert tables.main(["--csv", str(path), "--out", str(out), "--check"]) == 0
-    out.write_text(out.read_text().replace("'triton'", "'cuda'", 1))   # a hand edit is caught
+    out.write_text(out.read_text().replace("'triton'", "'cuda_mma'", 1))   # a hand edit is caught
     assert tables.main(["--csv", str(path), "--out", str(out), "--check"]) == 1
     with pytest.raises(SystemExit) as e:                   # a missing file: an argparse error naming it, exit 2
         tables.main(["--csv", str(tmp_path / "missing.csv")])
@@ -292,7 +297,7 @@ def test_committed_table_is_what_the_recorded_runs_give():
 
 def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
     """H200 times (us) of 2048x8192 Q4_0 at B = 1..128: cuda_mma has the smaller total (144 vs 148 us) but is
-    1.76x the fastest at B = 128, where Triton is never worse than 1.66x: the invariant pick is Triton."""
+    1.69x the fastest at B = 128, where Triton is never worse than 1.66x: the invariant pick is Triton."""
     import pandas as pd
 
     B = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -304,7 +309,7 @@ def test_invariant_pick_is_the_smallest_worst_ratio_not_the_smallest_total():
                         "params.batch.size": str(b), **{f"metrics.{v}_us": t[v][i] for v in t}}
                        for i, b in enumerate(B)])
     entry = tables.table_entries(df)[(2048, 8192, "q4_0")]
-    assert entry["invariant"] == "triton" and entry[1] == "cuda_mma" and entry[128] == "dequant_cublas"
+    assert entry["invariant"] == "triton"
     # an engine built for B sequences takes the fastest batch-invariant kernel at B
     assert entry["invariant_at"] == {1: "cuda_mma", 2: "cuda_mma", 4: "cuda_mma", 8: "cuda_mma", 16: "cuda_mma",
                                      32: "cuda_mma", 64: "triton", 128: "triton"}
@@ -325,21 +330,20 @@ def test_ws_variants_pay_their_chain_cost_in_the_picks():
                         "metrics.cuda_wgmma_ws_t128_us": ws}
                        for i, (b, ws) in enumerate([(32, near), (128, far)])])
     entry = tables.table_entries(df)[(5120, 6144, "q4_k")]
-    assert entry[32] == entry["invariant_at"][32] == "cuda_wgmma_x2"
-    assert entry[128] == entry["invariant_at"][128] == "cuda_wgmma_ws_t128"
+    assert entry["invariant_at"][32] == "cuda_wgmma_x2"
+    assert entry["invariant_at"][128] == "cuda_wgmma_ws_t128"
 
 
-def test_cuda_module_imports_and_configures_without_cupy():
-    from onepass.kernels import int4_cuda
+def test_cuda_modules_import_and_configure_without_cupy():
+    from onepass.kernels import int4_mma
 
-    assert int4_cuda.available() is False or ON_GPU
-    S, gps = int4_cuda.split_rule(5120, 17408, "q4_0")
+    assert nvrtc.available() is False or ON_GPU
+    assert int4_mma.available() is False or ON_GPU                          # through nvrtc's binding
+    c1, c9 = int4_mma.mma_config(1, 5120, 17408, "q4_0"), int4_mma.mma_config(9, 5120, 17408, "q4_0")
+    assert c1["SPLIT_K"] == c9["SPLIT_K"] and c1["groups_per_split"] == c9["groups_per_split"]   # not from M
+    S, gps = c1["SPLIT_K"], c1["groups_per_split"]
     assert S * gps >= 17408 // 32 and (S - 1) * gps < 17408 // 32
-    assert int4_cuda.split_rule(17408, 5120, "q4_1")[0] == 1                  # 544 row tiles fill the SMs (rule)
-    assert int4_cuda.split_rule(17408, 5120, "q4_0")[0] == 2                  # MEASURED: ~8 blocks per SM
-    c1, c9 = int4_cuda.cuda_config(1, 5120, 17408, "q4_0"), int4_cuda.cuda_config(9, 5120, 17408, "q4_0")
-    assert (c1["BT"], c9["BT"], c9["n_bt"]) == (1, 8, 2) and c1["SPLIT_K"] == c9["SPLIT_K"]
-    src = int4_cuda.source("q4_k", 8, False, True)
+    src = int4_mma.source("q4_k", 8, False, True, c1["RT"], c1["P"], c1["U"], True)
     assert "#define FMT 2" in src and "#include" not in src
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onepass.kernels import int4_cuda, int4_mma, int4_wgmma, int4_wgmma_ws, pdl
+from onepass.kernels import int4_mma, int4_wgmma, int4_wgmma_ws, nvrtc, pdl
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_FILES = sorted((ROOT / "kernels").glob("*.py"))
@@ -103,12 +103,12 @@ def _globals(src: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("which", ["cuda", "mma", "wgmma"])
+@pytest.mark.parametrize("which", ["reduce", "mma", "wgmma"])
 def test_cuda_kernels_wait_before_x_and_outputs(which):
     """Every CUDA kernel waits before it stages x or writes (the GEMMs issue only their first weight loads before the
     wait). None triggers its dependents but through pdl_release(), a no-op unless PDL_RELEASE is defined: the GEMMs
     after their last weight load, the split-K reduce at entry."""
-    src = {"cuda": int4_cuda.source("q4_k", 1, False, False),
+    src = {"reduce": nvrtc.reduce_source(False, False),
            "mma": int4_mma.source("q4_k", 8, False, True, 4, 1, 2, True, fold=True),
            "wgmma": int4_wgmma.source("q4_k", 64, False, False, 2, 2, 1, 4, sk=True)}[which]
     kernels = _globals(src)
@@ -116,10 +116,9 @@ def test_cuda_kernels_wait_before_x_and_outputs(which):
     helper = helper[:helper.index("\n}\n")]
     assert kernels and src.count("launch_dependents") == 1 and "launch_dependents" in helper
     assert "&& PDL_RELEASE" in helper and "#define PDL_RELEASE 0" in src
-    if which == "cuda":
+    if which == "reduce":
         red = kernels["w4a16_splitk_reduce"]
         assert red.index("pdl_release();") < red.index("pdl_wait();")
-        assert "pdl_release" not in kernels["w4a16_cuda"]
     for name, body in kernels.items():
         # the wgmma kernel waits inside k_segment, which runs before any store
         wait = "k_segment(" if name == "w4a16_wgmma" else "pdl_wait();"
@@ -203,7 +202,7 @@ def test_engine_setting_and_early_trigger(monkeypatch):
 
 @pytest.fixture
 def fake_nvrtc(monkeypatch):
-    """int4_cuda._Kernel with a stand-in NVRTC binding and launcher (PDL on): yields (sources compiled, launches) and
+    """nvrtc._Kernel with a stand-in NVRTC binding and launcher (PDL on): yields (sources compiled, launches) and
     a fresh kernel of the reduce's source."""
     compiled, launched = [], []
 
@@ -222,8 +221,7 @@ def fake_nvrtc(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(pdl, "launch_ex", lambda func, *a: launched.append(a))
     monkeypatch.setattr(pdl, "enabled", lambda device=None: True)
-    k = int4_cuda._Kernel(int4_cuda.source("q4_0", 1, False, True), "w4a16_splitk_reduce", "torch",
-                          torch.device("cuda", 0))
+    k = nvrtc._Kernel(nvrtc.reduce_source(False, True), "w4a16_splitk_reduce", "torch", torch.device("cuda", 0))
     try:
         yield compiled, launched, k
     finally:
@@ -231,7 +229,7 @@ def fake_nvrtc(monkeypatch):
 
 
 def test_gemm_release_compiles_its_own_kernel(fake_nvrtc):
-    """int4_cuda._Kernel compiles the source once per release setting, read at launch: with the release on, the
+    """nvrtc._Kernel compiles the source once per release setting, read at launch: with the release on, the
     kernel that runs is the one with PDL_RELEASE defined (its pdl_release() issues launch_dependents)."""
     compiled, launched, k = fake_nvrtc
     assert compiled == []                                   # nothing compiled before the first launch
@@ -333,7 +331,7 @@ def test_gpu_dense_hybrid_same_tokens_with_pdl(ggufs, name):  # noqa: F811 (gguf
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["triton", "cuda", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma",
+@pytest.mark.parametrize("policy", ["triton", "cuda_mma", "cuda_mma_fold", "cuda_mma_fold_lat", "cuda_wgmma",
                                     "cuda_wgmma_x2", "cuda_wgmma_ws", "cuda_wgmma_ws_t128"])
 @pytest.mark.parametrize("B", [1, 16])
 def test_gpu_packed_hybrid_same_tokens_with_pdl(packed_file, policy, B):

@@ -18,7 +18,7 @@ from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, need
 
 
 def _reduce_kernel(ws: torch.Tensor, dtype: torch.dtype, rne: bool) -> torch.Tensor:
-    """The reduce the consumers replace (kernels/gemm.py's; int4_cuda's adds in the same order)."""
+    """The reduce the consumers replace (kernels/gemm.py's; nvrtc's adds in the same order)."""
     S, M, N = ws.shape
     return splitk_reduce(ws, torch.empty(M, N, dtype=dtype, device=ws.device), S, rne)
 
@@ -190,7 +190,7 @@ def test_cpu_kernels_in_interpreter_subprocess():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("fold", [False, True])
 def test_mma_defer_matches_its_reduce(fold):
-    """The CUDA kernels' partials (int4_cuda.run_packed) through the consumers: the reduce kernel's bits."""
+    """The CUDA kernels' partials (nvrtc.run_packed) through the consumers: the reduce kernel's bits."""
     from onepass.kernels import int4_mma
     from tests.test_int4_gemm import _weight, _x
 
