@@ -1,6 +1,6 @@
 # Two entry points, each installing what it needs into .venv first:
 #   make run   - the default experiment (static batching on SmolLM2), logged to ./mlflow.db, report regenerated
-#   make test  - the test suite (CI runs it after `make lint`)
+#   make test  - ruff, then the test suite (what CI runs)
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch is installed only when the venv cannot import one (a GPU machine's system torch is reused).
@@ -26,7 +26,7 @@ run: install
 	$(BIN)/onepass -m experiment=static_batching
 	$(BIN)/onepass-report static_batching
 
-test: install
+test: lint
 	$(BIN)/python -m pytest -q
 
 lint: install
