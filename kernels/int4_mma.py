@@ -10,9 +10,8 @@ one FMA per sequence), so at B = 1 it is issue-bound long before HBM is, and its
 warp's mma.sync m16n8k16 takes 16 rows x 16 weights x 8 sequences in one instruction; what is left on the
 CUDA cores is turning nibbles into 16-bit integers (a shift, a mask-and-or and a packed fma per pair of
 weights: 1.5 instructions per weight), the same for 1 and for 8 sequences, plus per group 2 mmas and 4 fp32
-scalings per 8 sequences. SASS of the inner loop (sm_90, bf16, Q4_0, B = 1): ~42 instructions per group per
-warp (16 rows x 32 weights), 22 of them the nibble conversion; Q4_K ~80 (three 16-bit loads per row, and its
-6-bit scale and min made floats per group).
+scalings per 8 sequences. Q4_K costs more per group than Q4_0: three 16-bit loads per row, and its 6-bit scale and
+min made floats per group (instruction counts: kernels/PROBES.md, kernels/int4_mma.py).
 
 The kernel (one warp = one 16-row tile; a batch tile of BT <= 8 sequences is the mma's n = 8 columns, 16 and 32
 are two and four such blocks sharing the dequantized A fragments)
@@ -42,27 +41,23 @@ kernels/quant_pack.py). Each group's scale and offset are rounded to x's dtype, 
 the exact integers into the weights q * s + c, and the mmas accumulate into acc across the whole K range: no fp32
 scaling per group and column block, and no group sums of x (Q4_1 / Q4_K), so nothing but x is staged.
 It works on quads of 4 groups (apply_quad): each lane loads a whole 16-byte group record per row and that group's
-scales, and an mma's k range spans the quad's 4 groups, so loads and scale work per group drop to a quarter. SASS
-per group (sm_90, bf16): Q4_K 53 instructions at B = 1 (the exact form: 85), 63 at B = 32 (120); Q4_0 42 (42).
-H200: 34816x5120 Q4_K 41.8 us at B = 1 (2.5 TB/s; exact form 51.9), 83 us at B = 32 (137). Launch shapes of its
-own (FOLD_TILES); splits of whole quads. Its bits differ from the exact form's (rounded weights), so it is a
-variant of its own. A warp may own MT row tiles (MT, MT16; MEASURED_FOLD per shape): each x fragment it reads from
-shared memory then feeds MT tiles' mmas, and each load round brings MT times the weight bytes (sm_90, Q4_K, B = 32:
-57 instructions per group and tile with 2 tiles, 68 with one, 119 registers).
+scales, and an mma's k range spans the quad's 4 groups, so loads and scale work per group drop to a quarter, and
+Q4_K needs far fewer instructions per group than in the exact form. Launch shapes of its own (FOLD_TILES); splits
+of whole quads. Its bits differ from the exact form's (rounded weights), so it is a variant of its own. A warp may
+own MT row tiles (MT, MT16; MEASURED_FOLD per shape): each x fragment it reads from shared memory then feeds MT
+tiles' mmas, and each load round brings MT times the weight bytes, for fewer instructions per group and tile.
 
 Q8_0 (FMT 3) has the folded form only. Its record is 32 bytes per group and row (two 16-byte loads); weights s and
 s + 4 of 8p .. 8p + 7 are byte s of words 2p and 2p + 1, so one prmt makes the same pairs nib_pair makes of a 4-bit
 word, and x is staged as for the nibbles. A byte's low 7 bits go under the exponent of 128 (fp16: 1024) and its sign
 bit into the fma's addend (-128 or -256; -1024 or -1152): two lop3 and one packed fma give the exact q in -128..127,
 the fold's fma then q * d rounded once (unpack_folded; d rounded to x's dtype first). Per pair one prmt more than a
-nibble pair costs, for twice the bytes: fewer instructions per byte than Q4_0. H200 at B = 1 (int4_gemm's method, the
-reduce included, at 68d54b5): 5120x17408 28.6 us (3.3 TB/s; the CUDA-core kernel 42.4, Triton 47.9, bf16
-cuBLAS 49.7), 17408x5120 28.7, 5120x12288 23.0, 4096x4096 9.0, 2048x8192 9.1.
+nibble pair costs, for twice the bytes: fewer instructions per byte than Q4_0.
 
-Where the time goes (H200; kernels/PROBES.md has the probes behind each clause): at B = 1 a call is a streaming part
-plus ~3.3 us (x's staging, the split-K partials, the launch's ramp and tail). Q4_0 streams at ~4.0 TB/s, near the copy
-ceiling; Q4_K at ~3.1, bound by the instructions it issues per weight (its scales cost 5-13%) rather than by the tensor
-pipe (9-27% busy) or by how many loads are in flight. Built, measured and not kept: weights through a shared-memory
+Where the time goes (kernels/PROBES.md has the probes behind each clause): at B = 1 a call is a streaming part plus
+a fixed cost per call (x's staging, the split-K partials, the launch's ramp and tail). Q4_0 streams near the copy
+ceiling; Q4_K more slowly, bound by the instructions it issues per weight (its scales among them) rather than by the
+tensor pipe or by how many loads are in flight. Built, measured and not kept: weights through a shared-memory
 ring, the split-K sum inside the kernel (last block or cluster), the folded form on wgmma, L2 prefetches and cache
 policies, several row tiles in a row per warp, dequantizing before the PDL wait, the ring filled after x's copies,
 leaner Q4_K scale arithmetic, deeper rings, a stream-K grid whose warps all end together (there was no tail for it
@@ -95,12 +90,8 @@ NUM_SMS = nvrtc.NUM_SMS
 # to 8 sequences; RT16, U16 for tiles of 16 and 32. The split is the smallest count that keeps a split within
 # GMAX groups and reaches TARGET_BLOCKS blocks (RT row tiles, one batch tile), unless SPLIT_K names it. The split
 # and P fix the bits; RT and U do not (a warp's sums are its own), so RT16 / U16 may differ from RT / U.
-# Defaults and MEASURED from an H200 sweep (torch 2.11, cupy 14.2) of 5 layouts x 2 splits at B = 1, 4, 8, 16,
-# 32: one warp per row tile of 4-warp blocks, 4 groups in flight (RT 4, P 1, U 4) was the best or within 5% at
-# B = 1 on 4 of 8 shapes; the entries are the others (us at B = 1 / 4 / 8 against the defaults'). For 16 and 32
-# sequences, 16-warp blocks (RT16 16, U16 4) were the fastest on 7 of 8 shapes at B = 32 (5120x12288 Q4_0:
-# 31.5 us against 46.9 with 8-warp blocks and 37.2 for bf16 cuBLAS). Rings of 8 groups spilled under the
-# register cap (below) and lost everywhere.
+# The defaults: one warp per row tile of 4-warp blocks with 4 groups in flight for tiles of up to 8, 16-warp blocks
+# for 16 and 32; deeper rings spill under the register cap (why: kernels/PROBES.md, kernels/int4_mma.py: RT, P, U).
 RT, P, U = 4, 1, 4
 RT16, U16 = 16, 4
 MINB16 = 1          # tiles of 16+: blocks per SM the registers must allow (1: what the compiler takes)
@@ -108,136 +99,75 @@ TARGET_BLOCKS = 4 * NUM_SMS
 MAX_SPLIT = 32
 CONFIG_KEYS = ("RT", "P", "U", "MINB", "MT", "RT16", "U16", "MINB16", "MT16", "BTMAX", "SPLIT_K", "TARGET_BLOCKS")
 MT_CHOICES = (1, 2, 4)  # the folded form's row tiles per warp (MT, MT16): tiles sharing each x fragment
+# per shape, where another launch of the exact form was faster than the defaults (why: kernels/PROBES.md,
+# kernels/int4_mma.py: MEASURED). The 27B's two Q4_0 entries pay at B = 8, where the dispatch gives 5120x6144 this
+# kernel (kernels/int4_dispatch.py)
 MEASURED: dict[tuple[int, int, str], dict] = {
-    (17408, 5120, "q4_0"): {"RT": 8, "SPLIT_K": 5},            # 21.1 / 22.7 / 24.1 vs 21.3 / 23.1 / 23.9
-    (5120, 12288, "q4_0"): {"SPLIT_K": 12},                    # 16.0 / 17.6 / 19.0 vs 16.2 / 18.0 / 19.3
-    (2048, 8192, "q4_0"): {"P": 2},                            # 8.0 / 8.4 / 8.7 vs 8.4 / 8.9 / 9.3
-    (5120, 17408, "q4_k"): {"RT": 8, "SPLIT_K": 26},           # 29.1 / 33.2 / 33.6 vs 31.5 / 36.3 / 41.1
-    (34816, 5120, "q4_k"): {"RT": 8},                          # 51.3 / 58.6 / 60.2 vs 54.0 / 63.0 / 74.5
-    (10240, 5120, "q4_k"): {"RT": 8, "SPLIT_K": 7},            # 21.3 / 24.6 / 24.2 vs 22.2 / 25.1 / 28.2
-    # the 27B's Q4_0 projections at up to 8 sequences: H200 probe of RT 2 / 4 / 8 x P 1 / 2 x U 2 / 4 / 6 x MINB 1 / 4
-    # x 5 / 8 splits (int4_gemm's method at B = 1, partials deferred, late release), us against the default launch:
-    # 16384x5120 16.10 / 18.40, 5120x6144 7.37 / 8.69; 34816x5120 30.73 / 31.67 and 14336x5120 14.36 / 15.13 (8
-    # splits) too, but in the graphed step neither moved B = 1 or 8 (switch_ab, 27B Q4_0: 5.84 against 5.82 ms at B = 1,
-    # within the rounds' spread): not taken. These two pay at B = 8, where the dispatch gives 5120x6144 this kernel
-    # (kernels/int4_dispatch.py)
+    (17408, 5120, "q4_0"): {"RT": 8, "SPLIT_K": 5},
+    (5120, 12288, "q4_0"): {"SPLIT_K": 12},
+    (2048, 8192, "q4_0"): {"P": 2},
+    (5120, 17408, "q4_k"): {"RT": 8, "SPLIT_K": 26},
+    (34816, 5120, "q4_k"): {"RT": 8},
+    (10240, 5120, "q4_k"): {"RT": 8, "SPLIT_K": 7},
     (16384, 5120, "q4_0"): {"RT": 8, "U": 4, "SPLIT_K": 8},
     (5120, 6144, "q4_0"): {"RT": 8, "U": 6, "SPLIT_K": 6},
 }
-# The folded form's launch shapes (its U and U16 count quads of 4 groups). H200 sweep of 6 layouts on 10 shapes (the
-# 27B hybrid's five Q4_K projections, five Q4_0), B = 1, 4, 8, 16, 32: 8-warp blocks with 2 quads in flight for tiles
-# of up to 8 sequences, and 16-warp blocks (256 rows sharing the staged x) with one quad in flight and registers for
-# 2 blocks per SM for 16 and 32, were the fastest or within ~10% almost everywhere (34816x5120 Q4_K: 41.5 / 59.2 /
-# 61.5 / 91.4 us at B = 1 / 8 / 16 / 32, against 51.3 / 60.2 / 85.5 / 136.3 for the exact form). Bit-neutral.
+# The folded form's launch shapes (its U and U16 count quads of 4 groups): 8-warp blocks with 2 quads in flight for
+# tiles of up to 8 sequences, and 16-warp blocks (256 rows sharing the staged x) with one quad in flight and registers
+# for 2 blocks per SM for 16 and 32 (why: kernels/PROBES.md, kernels/int4_mma.py: FOLD_TILES). Bit-neutral.
 FOLD_TILES = {f: {"RT": 8, "U": 2, "RT16": 16, "U16": 1, "MINB16": 2} for f in FOLD_FORMATS}
-# Per shape, where another launch shape was faster (H200 sweeps against the defaults above). 32-warp blocks (512 rows
-# sharing the staged x) for tiles of 16+, B = 16 / 32: the rest lost up to 12% with them (16384x5120 Q4_K B = 32:
-# 55.9 against 52.1 us). Two row tiles per warp (MT, MT16: each x fragment read from shared memory feeds both
-# tiles' mmas, 16% fewer instructions per group at B = 32), B = 1 / 8 / 16 / 32; they lost elsewhere (5120x6144
-# Q4_K B = 32: 23.4 against 19.6 us). MT and RT (tiles of up to 8) set the rows per block and so, where SPLIT_K is
-# not named, the split count: a per-shape constant, the same at every M.
-# Registers for 4 blocks per SM (MINB 4: 64 per thread) for tiles of up to 8 sequences, bit-neutral, H200 sweep at
-# B = 1 / 8: 5120x17408 Q4_K 22.4 / 27.3 us against 23.7 / 28.8, 5120x6144 11.7 / 14.1 against 12.9 / 14.9, 16384x5120
-# 23.6 / 27.3 against 24.0 / 28.3, 14336x5120 20.0 / 25.8 against 20.3 / 26.5; within noise or slower on 34816x5120 Q4_K
-# and the Q4_0 shapes.
-# Re-swept at d75e6e9 (H200, cold weights, partials deferred as in the step, late release as in an engine of 1), B = 1:
-# RT 2/4/8 x MT 1/2 x MINB 3/4 x 5-6 splits per shape; the entries below were within 0.25 us of the best on 34816x5120
-# (36.6 us), 16384x5120 (19.1), 5120x17408 (19.4) and 5120x6144 (9.0), and 14336x5120 gained 0.6 us with 8 splits
-# (16.6 against 17.2; not taken: 16 calls a step). B = 16 / 32 (RT16 4/8/16 x U16 1/2 x MINB16 1-3 x MT16 1/2, the
-# same splits): the best shape beat these entries by up to 16% (17408x5120 Q4_0 B = 16: 28.4 against 33.8 us) but
-# never the kernel the dispatch picks there (27.3, cuda_wgmma_x2). Why B = 1 is where it is (ncu at eb9811c, clocks
-# locked by ncu, cold weights): 34816x5120 issues 0.61 instructions per scheduler per cycle with 3.5 active warps
-# (124 registers: 4 blocks per SM, 25% theoretical occupancy), 5120x17408 0.67 with 6.8 (64 registers, 50%); DRAM at
-# 42-46% of peak. More warps do not help: MINB 5 / 6 / 8 (fewer registers, the same splits and bits) were 0.3-2.3 us
-# slower on all five 27B shapes (34816x5120 U1 MINB6 39.0 against 36.7), so the kernel is bound by the instructions
-# it issues per weight, and a faster B = 1 needs fewer of them.
+# Per shape, where another launch shape was faster than FOLD_TILES (why: kernels/PROBES.md, kernels/int4_mma.py:
+# MEASURED_FOLD): 32-warp blocks (512 rows sharing the staged x) for tiles of 16+; two row tiles per warp (MT, MT16:
+# each x fragment read from shared memory feeds both tiles' mmas, fewer instructions per group); registers for 3 or 4
+# blocks per SM (MINB) for tiles of up to 8, bit-neutral. MT and RT (tiles of up to 8) set the rows per block and so,
+# where SPLIT_K is not named, the split count: a per-shape constant, the same at every M. Q8_0's ring slot holds twice
+# the bytes (a 32-byte record per group and row), so one quad in flight is often enough.
 MEASURED_FOLD: dict[tuple[int, int, str], dict] = {
     (34816, 5120, "q4_k"): {"MT": 2, "RT": 4, "U": 2, "MINB": 3, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
-    #   B = 16 / 32: 61.2 / 83.2 us against 59.8 / 87.3 with 32 warps of one tile (59.5 / 88.9 against 61.8 / 94.6
-    #   for those against 16 warps); tiles of up to 8 with two row tiles per warp in 4-warp blocks (the same 128 rows
-    #   per block, so the same split and bits), registers for three blocks per SM: H200 sweep at e421dd5 with the
-    #   GEMMs' late release (an engine of 1), B = 1: 37.0 us deferred / 38.1 with the reduce, against 39.0 / 40.2
-    #   (MINB 4 alone: 37.5; the other launches and splits within 1 us of the default)
     (5120, 17408, "q4_k"): {"MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
-    #   33.3 / 43.1 us against 32.3 / 45.5 with 32 warps of one tile (32.3 / 45.4 against 33.6 / 49.0)
-    (5120, 6144, "q4_k"): {"MINB": 4, "RT16": 32, "MINB16": 1},   # 15.2 / 20.0 against 15.5 / 21.3
+    (5120, 6144, "q4_k"): {"MINB": 4, "RT16": 32, "MINB16": 1},
     (16384, 5120, "q4_k"): {"MT": 2, "RT": 4, "U": 1, "MINB": 4, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
-    #   23.9 / 27.8 / 31.5 / 41.6 us against 22.2 / 31.3 / 35.9 / 51.6 (with RT 8); RT 4 (blocks of 128 rows, so 5
-    #   splits of 32 groups instead of 8 of 20) at B = 1, H200 probe at aed2748: 20.7 us with the reduce, 19.3
-    #   deferred, against 23.4 / 21.4 with RT 8 (U 1..4, MINB 2..4, MT 1, P 2 and other splits were slower)
+    #   RT 4: blocks of 128 rows, so 5 splits of 32 groups instead of 8 of 20
     (17408, 5120, "q4_0"): {"MT": 2, "RT": 8, "U": 1, "MT16": 2, "RT16": 16, "U16": 1, "MINB16": 1},
-    #   19.7 / 23.7 / 37.1 / 48.5 us against 21.7 / 31.5 / 34.4 / 50.8
     (5120, 17408, "q4_0"): {"MT": 2, "RT": 8, "U": 1, "MINB": 1, "SPLIT_K": 20},
-    #   B = 1 / 8: 20.1 / 26.6 us against 21.1 / 25.9; then 20 splits of 28 groups against 17 of 32: 19.9 / 26.1 /
-    #   32.1 / 45.3 us at B = 1 / 8 / 16 / 32 against 20.2 / 27.2 / 32.3 / 47.5. Then 8-warp blocks with the registers
-    #   left to the compiler (the same split and MT, so the same bits), H200 probe at f893f08 of RT 2-16 x MINB 1-6 x U
-    #   1-2 (int4_gemm's method, with the reduce): 17.53 / 20.16 us at B = 1 / 8 against 18.02 / 23.68 (RT 4, MINB 3)
+    #   20 splits of 28 groups instead of 17 of 32; 8-warp blocks with the registers left to the compiler
     (5120, 12288, "q4_0"): {"MT": 2, "RT": 8, "U": 2, "MINB": 3, "SPLIT_K": 20},
-    #   the same probe: 16-warp blocks, 14.51 / 16.24 us at B = 1 / 8 against 14.56 / 18.38 with 8 (the split named);
-    #   then a split of its own (its own bits), H200 probe at bc51bf2 of 5-6 splits x MT 1-2 x RT 4-16 x MINB 1 / 3 x
-    #   U 1-2 on the issue's three large Q4_0 shapes: 20 splits, two row tiles per warp, 13.87 / 15.50 us against
-    #   14.63 / 16.22 (12 splits, RT 16); 17408x5120 and 5120x17408 had nothing better than their entries
+    #   a split of its own (its own bits), two row tiles per warp
     (4096, 4096, "q4_0"): {"RT": 16, "U": 1, "SPLIT_K": 16},
-    #   the same probe: 16-warp blocks, one quad in flight, 6.70 / 7.42 us against 7.38 / 8.09 (RT 8, U 2; split named)
+    #   16-warp blocks, one quad in flight
     (14336, 5120, "q4_k"): {"SPLIT_K": 6, "MINB": 4},
-    #   20.6 / 26.8 / 31.8 / 45.4 us against 21.4 / 28.3 / 33.7 / 49.0 (S = 5); MINB below
-    (248320, 5120, "q4_k"): {"MT": 2, "U": 1, "MINB": 3},   # B = 1 / 8: 242.9 / 283.4 vs 242.9 / 373.6 (same split)
+    (248320, 5120, "q4_k"): {"MT": 2, "U": 1, "MINB": 3},
     (576, 576, "q4_1"): {"RT16": 4},
-    #   SmolLM2's output projection in 64-row blocks from 16 sequences (the same 5 splits). H200 probe at 4ed6ace, us
-    #   per call with the split's reduce / deferred, B = 32 / 64 / 128: 4.5 / 4.6 / 5.3 and 3.3 / 3.2 / 3.9 against
-    #   5.4 / 5.5 / 5.6 and 4.2 / 4.2 / 4.3 (dequantize + cuBLAS 5.7). SmolLM2's other shapes lose somewhere with
-    #   smaller blocks (960x576 at B = 128: 6.3 against 5.8; 3072x576 and 576x1536 at 64 and 128), and one split
-    #   (no reduce) is slower on all four (576x576 at B = 128: 8.6 us at best).
-    # Q8_0 (a 32-byte record per group and row: a ring slot holds twice the bytes, so one quad in flight is often
-    # enough). H200 sweep at 68d54b5 (a probe with int4_gemm's method: graphed calls over
-    # rotated weights, PDL, the reduce; RT 2/4/8 x U 1-3 x MINB 1/3/4 x MT 1/2 for tiles of up to 8, then RT16 4-16 x
-    # U16 1-2 x MINB16 1-2 x MT16 1-2 with that split), us at B = 1 / 8 and B = 16 / 32 against the default launch.
-    # The issue's 5120x17408, 17408x5120 keep it (28.6 / 31.7, 39.4 / 56.9 us; 29.2 / 35.3, 42.2 / 59.7).
-    (5120, 12288, "q8_0"): {"RT16": 8, "MT16": 2},                 # B = 16 / 32: 33.1 / 42.3 against 32.8 / 47.3
-    (4096, 4096, "q8_0"): {"U": 1, "RT16": 8, "MT16": 2},          # 9.0 / 9.6, 12.2 / 15.2 against 11.3 / 11.2
-    (2048, 8192, "q8_0"): {"U": 1, "RT16": 8, "MT16": 2},          # 9.1 / 9.7, 12.5 / 15.0 against 11.4 / 12.2
-    (3072, 2048, "q8_0"): {"RT": 4, "MINB": 3, "MT": 2, "RT16": 4, "MT16": 2, "MINB16": 1},   # the same split:
-    #   5.8 / 6.3, 8.1 / 10.6 against 6.1 / 6.4, 8.9 / 11.2
-    (16384, 2048, "q8_0"): {"U": 1, "MT16": 2, "MINB16": 1},       # 13.4 / 17.7, 19.1 / 23.1 against 15.0 / 17.5
-    (2048, 2048, "q8_0"): {"U": 3, "MT": 2, "RT16": 8, "U16": 2, "MINB16": 1, "MT16": 2},   # the same split: 4.6 /
-    #   5.7, 6.7 / 8.1 against 4.9 / 5.7, 6.9 / 8.7
+    #   SmolLM2's output projection in 64-row blocks from 16 sequences (the same 5 splits)
+    (5120, 12288, "q8_0"): {"RT16": 8, "MT16": 2},
+    (4096, 4096, "q8_0"): {"U": 1, "RT16": 8, "MT16": 2},
+    (2048, 8192, "q8_0"): {"U": 1, "RT16": 8, "MT16": 2},
+    (3072, 2048, "q8_0"): {"RT": 4, "MINB": 3, "MT": 2, "RT16": 4, "MT16": 2, "MINB16": 1},   # the same split
+    (16384, 2048, "q8_0"): {"U": 1, "MT16": 2, "MINB16": 1},
+    (2048, 2048, "q8_0"): {"U": 3, "MT": 2, "RT16": 8, "U16": 2, "MINB16": 1, "MT16": 2},   # the same split
     # the folded form keeps the rule's split where MEASURED names one for the exact form only (the 27B's Q4_0
     # launches above): the same bits as before those entries
     (16384, 5120, "q4_0"): {"TARGET_BLOCKS": TARGET_BLOCKS},
     (5120, 6144, "q4_0"): {"TARGET_BLOCKS": TARGET_BLOCKS},
 }
-# The 27B's Q4_0 shapes keep the default launch: H200 probe at f79e859 (int4_gemm's method, with the reduce, late
-# release; MT 1-2 x RT 4-16 x U 1-2 x MINB 1-4, the split following them, and each Q4_K entry above), best us at
-# B = 1 against the default fold launch and the exact form: 34816x5120 33.1 (34.5; exact 32.3), 16384x5120 17.6 in
-# MT 2, RT 4, U 2, MINB 4 (20.0; 19.6; the dispatch's ws 18.5), 14336x5120 16.8 (17.8; 16.0), 5120x6144 9.6 (9.6-10.0),
-# the LM head 199.4 in MT 2, U 2, MINB 3 (208.2; 218.8). Where the exact form or ws is not already faster, about 0.05
-# ms of a 5.9 ms B = 1 step in all: not taken.
+# The 27B's other Q4_0 shapes keep the default launch (why: kernels/PROBES.md, kernels/int4_mma.py: MEASURED_FOLD).
 # The latency launch of the folded form (the dispatch's "cuda_mma_fold_lat"): for shapes of a few microseconds at 32 to
 # 128 sequences, where the default launch's many splits (TARGET_BLOCKS blocks at one batch tile) leave a second launch
 # adding S x M x N fp32 partials, and its 32-sequence tiles one warp a long chain of mmas. Here the fewest splits that
 # keep a split within GMAX groups (one for K <= 1024), a ring of 4 quads in flight per warp from the start (U, U16:
 # a split of K = 576 is 5 quads, of 576x1536's 3 splits 4), and batch tiles of at most BTMAX = 16 sequences (twice the
 # warps, each weight dequantized once per tile: cheap where the weight is small and stays in L2). Its own split, so
-# its own bits; batch-invariant like the default launch (the split comes from (N, K, fmt) alone).
-# H200 probe at b66e7ff (int4_gemm's method: graphed calls over rotated weights, PDL on; us at B = 32 / 64 / 128,
-# against dequantize + cuBLAS in the same process): 960x576 Q4_1 4.71 / 4.82 / 5.35 (4.85 / 5.82 / 5.88), 576x576
-# 4.63 / 4.64 / 4.64 (5.71 / 5.74 / 5.78), 3072x576 5.52 / 6.02 / 8.58 (6.69 / 6.78 / 6.96), 576x1536 in 3 splits 6.53 /
-# 6.47 / 7.09 (7.23 / 7.30 / 7.41), 2048x2048 Q4_0 in 4 splits 6.89 at B = 32 (9.95). Slower than the default launch at
-# B = 1 and 8 on every one of these shapes (576x576: 2.85 / 3.13 us against 2.46 / 2.57): a variant of its own, not a
-# replacement. Not enough at 128 sequences where the weight is larger (3072x576 8.2 us at best against 7.0,
-# 2048x2048 13.8 against 10.6: from there the wgmma kernels' tiles of 128 sequences do better; 3072x576 again at
-# 660af4f with two row tiles per warp, 16 or 32 rows of blocks, rings of 2 or 4: 7.80 us at best against 6.96; at
-# c2102e3 RT16 2-16 x U16 2 / 4 x MINB16 1 / 2 x BTMAX 16 / 32 x MT16 1 / 2: 7.78 at best, RT16 16, U16 2).
-# Nor does a split of its own help the large shapes at 16 sequences (the issue's B = 16 target): H200 probe at
-# 660af4f, 1 / 2 / 3 times the fewest splits x RT16 4-16 x MT16 1-2 x U16 1-4 x MINB16 1-2 in batch tiles of 16, best
-# 32.6 / 30.2 / 20.7 us on 17408x5120 / 5120x17408 / 5120x12288 Q4_0 against cuda_wgmma_x2's 29.1 / 26.1 / 20.1.
+# its own bits; batch-invariant like the default launch (the split comes from (N, K, fmt) alone). It is slower than
+# the default launch at few sequences, so it is a variant of its own, not a replacement; at 128 sequences on the
+# larger of these weights the wgmma kernels' tiles do better (why: kernels/PROBES.md, kernels/int4_mma.py: LATENCY).
 LATENCY = {"RT": 4, "U": 4, "MINB": 1, "MT": 1, "RT16": 8, "U16": 4, "MINB16": 1, "MT16": 1, "BTMAX": 16}
+# per shape, where another latency launch was faster (why: kernels/PROBES.md, kernels/int4_mma.py: MEASURED_LAT)
 MEASURED_LAT: dict[tuple[int, int, str], dict] = {
-    (960, 576, "q4_1"): {"RT16": 4},        # B = 32 / 64 / 128: 4.71 / 4.82 / 5.35 us vs 4.96 / 5.18 / 5.16 (RT16 8)
-    (576, 576, "q4_1"): {"RT16": 4},        # 4.63 / 4.64 / 4.64 against 5.07 / 5.08 / 5.07
-    (576, 1536, "q4_1"): {"SPLIT_K": 3},    # 6.53 / 6.47 / 7.09 against 7.14 / 7.31 / 7.55 with 2 splits
-    (2048, 2048, "q4_0"): {"SPLIT_K": 4},   # B = 32 / 64: 6.89 / 9.22 against 8.83 / 9.61 with 2 splits
-    (3072, 2048, "q4_0"): {"SPLIT_K": 4},   # 9.11 / 11.71 against 10.37 / 14.13
+    (960, 576, "q4_1"): {"RT16": 4},
+    (576, 576, "q4_1"): {"RT16": 4},
+    (576, 1536, "q4_1"): {"SPLIT_K": 3},
+    (2048, 2048, "q4_0"): {"SPLIT_K": 4},
+    (3072, 2048, "q4_0"): {"SPLIT_K": 4},
 }
 
 

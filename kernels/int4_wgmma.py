@@ -43,12 +43,11 @@ WGS and MT come from (N, K, fmt) alone. M moves only BT (the wgmma's
 N extent, whose columns are independent) and the grid, so row m of y is bitwise the same whatever M is (the GPU
 tests compare rows across BT; the same assumption as int4_gemm's wgmma tiles).
 
-Where the time goes (H200; kernels/PROBES.md has the measurements): at 64c4aa5 it was the fastest int4 kernel at B = 128
-on ten of eleven shapes and at B = 64 on eight, still at 1.3-2.6x bf16 cuBLAS's time; the split decides much of it (a
-block runs a whole split, so the splits fill one wave; stream-K where the row tiles exceed one wave). ncu finds its
-warps waiting on their own weight loads and on the per-quad barrier, with the tensor pipe a third busy:
-kernels/int4_wgmma_ws.py, which feeds both operands through shared memory from a producer warpgroup, took its place from
-64 sequences up.
+Where the time goes (kernels/PROBES.md has the measurements): it was the fastest int4 kernel on most shapes at 64 and
+128 sequences, yet still well behind bf16 cuBLAS; the split decides much of it (a block runs a whole split, so the
+splits fill one wave; stream-K where the row tiles exceed one wave). ncu finds its warps waiting on their own weight
+loads and on the per-quad barrier, with the tensor pipe mostly idle: kernels/int4_wgmma_ws.py, which feeds both
+operands through shared memory from a producer warpgroup, took its place from 64 sequences up.
 """
 from __future__ import annotations
 
@@ -73,25 +72,20 @@ CONFIG_KEYS = ("WGS", "MT", "U", "STAGES", "MINB", "SWZ", "SK", "SK_HALVE", "SPL
 # blocks share the tiles' K steps evenly instead of a second, mostly idle wave of whole tiles. SK_HALVE: where
 # tiles of two m64 fill more than half of TARGET_BLOCKS but not all, tiles of one m64 (twice as many) for stream-K.
 # The split, the stream-K ranges and so the bits follow from (N, K, fmt, config); MINB, U, STAGES and SWZ do not
-# change a bit, so MINB may follow the batch tile.
-# H200 sweep (below): two warpgroups of two m64 tiles (256 rows, 255 registers, one block per SM) were the fastest
-# or within 5% at B = 128 on all eight shapes.
+# change a bit, so MINB may follow the batch tile. Default: two warpgroups of two m64 tiles (256 rows, one block per
+# SM; why: kernels/PROBES.md, kernels/int4_wgmma.py: DEFAULTS).
 DEFAULTS = {"WGS": 2, "MT": 2, "U": 1, "STAGES": 4, "MINB": 0, "SWZ": 1, "SK": 1, "SK_HALVE": 0,
             "TARGET_BLOCKS": NUM_SMS}
 # per format, over DEFAULTS: Q8_0's ring slot holds twice the bytes of a 4-bit one, so one m64 tile per warpgroup
 # keeps the 128-sequence tile's registers (two tiles' accumulators are 128 of its 255)
 FORMAT_DEFAULTS = {"q8_0": {"MT": 1}}
 MEASURED: dict[tuple[int, int, str], dict] = {}
-# No entries: smaller tiles do not rescue the small weights at 32-128 sequences (H200 probe at 290952c, int4_gemm's
-# method, WGS 1-2 x MT 1-2 x U 1-2 x STAGES 4 / 6). SmolLM2's Q4_1 3072x576 in 64-row blocks (WGS 1, MT 1: 48 blocks,
-# the same bits) took 6.8 / 7.3 / 11.6 us at B = 32 / 64 / 128 against the default's 11.3 / 14.9 / 20.2, yet the
-# folded latency launch (5.6 / 6.0 / 8.6) and dequantize + cuBLAS (5.8 / 6.8 / 6.9) were faster still; 576x576,
-# 960x576 and 576x1536 alike, and Llama-3.2-1B's 2048x2048 / 3072x2048 Q4_0 stayed behind ws t128. At 128 sequences
-# no launch of these shapes took under 11 us, whatever its rows: x's 128 rows pass the ring behind block barriers.
-# the dispatch's "cuda_wgmma_x2": two blocks per SM below 128 sequences, splits and stream-K sized for them
-# (H200, B = 32 / 64 / 128, us: 5120x17408 Q4_K 33 / 58 / 81 against the default's 49.8 / 63.8 / 74.7; 34816x5120
-# in tiles of one m64, stream-K on 264 blocks, 72 / 105 / 193 against 87 / 107 / 145). Different splits: its bits
-# differ from the default's, so an engine takes one or the other for every M.
+# No entries: smaller tiles do not rescue the small weights at 32-128 sequences, where the folded latency launch and
+# dequantize + cuBLAS stay faster: x's 128 rows pass the ring behind block barriers (why: kernels/PROBES.md,
+# kernels/int4_wgmma.py: MEASURED).
+# the dispatch's "cuda_wgmma_x2": two blocks per SM below 128 sequences, splits and stream-K sized for them (why:
+# kernels/PROBES.md, kernels/int4_wgmma.py: X2). Different splits: its bits differ from the default's, so an engine
+# takes one or the other for every M.
 X2 = {"TARGET_BLOCKS": 2 * NUM_SMS, "SK_HALVE": 1}
 
 # the C++ (kernels/cuda/): the part int4_wgmma_ws shares (its /*WGMMA_RS*/ line: common_text), the kernel
@@ -180,8 +174,8 @@ def smem_bytes(bt: int, stages: int) -> int:
 def split(G: int, n_nt: int, c: dict) -> tuple[int, int]:
     """(S, groups per split): SPLIT_K splits if named, else the most (each >= MIN_QUADS_PER_SPLIT quads) whose
     n_nt * S blocks still fit in TARGET_BLOCKS, one wave of the blocks the SMs hold at once: a block runs a
-    whole split, so a second wave of a few blocks costs as much as the first (at e516e01 the rule was "the fewest
-    reaching TARGET_BLOCKS": 5120x17408 took 7 splits, 140 blocks on 132 SMs). Splits of whole quads."""
+    whole split, so a second wave of a few blocks costs as much as the first (the fewest splits reaching
+    TARGET_BLOCKS lost: kernels/PROBES.md, kernels/int4_wgmma.py). Splits of whole quads."""
     Q = _cdiv(G, 4)
     if c.get("SPLIT_K"):
         S = max(1, min(int(c["SPLIT_K"]), Q))
@@ -196,9 +190,9 @@ def split(G: int, n_nt: int, c: dict) -> tuple[int, int]:
 
 def auto_minb(bt: int, target_blocks: int) -> int:
     """MINB 0: blocks per SM the registers must allow, by batch tile (bit-neutral). Two at tiles of up to 32,
-    whose accumulators leave room (H200, B = 32: 5120x17408 Q4_K 45.9 against 49.8 us, 34816x5120 79 against 87);
-    at 64 only when the launch has two blocks per SM to hide the cap (one block capped at 128 registers: 5120x17408
-    81.8 against 63.8 us); one at 128 (capped, its 128 accumulators spill: 399 us)."""
+    whose accumulators leave room; at 64 only when the launch has two blocks per SM to hide the cap (one block
+    capped at 128 registers is slower); one at 128, where capped, its 128 accumulators spill (why: kernels/PROBES.md,
+    kernels/int4_wgmma.py: auto_minb)."""
     if bt <= 32:
         return 2
     return 2 if bt == 64 and target_blocks >= 2 * NUM_SMS else 1

@@ -3,8 +3,8 @@ Q4_1 / Q4_K / Q8_0 weights of kernels/quant_pack.py, the same arithmetic as kern
 chain per element: with the same split its output is bitwise cuda_wgmma's) with the operands fed differently.
 
 Why: int4_wgmma's warps load their own weights from global memory into registers and stage x through a ring with a
-block barrier per quad; ncu finds them waiting on those loads (long scoreboard 2.3-3.3 cycles of every 8) with the
-tensor pipe a third busy. Here warpgroup 0 only moves data: its one thread issues bulk copies (cp.async.bulk,
+block barrier per quad; ncu finds them waiting on those loads (long scoreboard stalls) with the tensor pipe mostly
+idle. Here warpgroup 0 only moves data: its one thread issues bulk copies (cp.async.bulk,
 completed on an mbarrier) of each quad's weights, scales and x into a ring of STAGES stages in shared memory,
 several quads ahead; the consumer warpgroups wait on the stage's barrier, read their fragments with 16-byte
 shared loads, dequantize and issue the wgmmas, and give the stage back through a second barrier once their
@@ -41,17 +41,17 @@ X_IN_GEMM, in batch tiles of up to X_IN_GEMM_MAX_BT = 8 sequences: no staging la
 proxy fence, while thread 0 copies only weights and never waits for the kernel before. It gives int4_wgmma's bits
 (the emulator and the GPU tests).
 
-Where the time goes (H200; kernels/PROBES.md has the measurements): the consumers bound the kernel, not the copies.
-At 16-32 sequences a call on the 27B's projections is a fixed part (4.8-6.2 us, 10.5 with stream-K; a reduce launch
-adds 2.4-3.0 us where the partials are not left to the next kernel, x's staging launch 0.7-1.1) plus 2.1-2.7 TB/s of
-streaming, and the time follows the consumers' instruction count (226 a quad and warp, 128 of them dequantizing) at
-~0.5 issued per scheduler per cycle; at 128 sequences the warpgroup-aligned waits join in. Built, measured and not
-kept: one commit group per two or four words (or per k16 step, which keeps the wgmmas pipelined at 128 sequences:
+Where the time goes (kernels/PROBES.md has the measurements): the consumers bound the kernel, not the copies. At
+16-32 sequences a call on the 27B's projections is a fixed part (about twice as long with stream-K; a reduce launch
+adds to it where the partials are not left to the next kernel, and so does x's staging launch) plus streaming at
+well below the copy ceiling, and the time follows the consumers' instruction count (most of it dequantizing) at a
+steady issue rate; at 128 sequences the warpgroup-aligned waits join in. Built, measured and not kept: one commit
+group per two or four words (or per k16 step, which keeps the wgmmas pipelined at 128 sequences:
 STEP_GROUPS_MIN_BT), tensor-map copies, fewer ring stages, consumers reading the next quad ahead, wgmma groups left in
 flight, two consumer warpgroups at 64-128 sequences, batch tiles of 64 at 128, x staged in the GEMM above 8 sequences,
-Q4_K's scales made by the producer warpgroup's idle warps (7-10% slower steps, however they waited); made once per
-weight instead (READY_SCALES), they pay.
-Nor are the copies the bound at 32-128 sequences: without x's (or the weights') copies a call is within 2% as fast.
+Q4_K's scales made by the producer warpgroup's idle warps (slower steps, however they waited); made once per weight
+instead (READY_SCALES), they pay. Nor are the copies the bound at 32-128 sequences: without x's (or the weights')
+copies a call is hardly faster.
 """
 from __future__ import annotations
 
@@ -68,108 +68,70 @@ FORMATS = int4_mma.FOLD_FORMATS   # the folded form's: a Q8_0 stage holds 32-byt
 SMEM_LIMIT = int4_wgmma.SMEM_LIMIT
 MAX_STAGES = 8
 # setmaxnreg: a block's warps trade registers among themselves, so the producer's 128 x (168 - 40) given back
-# must cover the consumers' 256 x (232 - 168) (168: the kernel's count at one 384-thread block per SM). A probe
-# with two blocks per SM (80 registers, consumers raised to 104) hung on the H200; without setmaxnreg it spilled
-# from 64 sequences and gained nothing below: one block per SM only. Nor with four consumer warpgroups (eight consumer
-# warps a scheduler instead of four): launch bound (640, 2), no setmaxnreg, four ring stages a block, x2's splits
-# (int4_wgmma.X2, sized for 264 blocks). nvcc 13.0 fits batch tiles of up to 32 in 40-48 registers without spilling
-# (the stream-K builds spill 76 bytes; tiles of 64 do not compile in 48). H200 probe at b7f7a72, 27B hybrid graphed
-# steps, switch_ab, ms a step one / two blocks per SM, Q4_K: B = 1 6.55 / 6.62, B = 8 7.94 / 8.16, B = 32 11.35 /
-# 12.54; Q4_0: 5.82 / 5.87, 7.39 / 7.46, 10.77 / 11.80.
+# must cover the consumers' 256 x (232 - 168) (168: the kernel's count at one 384-thread block per SM). One block per
+# SM only: two blocks per SM hung or spilled, and lost in the steps (why: kernels/PROBES.md, kernels/int4_wgmma_ws.py:
+# REGS).
 # With four consumer warpgroups (CWG 4, 640 threads; the launch bound allows 96 registers each): 128 x (96 - 24)
 # given back cover 512 x (112 - 96).
 REGS = {2: (40, 232), 4: (24, 112)}         # consumer warpgroups -> (producer, consumer) registers
 # with X_IN_GEMM the stagers hold a unit's four pieces and walk the segments: with four consumer warpgroups 56 for
-# the producer and 104 for the consumers (128 x (96 - 56) given back cover 512 x (104 - 96)); nvcc 13.0 offline: at
-# 24 / 112 or 32 / 112 the stagers spilled 32-184 bytes, at 56 / 104 only the LM head's stream-K build does (24 bytes)
+# the producer and 104 for the consumers (128 x (96 - 56) given back cover 512 x (104 - 96)); fewer for the producer
+# spill (why: kernels/PROBES.md, kernels/int4_wgmma_ws.py: REGS_X_IN_GEMM)
 REGS_X_IN_GEMM = {2: (40, 232), 4: (56, 104)}
 # the tiles: two m64 per warpgroup; halved to one where that turns a wave of a few tiles into stream-K over all the
-# SMs (17408x5120: 68 tiles of 256 rows on 132 SMs, 53 against 68 us at B = 128)
+# SMs (17408x5120: 68 tiles of 256 rows on 132 SMs; why: kernels/PROBES.md, kernels/int4_wgmma_ws.py: DEFAULTS)
 DEFAULTS = {"SK_HALVE": 1}
-# four consumer warpgroups of one m64 tile on the 256-row tiles (same bits as two of two): H200 probe at 22b8d3b,
-# us at B = 16 / 64 / 128 against two: 5120x17408 Q4_K 28.9 / 37.2 / 49.4 (32.1 / 41.8 / 54.3), 16384x5120 27.0 /
-# 35.2 / 49.3 (29.8 / 39.6 / 52.8), 34816x5120 48.0 / 65.7 / 92.6 (47.3 / 66.2 / 101.2); again at a78b2b8, after the
-# fresh-write fix, in 27B hybrid steps (kernels/PROBES.md): four still faster at 64 and 128 sequences
+# four consumer warpgroups of one m64 tile on the 256-row tiles (same bits as two of two): twice the warps to issue
+# from, faster at every batch probed (why: kernels/PROBES.md, kernels/int4_wgmma_ws.py: DEFAULT_CWG)
 DEFAULT_CWG = 4
 # the dispatch's "cuda_wgmma_ws_t128": tiles of 128 rows, one m64 for each of two consumer warpgroups. Twice the row
 # tiles, so half the split: fewer fp32 partials written and added where many sequences make them large (a split of S
-# leaves S x M x N floats). Its own split, so its own bits. H200 probe at 5edf757, us at B = 64 / 128 against the
-# 256-row default: 16384x5120 Q4_K 34.0 / 42.1 (35.3 / 48.7), 16384x2048 Q4_0 17.6 / 21.7 (22.3 / 31.0), 2048x8192
-# 15.7 / 18.0 (15.8 / 21.3), 4096x4096 16.0 / 18.9 (15.9 / 22.3); slower on 5120x17408 (42.6 / 51.8 against 36.0 /
-# 49.6), on the stream-K shapes and below 64 sequences (two consumer warpgroups hide less latency than four).
+# leaves S x M x N floats). Its own split, so its own bits. It pays on some shapes from 64 sequences and loses below
+# (two consumer warpgroups hide less latency than four) (why: kernels/PROBES.md, kernels/int4_wgmma_ws.py: T128).
 T128 = {"MT": 1, "CWG": 2}
-# per shape, on top of T128 (int4_dispatch.ws_variant_config): H200 probe at b66e7ff of its split on the small shapes
-# where no int4 kernel matched dequantize + cuBLAS at 128 sequences (int4_gemm's method, one process), us at B = 64 /
-# 128: 2048x2048 Q4_0 in 6 splits 8.61 / 10.13 against 9.53 / 11.11 with the default 4 (dequantize + cuBLAS 10.08 /
-# 10.66). 3072x2048 stayed slower at 128 whatever the split (12.34 at best against 11.74), as did 3072x576 Q4_1 (8.71
-# against 6.89) and 576x1536 (8.63 against 7.50), with x staged in the GEMM or not.
-# 3072x2048 in 5 splits (120 blocks, against 96 with 4) at b15442a, one process: 6.46 / 8.74 / 9.91 / 12.18 us at
-# B = 8 / 32 / 64 / 128 against 6.48 / 8.69 / 9.91 / 12.20 with 4 (6: 13.88 at 128; dequantize + cuBLAS 11.63): not
-# kept. 2048x2048 Q8_0 likewise, H200 probe at 16633a2 (evict-first weights), us at B = 64 / 128 in 2 / 3 / 4
-# (default) / 6 / 8 splits: 12.07 / 12.97, 10.93 / 11.89, 9.33 / 10.89, 8.35 / 9.80, 8.24 / 10.01 (dequantize +
-# cuBLAS 9.33 / 10.52). In the same probe 3072x576 Q4_1 stayed slower at 128 in 1-3 splits (9.11 us at best against
-# 6.91).
+# per shape, on top of T128 (int4_dispatch.ws_variant_config): splits of their own on the small shapes where no int4
+# kernel matched dequantize + cuBLAS at 128 sequences (why: kernels/PROBES.md, kernels/int4_wgmma_ws.py: MEASURED_T128)
 MEASURED_T128: dict[tuple[int, int, str], dict] = {(2048, 2048, "q4_0"): {"SPLIT_K": 6},
                                                    (2048, 2048, "q8_0"): {"SPLIT_K": 6}}
 SOURCE_DEFINES = int4_wgmma.SOURCE_DEFINES
 STAGE_TRIGGER = True   # the staging launch triggers its GEMM at entry (module switch: probes compare it off)
 # x staged inside the GEMM by the producer warpgroup's warps 1-3 (loaded from x, put in the ring's order and stored
 # into each stage, completed on the stage's barrier by their arrivals) instead of by the wg_stage_x launch
-# (module switch for every batch tile; off). H200 probe at 7f6b448, graphed 27B hybrid Q4_K steps in one job, ms per
-# step staged / in the GEMM: B = 8 8.27 / 8.18, B = 32 11.51 / 13.13, B = 128 25.25 / 41.30 (the same tokens): three
-# warps restaging x for every stage cost more than one launch once a tile holds more than a few sequences. So only
-# batch tiles of up to X_IN_GEMM_MAX_BT sequences read x in the GEMM. At a78b2b8 (same job, max 8 / 0 / 16):
-# B = 8 8.20 / 8.27 / 8.19 ms, B = 16 9.28 / 9.29 / 9.39.
+# (module switch for every batch tile; off). Three warps restaging x for every stage cost more than one launch once a
+# tile holds more than a few sequences, so only batch tiles of up to X_IN_GEMM_MAX_BT sequences read x in the GEMM
+# (why: kernels/PROBES.md, kernels/int4_wgmma_ws.py: X_IN_GEMM_MAX_BT).
 X_IN_GEMM = False
 X_IN_GEMM_MAX_BT = 8
 # batch tiles from which a segment's first quad writes the accumulators (wgmma scale-d 0) instead of the consumers
-# zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring). In one job at 7f6b448
-# (27B hybrid graphed steps, ms, 128 / 16): B = 32 11.51 / 11.73, B = 128 25.25 / 25.21, B = 8 8.27 / 8.26
+# zeroing them inside the K loop, which makes ptxas serialize every wgmma (module docstring; why: kernels/PROBES.md,
+# kernels/int4_wgmma_ws.py: FRESH_MIN_BT)
 FRESH_MIN_BT = 128
 # the consumers on mma.sync (CMMA; config "MMA") in batch tiles of up to MMA_MAX_BT sequences, two consumer warpgroups
 # of two m64 tiles (MMA_CWG: each x fragment then feeds two tiles' mmas); wgmma above. The same bits either way (the
-# same products and k16 order per element; equal on the H200 at every shape and B probed). H200 probe of d3b9c93's
-# source, us per call (int4_gemm's method: one CUDA graph over rotated weights), wgmma consumers (four warpgroups) /
-# mma.sync (two) / mma.sync (four), B = 1: 34816x5120 Q4_K 42.6 / 40.2 / 42.5, 16384x5120 21.8 / 20.7 / 21.7, 5120x17408
-# 23.7 / 22.6 / 24.1, 5120x6144 10.0 / 9.5 / 10.0, 14336x5120 21.5 / 20.1 / 21.6, Q4_0 5120x17408 21.9 / 20.8 / 19.6,
-# 17408x5120 28.9 / 27.1 / 26.9; B = 8: 34816x5120 43.1 / 41.1 / 42.8, 16384x5120 22.6 / 23.1 / 22.3, 5120x17408 26.0 /
-# 27.2 / 25.0, 14336x5120 21.9 / 21.4 / 22.3, Q4_0 17408x5120 29.6 / 27.2 / 27.5. From 16 sequences mma.sync loses, more
-# the more sequences (B = 32: 52.6 / 54.7 / 58.5 on 34816x5120; B = 128: 89.4 / 149.8 / 337.2): the tensor work per
-# sequence is what grows, and wgmma does it at a higher rate. The ring's depth is not what limits these tiles: 8 or 10
-# stages (227 KB) against 4 (99 KB) moved the B = 1 and 8 times of the eight shapes by -1.3..+1.7 us, in no consistent
-# direction (5120x12288 Q4_0 B = 8: 18.3 us with 4 stages, 19.4 with 8, 20.0 with 10; 34816x5120 B = 8: 44.4 / 43.1).
+# same products and k16 order per element). From 16 sequences mma.sync loses, more the more sequences: the tensor work
+# per sequence is what grows, and wgmma does it at a higher rate. The ring's depth is not what limits these tiles
+# (why: kernels/PROBES.md, kernels/int4_wgmma_ws.py: MMA_MAX_BT).
 MMA_MAX_BT = 8
 MMA_CWG = 2
 # batch tiles from which the consumers commit their wgmmas one k16 step at a time (int4_wgmma's WG_STEP_GROUPS, the
 # same wgmmas in the same order: the same bits) instead of a word's two steps together. At 128 sequences four
 # consumer warpgroups of 112 registers then keep their wgmmas pipelined, where with a word's two steps ptxas
 # serialized them (its C7512; tests/test_int4_wgmma_ws.py checks the offline build). Yet the pipelining buys little:
-# the other warpgroups' wgmmas had been filling the tensor pipe. H200 probe on e5f59ab (int4_gemm's method, us per call
-# at B = 128 without / with, every output bitwise equal): Q4_0 5120x17408 45.08 / 44.44, 5120x12288 35.02 / 34.62,
-# 16384x5120 44.32 / 43.71, 34816x5120 76.47 / 75.69, 5120x6144 24.63 / 24.30, 14336x5120 41.53 / 40.87, 17408x5120
-# 44.56 / 44.91; Q4_K 34816x5120 81.44 / 80.19, 16384x5120 45.62 / 46.08, 5120x17408 46.32 / 46.46. From 16
-# sequences (with the in-loop zeroing, C7515, which serializes anyway) within -2.7..+4.1% either way, and with
-# FRESH_MIN_BT 16 as well up to 5.7% slower (5120x17408 Q4_K B = 64 36.39 against 34.42). And in the graphed step
-# even 128 loses: the 27B hybrid Q4_0 at B = 128, switch_ab at f8b1ebc (the same tokens), 22.993 ms a step without
-# against 23.156 with. So off (a module switch for probes: a batch tile's size from which it applies).
+# the other warpgroups' wgmmas had been filling the tensor pipe, and the graphed step is slower with it (why:
+# kernels/PROBES.md, kernels/int4_wgmma_ws.py: STEP_GROUPS_MIN_BT). So off (a module switch for probes: a batch
+# tile's size from which it applies).
 STEP_GROUPS_MIN_BT = 1 << 30
 # The producer's weight and scale copies enter L2 as evict-first in a launch of one batch tile (each weight byte read
 # once; several batch tiles re-read them), so the stream does not push out x's staged image, which every row tile's
-# block reads, nor the partials around the call. H200 probe of the hint on bc9f50b (int4_gemm's method: graphed calls
-# over rotated weight copies, so x's image was read back from DRAM without it; ABAB in one process), us per call without
-# / with: B = 16 5120x17408 Q4_0 24.80 / 24.00, 5120x12288 20.20 / 18.87, 4096x4096 10.63 / 9.32; B = 128 (the 128-row
-# tiles) 5120x17408 45.75 / 44.26, 2048x2048 10.21 / 9.35, 3072x2048 12.43 / 11.70, 5120x6144 Q4_K 23.84 / 23.13,
-# 34816x5120 Q4_K (256-row stream-K) 83.90 / 81.71; the same bits. In the 27B hybrid's graphed steps, where the kernel
-# before has just written x, it moved nothing (Q4_0, switch_ab, ms a step: B = 32 10.833 / 10.826, B = 128 23.260 /
-# 23.264). The same hint on the mma kernels' register loads (ld.global.nc ... L2::cache_hint) made them 2-19% slower
-# at B = 1 (5120x17408 Q4_0 17.75 / 18.47, 34816x5120 Q4_K exact form 50.3 / 59.8) and the B = 1 step 4% slower:
-# not used there. Module switch (probes compare it off).
+# block reads, nor the partials around the call. The same bits. The same hint on the mma kernels' register loads
+# (ld.global.nc ... L2::cache_hint) made them slower: not used there (why: kernels/PROBES.md,
+# kernels/int4_wgmma_ws.py: WEIGHT_EVICT_FIRST). Module switch (probes compare it off).
 WEIGHT_EVICT_FIRST = True
 # Q4_K in batch tiles that stage x outside the GEMM (above X_IN_GEMM_MAX_BT): the ring carries each (group, row)'s
 # scale and offset ready-made (ready_words: d * sc and -(dmin * mn), rounded to x's dtype, one word), made once per
 # weight and dtype, instead of the raw d, dmin and 6-bit (sc, mn) bytes, which every consumer lane turned into the
-# same two values (about 30 of a quad's 226 instructions). The same values, so the same bits; 4 bytes a (group, row)
-# copied instead of 3, and 4 more held per (group, row) beside the raw scales, which every other kernel reads.
+# same two values. The same values, so the same bits; 4 bytes a (group, row) copied instead of 3, and 4 more held per
+# (group, row) beside the raw scales, which every other kernel reads.
 # Module switch (probes compare it off).
 READY_SCALES = True
 _READY = weakref.WeakKeyDictionary()           # PackedWeight -> {x's dtype: its ready words}

@@ -13,43 +13,21 @@ constant weights and before it writes anything at all; the int4 GEMMs issue thei
 Early trigger: for engines of up to EARLY_MAX_BATCH sequences the Triton kernels also trigger their dependents at
 entry (griddepcontrol.launch_dependents), so the next kernel -- often a GEMM -- launches once every block of this
 one has started, instead of when it completes; the CUDA GEMMs never trigger early (the ws GEMM's x-staging launch
-does, at every batch: its dependent is that GEMM, see kernels/int4_wgmma_ws.py), only late (below). H200, harness
-runs (decode tok/s with PDL off / on / on with the Triton kernels triggering early / on with every kernel
-triggering early):
-Llama-3.2-1B Q4_0 packed B = 1 1,440 / 1,521 / 1,665 / 1,569, B = 32 31,376 / 32,656 / 32,647 / 28,676,
-B = 128 69,737 / 71,165 / 69,111 / 62,277; the 27B hybrid Q4_K B = 1 126.8 / 130.1 / 136.2 / 135.8, B = 8 778 /
-796 / 821 / 816, B = 128 3,713 (at the commit before PDL) / 3,745 / - / 3,713. Kernels resident early and waiting
-(GEMMs above all) cost more at large B than the launch they hide. Above 32 again at e8d971c (H200 probe, graphed
-steps, ms per step with the early trigger / without, the same tokens): the hybrid gains at 64 (bf16 state 14.48-14.67 /
-14.98-15.27, fp32 state 16.21 / 16.59-16.90) and little at 128 (26.23-26.28 / 26.44-26.49); Llama-3.2-1B does not:
-Q4_0 packed B = 64 1.090-1.093 / 1.092-1.097 (even), B = 128 1.432-1.438 / 1.359-1.363; with bf16 weights, whose
-Triton GEMM triggers too, B = 64 1.372-1.375 / 1.202-1.206 and B = 128 1.572-1.574 / 1.420-1.421. So the limit is
-per architecture (EARLY_MAX_BATCH_BY_ARCH): 32 for the dense decoders, 128 for the hybrid (qwen35), whose steps at
-3b81d32 again gain from it (H200, 27B Q4_K, switch_ab on kernels.pdl._early, one process, the same tokens, ms per
-step without / with: B = 64 16.579-16.609 / 15.943-15.967, B = 128 24.923-24.969 / 24.569-24.578). Above 128 (not
-measured) every model triggers late. The CUDA GEMMs' late release (below) on top of it lost there (5acc4d6, the same
-method, ms per step without / with: B = 64 15.922-15.927 / 16.041-16.059, B = 128 24.444-24.529 / 24.645-24.674).
+does, at every batch: its dependent is that GEMM, see kernels/int4_wgmma_ws.py), only late (below). Kernels resident
+early and waiting (GEMMs above all) cost more at large B than the launch they hide, and where that happens depends
+on the model, so the limit is per architecture (EARLY_MAX_BATCH_BY_ARCH): 32 for the dense decoders, 128 for the
+hybrid (qwen35). Above 128 (not measured) every model triggers late. The CUDA GEMMs' late release on top of the early
+trigger lost at 64 and 128 sequences.
 Late release (engines of up to RELEASE_MAX_BATCH sequences): a CUDA GEMM block releases its dependents
 (pdl_release: griddepcontrol.launch_dependents) once its last weight load is issued, and the split-K reduce at entry,
 so the next kernel launches during the GEMM's tail instead of after it; the source is compiled once per setting
-(nvrtc._Kernel), and the outputs are the same bits. H200 probe at bd12c9a, off / on in one job: int4_gemm-style
-chains of one GEMM gain at 1-32 sequences (5120x17408 Q4_0, B = 1: 18.25 / 18.07 us, B = 16 ws 25.15 / 23.69;
-2048x2048 B = 16 ws 8.97 / 7.02) but lose up to 18% at 128 (2048x2048 ws t128 11.48 / 14.04) and with the two-block
-wgmma on the small shapes (4096x4096 B = 32 11.07 / 12.74). In the graphed steps, where a GEMM is followed by a norm
-or a gate rather than another GEMM, less is left: the 27B hybrid B = 1 6.79 / 6.75 ms, B = 8 8.39 / 8.37, B = 32
-11.42-11.60 / 11.48 (noise), B = 128 26.67-26.81 / 26.66-26.78; Llama-3.2-1B Q4_0 packed B = 1 0.570 / 0.566,
-B = 32 0.938 / 0.952, B = 128 1.35 / 1.45. So the release is on up to 8 sequences. Releasing from the tensor-core
-mma kernels (kernels/int4_mma.py) at every batch while the others keep the limit was tried too (H200 probe at d75e6e9,
-int4_gemm's method, us per call without / with): it pays at 16 sequences (960x576 Q4_1 4.4 / 3.6, 3072x576 5.5 / 4.5,
-4096x4096 Q4_0 10.7 / 9.3) but is mixed above (B = 32: 576x576 6.0 / 4.7, 2048x2048 7.6 / 8.5, 3072x576 6.4 / 6.9;
-B = 128: 576x1536 9.1 / 8.1, 960x576 6.4 / 6.9), and so are the steps (switch_ab, one process, ms per step:
-SmolLM2-135M shapes Q4_1 B = 32 0.954 / 0.973, B = 128 1.359 / 1.304; Llama-3.2-1B Q4_0 0.942 / 0.950 and 1.371 /
-1.369): not kept.
-What a boundary costs at the least (H200 probe at c2102e3, 2026-12-03: graphed chains of a trivial Triton kernel,
-each loading and storing 512 floats a program, us per kernel with 1 / 10 / 132 programs): without PDL 1.00 / 1.04 /
-1.16, with PDL 0.76 / 0.81 / 1.11, with PDL and the early trigger 0.84 / 0.78 / 0.84. So a graphed step of n
-kernels spends about 0.8 n us on boundaries alone (the 27B hybrid at B = 1: 763 kernels, up to ~0.6 ms of a 5.8 ms
-step) however short its kernels are.
+(nvrtc._Kernel), and the outputs are the same bits. Chains of one GEMM gain at few sequences but lose at many; in the
+graphed steps, where a GEMM is followed by a norm or a gate rather than another GEMM, less is left, so the release
+is on up to 8 sequences. Releasing from the tensor-core mma kernels (kernels/int4_mma.py) at every batch was mixed
+and not kept.
+Even with PDL a kernel boundary costs most of a microsecond, so a graphed step of many short kernels spends a
+share of its time on boundaries alone however short its kernels are.
+The measurements behind each of these choices: kernels/PROBES.md, kernels/pdl.py.
 The wait is transitive: a kernel completes only after its own wait returned, so everything earlier in the stream
 is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait for their predecessor as always.
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
@@ -102,7 +80,7 @@ def enabled(device: torch.device | None = None) -> bool:
     return supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-EARLY_MAX_BATCH = 32   # the largest engine batch whose Triton kernels trigger early (measured at 1, 8, 32; 128 lost)
+EARLY_MAX_BATCH = 32   # the largest engine batch whose Triton kernels trigger early (why: kernels/PROBES.md)
 EARLY_MAX_BATCH_BY_ARCH = {"qwen35": 128}   # architectures measured otherwise (module docstring)
 _early = False
 
