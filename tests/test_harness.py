@@ -179,8 +179,11 @@ def test_ctrl_c_stops_the_sweep_and_marks_its_parent_killed(tmp_path):
     env = {**os.environ, "ONEPASS_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     args = ["-m", *tiny(tmp_path, "table=static_batching", "workload.max_new_tokens=200000", "kv_cache.ctx=200100"),
             "batch.size=1,2", f"hydra.sweep.dir={tmp_path}/multirun"]
+    # SIGINT back to its default in the child: a test run started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     p = subprocess.Popen([sys.executable, "-m", "onepass.harness", *args], cwd=tmp_path, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in p.stdout:   # the job is decoding once it has printed its workload
         if line.startswith("[workload]"):
             break
