@@ -189,12 +189,6 @@ class Engine:
         self.activate()
         return self
 
-    def with_state_dtype(self, dtype: torch.dtype) -> Engine:
-        """The same engine (same weights, same model) whose next caches hold the recurrent state in `dtype`."""
-        other = object.__new__(Engine)
-        other.__dict__.update(self.__dict__, state_dtype=dtype)
-        return other
-
     # --- caches and steppers ------------------------------------------------------------------------------
 
     def writeback(self) -> int:

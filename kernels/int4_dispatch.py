@@ -102,10 +102,6 @@ def set_policy(policy: str, max_batch: int | None = None) -> None:
     _policy, _max_batch = policy, (None if max_batch is None else int(max_batch))
 
 
-def get_policy() -> str:
-    return _policy
-
-
 def rule(M: int, N: int, K: int, fmt: str, policy: str, max_batch: int | None = None) -> str:
     """The documented rule for shapes MEASURED has no entry for (in the format or a sibling)."""
     mma = int4_mma.supports(fmt, fold=True) and int4_mma.available()     # the rule only picks the folded form
