@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 _EXPORTS = {"Engine": "engine", "EngineSpec": "engine", "Request": "scheduler", "SamplingParams": "sampler",
-            "ServeResult": "serve"}
+            "ServeResult": "runner"}
 
 
 def __getattr__(name: str):

@@ -20,12 +20,10 @@ import torch
 from onepass.engine.config import ModelConfig
 from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache
-from onepass.engine.models import build_model
+from onepass.engine.runner import ServeResult, StaticBatchResult, check_fits, run_static
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request
-from onepass.engine.serve import ServeResult
 from onepass.engine.state_pool import HybridCache, resolve_writeback
-from onepass.engine.static_batch import ReferenceStepper, StaticBatchResult, check_fits, run_static
 from onepass.engine.tokenizer import Tokenizer
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
@@ -120,14 +118,12 @@ class Engine:
         self.state_dtype = DTYPES[spec.state_dtype]
         self.state_writeback = spec.state_writeback
         self.int4 = Int4Policy(spec.int4, spec.batch)
+        self.launch = pdl.LaunchPolicy.for_engine(spec.pdl, spec.batch, cfg.arch, spec.ready_scales)
         t0 = time.perf_counter()
-        self.activate()
         if cfg.arch == "qwen35":
             self.writeback()   # a period the backend cannot run is refused before any run
-        if self.backend == "torch":
-            self.model = build_model(cfg, weights)
-        else:
-            self.model = self._fused("triton")
+        with pdl.applied(self.launch):
+            self.model = self._fused(self.backend)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.load_s = load_s + time.perf_counter() - t0
@@ -151,17 +147,9 @@ class Engine:
         spec = replace(spec, **settings) if spec is not None else EngineSpec.of(**settings)
         return cls(spec, cfg, weights, tokenizer, name)
 
-    def activate(self) -> None:
-        """Make this engine's launch settings the process's: PDL and its early trigger, and the ready Q4_K scale
-        words, are read by the kernels at launch and capture. Called before every run, so two engines in one
-        process each run with their own."""
-        from onepass.kernels.int4_wgmma_ws import configure_ready
-
-        pdl.configure(self.spec.pdl, self.spec.batch, self.cfg.arch)
-        configure_ready(self.spec.ready_scales)
-
     def _fused(self, backend: str):
-        """The fused decoder over `backend`'s step kernels (the GPU's, or the torch references on the CPU)."""
+        """The fused decoder over `backend`'s step kernels: the GPU's, or the torch references (on the CPU). The
+        plain-torch models of engine/models are its oracle, not a second engine."""
         from onepass.kernels.backend import get_step_kernels
 
         kernels = get_step_kernels(backend, self.spec.gemm, int4=self.int4)
@@ -184,12 +172,12 @@ class Engine:
         spec.resolve()
         self.spec, self.state_dtype, self.state_writeback = spec, DTYPES[spec.state_dtype], spec.state_writeback
         self.int4.name, self.int4.max_batch = spec.int4, spec.batch   # the step kernels hold this policy object
+        self.launch = pdl.LaunchPolicy.for_engine(spec.pdl, spec.batch, self.cfg.arch, spec.ready_scales)
         if self.cfg.arch == "qwen35":
             self.writeback()
-        self.activate()
         return self
 
-    # --- caches and steppers ------------------------------------------------------------------------------
+    # --- caches ------------------------------------------------------------------------------------
 
     def writeback(self) -> int:
         """The write-back period of the next state pool: the reference model's is always 1."""
@@ -209,21 +197,11 @@ class Engine:
                                       writeback=self.writeback())
         return ContiguousKVCache(self.cfg, slots, ctx, self.dtype, self.device)
 
-    def stepper(self, batch: int, sampling: SamplingParams, ctx: int | None = None, max_len: int | None = None):
-        """A fresh KV cache and the step for `batch` slots whose positions stay below max_len (<= ctx)."""
-        ctx = ctx or self.spec.ctx
-        self.activate()
-        if self.backend == "torch":
-            kv = self.cache(batch, ctx)
-            return ReferenceStepper(self.model, kv, sampling, batch), kv
-        from onepass.engine.runner import GraphStepper
-
-        kv = self.cache(batch + 1, ctx)  # + the scratch slot
-        return GraphStepper(self.model, kv, batch, sampling, self.spec.cuda_graphs, self._workspace(ctx),
-                            max_len), kv
-
-    def _workspace(self, ctx: int):
-        """rows, n -> the decode attention's split-K workspace for `rows` query rows over n positions."""
+    def workspace(self):
+        """rows, n -> the decode attention's split-K workspace for `rows` query rows over n positions (None where
+        the attention needs none: the torch kernels)."""
+        if self.backend != "triton":
+            return None
         from onepass.kernels.decode_attention import make_workspace
 
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -236,7 +214,7 @@ class Engine:
     def pdl_mode(self) -> int:
         """How this engine's step kernels launch (kernels/pdl.mode): 0 plainly, 1 with PDL, 2 with early triggers
         too, 4 with the CUDA GEMMs' late release as well."""
-        return pdl.mode(self.device) if self.backend == "triton" else 0
+        return self.launch.mode(self.device) if self.backend == "triton" else 0
 
     def stop_ids(self) -> tuple[int, ...]:
         return self.tokenizer.stop_ids if self.tokenizer else tuple(self.cfg.eos_ids)
@@ -252,32 +230,30 @@ class Engine:
     def run_static(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
                    stop_ids: tuple[int, ...] = (), prefill: str = "batched", progress: bool = False,
                    max_len: int | None | str = "fit") -> StaticBatchResult:
-        """One static batch: every prompt (of one length) decoded in lockstep, timed per step. Positions stay below
-        max_len: "fit" (prompt + new tokens: the attention grid sized for them) or None (the context)."""
-        sampling = sampling or SamplingParams()
+        """One static batch in a fresh cache: every prompt (of one length) decoded in lockstep, timed per step.
+        Positions stay below max_len: "fit" (prompt + new tokens: the attention grid sized for them) or None (the
+        context)."""
         if max_len == "fit":
             max_len = len(prompts[0]) + max_new_tokens
-        stepper, _ = self.stepper(len(prompts), sampling, max_len=max_len)
-        return run_static(stepper, prompts, max_new_tokens, stop_ids, prefill, self.spec.ctx, progress)
+        kv = self.cache(len(prompts) + 1)   # + the scratch slot
+        return run_static(self.model, kv, prompts, max_new_tokens, sampling, stop_ids, prefill,
+                          use_graphs=self.spec.cuda_graphs and self.device.type == "cuda", workspace=self.workspace(),
+                          max_len=max_len, launch=self.launch, progress=progress)
 
     def teacher_forced_logits(self, ids: list[int], follow: list[int]) -> torch.Tensor:
         """fp32 logits [1 + len(follow), V]: the prompt's last position, then each token of `follow` fed in turn
-        (one slot, eager, either backend)."""
+        (one slot, eager)."""
         m, dev, P, ctx = self.model, self.device, len(ids), self.spec.ctx
         kv = self.cache(2, ctx)
         t = lambda x: torch.tensor(x, device=dev)  # noqa: E731
-        rows = []
-        if self.backend == "torch":
-            rows.append(m.forward(t([ids]), t([list(range(P))]), t([0]), kv))
+        ws = self.workspace() or (lambda rows, n: None)
+        runs = {"seq_len": P} if getattr(m, "hybrid", False) else {}   # the prompt as one run of slot 0
+        with pdl.applied(self.launch):
+            h = m.hidden(t(ids), t(list(range(P))), t([0] * P), kv, m.buffers(P), ws(P, ctx), **runs)
+            rows = [m.logits(h[-1:].contiguous())]
+            buf, ws1 = m.buffers(1), ws(1, ctx)
             for i, tok in enumerate(follow):
-                rows.append(m.forward(t([[tok]]), t([[P + i]]), t([0]), kv))
-            return torch.cat(rows).float()
-        ws = self._workspace(ctx)
-        h = m.hidden(t(ids), t(list(range(P))), t([0] * P), kv, m.buffers(P), ws(P, ctx), seq_len=P)
-        rows.append(m.logits(h[-1:].contiguous()))
-        buf, ws1 = m.buffers(1), ws(1, ctx)
-        for i, tok in enumerate(follow):
-            rows.append(m.logits(m.hidden(t([tok]), t([P + i]), t([0]), kv, buf, ws1)).clone())
+                rows.append(m.logits(m.hidden(t([tok]), t([P + i]), t([0]), kv, buf, ws1)).clone())
         return torch.cat(rows).float()
 
     def generate(self, prompts: list[str] | list[list[int]], max_new_tokens: int = 64,

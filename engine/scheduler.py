@@ -89,6 +89,7 @@ class Scheduled:
 class Plan:
     items: list[Scheduled]
     admitted: list[Request]
+    repeat: int = 1  # > 1: a lockstep run, every item one decode row a step for this many steps
 
     @property
     def num_rows(self) -> int:
@@ -143,7 +144,9 @@ class Scheduler:
         return not self.waiting and not self.running
 
     # -- one step ---------------------------------------------------------------------------------
-    def schedule(self) -> Plan:
+    def schedule(self, lockstep: int = 1) -> Plan:
+        """The next step's rows; with lockstep > 1, up to that many steps at once where every running request just
+        decodes and nothing can change between them (no request to admit, no KV block to find)."""
         admitted = self._admit()
         items: list[Scheduled] = []
         budget = self.budget if self.prefill == "chunked" else None
@@ -164,7 +167,22 @@ class Scheduler:
             last = req.computed + rows
             items.append(Scheduled(req, rows, last == req.length, last > len(req.prompt) + len(req.output)))
         items = [s for s in items if s.request.slot >= 0]  # drop any preempted while growing others
-        return Plan(items, admitted)
+        return Plan(items, admitted, self._repeat(items, admitted, lockstep))
+
+    def _repeat(self, items: list[Scheduled], admitted: list[Request], most: int) -> int:
+        """Steps the plan's decode rows can run in lockstep: every running request decodes one row, its token on
+        the device, and none could be joined by an admitted one or need a block before the run ends."""
+        if most <= 1 or admitted or self.bm is not None or (self.waiting and self.mode != "static"):
+            return 1
+        if len(items) != len(self.running):
+            return 1
+        n = most
+        for s in items:
+            req = s.request
+            if s.rows != 1 or not s.samples or req.in_prefill:
+                return 1
+            n = min(n, req.max_new_tokens - len(req.output) - req.inflight)
+        return max(n, 1)
 
     def _admit(self) -> list[Request]:
         wave_forming, self._wave_forming = self._wave_forming, False
@@ -231,27 +249,29 @@ class Scheduler:
         """The step is launched: its rows' positions are written; each sampling row puts one token in
         flight. A request whose max-gen is now reached is retired at once (its last token still in flight),
         so the next step can reuse its slot."""
+        n = plan.repeat
         for s in plan.items:
             req = s.request
             if req.retired:  # a stop token arrived after this step was launched
                 continue
-            req.computed += s.rows
+            req.computed += s.rows * n
             if self.bm is not None:
                 if self.bm.commit_needs_tokens(req.rid, req.computed):
                     self.bm.commit(req.rid, req.tokens, req.computed)
                 else:  # no block filled: skip building the token list (the common step)
                     self.bm.mark_written(req.rid, req.computed)
             if s.samples:
-                req.inflight += 1
+                req.inflight += n
                 if len(req.output) + req.inflight >= req.max_new_tokens:
                     self._retire(req)
-        self.step += 1
+        self.step += n
 
     def receive(self, plan: Plan, sampled: list[int]) -> list[Request]:
-        """The sampled ids of `plan`, in plan order; returns the requests that completed."""
+        """The sampled ids of `plan`, in plan order (step by step for a lockstep run); returns the requests that
+        completed."""
         it = iter(sampled)
         done = []
-        for s in plan.items:
+        for s in plan.items * plan.repeat:
             if not s.samples:
                 continue
             req, tok = s.request, next(it)

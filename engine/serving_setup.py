@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from onepass.engine.block_manager import BlockManager
 from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
-from onepass.engine.runner import BUCKETS, bucket_for
+from onepass.engine.runner import PREFIX_MODES, Runner
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request, Scheduler, check_token_budget
-from onepass.engine.serve import PREFIX_MODES, ServingEngine
+from onepass.engine.step import BUCKETS
 from onepass.kernels.errors import ConfigError
 
 MODES = {"wave": "static", "continuous": "continuous"}   # the job's name -> the scheduler's
@@ -89,18 +89,11 @@ class ServingSetup:
             sched.finish_step(plan, [0] * sum(s.samples for s in plan.items))
         return bm.peak_used
 
-    def model(self):
-        """The fused decoder the serving step runs: the engine's on a GPU, the same over the torch references on
-        the CPU."""
-        e = self.engine
-        return e.model if e.backend != "torch" else e._fused("torch")
-
     def build(self, requests: list[Request], sampling: SamplingParams, sample_on_device: bool,
-              stop_ids: tuple[int, ...]) -> tuple[ServingEngine, int]:
+              stop_ids: tuple[int, ...]) -> tuple[Runner, int]:
         """Caches, pool, scheduler and step for this queue, and the positions of the pinned prefix (prefix=pinned:
         the first request's prompt, its KV filled once here; 0 otherwise)."""
         e, B = self.engine, self.slots
-        e.activate()
         bm = None
         if self.layout == "paged":
             blocks = self.pool_blocks()
@@ -123,11 +116,8 @@ class ServingSetup:
         # every position stays below the longest request's length: the attention grid is sized for it
         longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=1)
         max_len = min(kv.ctx, longest)
-        ws = None
-        if e.device.type == "cuda" and e.backend == "triton":
-            ws = e._workspace(self.ctx)(bucket_for(sched.max_rows), max_len)
-        serving = ServingEngine(self.model(), kv, sched, sampling, sample_on_device,
-                                use_graphs=e.spec.cuda_graphs and e.device.type == "cuda", attn_workspace=ws,
-                                max_len=max_len, time_steps=e.device.type == "cuda")
+        serving = Runner(e.model, kv, sched, sampling, sample_on_device,
+                         use_graphs=e.spec.cuda_graphs and e.device.type == "cuda", workspace=e.workspace(),
+                         max_len=max_len, launch=e.launch)
         pinned = serving.pin_prefix(list(requests[0].prompt)) if self.prefix == "pinned" and requests else 0
         return serving, pinned

@@ -4,11 +4,10 @@ or a kernel's assertion, or not at all (a nonsense value running as a default)."
 from __future__ import annotations
 
 from onepass.kernels.errors import ConfigError
-from onepass.engine.runner import BUCKETS
+from onepass.engine.runner import PREFIX_MODES, check_new_tokens
 from onepass.engine.scheduler import check_token_budget
-from onepass.engine.serve import PREFIX_MODES
 from onepass.engine.serving_setup import pool_blocks
-from onepass.engine.static_batch import check_new_tokens
+from onepass.engine.step import BUCKETS
 
 
 def check_decode(cfg, backend: str) -> None:

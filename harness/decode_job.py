@@ -10,7 +10,7 @@ import torch
 
 from onepass.engine.engine import Engine
 from onepass.engine.sampler import SamplingParams
-from onepass.engine.static_batch import StaticBatchResult, check_fits, run_static
+from onepass.engine.runner import StaticBatchResult, check_fits
 from onepass.engine.tokenizer import Tokenizer
 from onepass.engine.verify import verify_greedy, verify_sampled
 from onepass.harness.build import build, resolve_engine, sampling_params
@@ -97,9 +97,8 @@ def decode_run(cfg) -> RunRecord:
         return RunRecord(f"{cfg.table} {cfg.model.name} B={B} {cfg.scheduler.mode}", dev, metrics, tags, artifacts)
 
     def run(batch: int, new_tokens: int, progress: bool = False) -> tuple[StaticBatchResult, object]:
-        stepper, kv = built.stepper(batch, sampling, ctx, max_len=len(ids) + new_tokens)  # positions < P + new
-        r = run_static(stepper, [ids] * batch, new_tokens, stop_ids, cfg.scheduler.prefill, ctx, progress)
-        return r, kv
+        r = built.run_static([ids] * batch, new_tokens, sampling, stop_ids, cfg.scheduler.prefill, progress)
+        return r, r.cache
 
     for n in (1, B):  # warm both shapes so neither timed run pays first-call costs
         run(n, min(4, w.max_new_tokens))
@@ -173,9 +172,7 @@ def _hybrid_metrics(built: Engine, kv, B: int, ids: list[int], single: StaticBat
     bf16_state = built.state_dtype
     built.state_dtype = torch.float32
     try:
-        stepper, _ = built.stepper(1, SamplingParams(), ctx, max_len=len(ids) + new_tokens)
-        ref = run_static(stepper, [ids], new_tokens, (), prefill, ctx).outputs[0]
-        del stepper
+        ref = built.run_static([ids], new_tokens, SamplingParams(), (), prefill).outputs[0]
         got = single.outputs[0]
         agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
         out["bf16_state_greedy_agree"] = agree / max(len(ref), 1)

@@ -98,8 +98,8 @@ def _close(y: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple[bool, float]
 
 
 def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.device, dtype: torch.dtype,
-                seed: int = 0) -> list[dict]:
-    """One dict of metrics (+ '_tags') per B for this shape and format."""
+                seed: int = 0, pdl_on: bool | None = None) -> list[dict]:
+    """One dict of metrics (+ '_tags') per B for this shape and format; pdl_on: engine.pdl (None: the default)."""
     from onepass.kernels import int4_dispatch as disp, int4_mma, int4_wgmma, int4_wgmma_ws, nvrtc
 
     pw = random_packed(fmt, N, K, seed, device)
@@ -121,44 +121,45 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
     disp.reserve(dev, dtype, [pw], max(batches))
     rows = []
     for B in batches:
-        pdl.set_gemm_release(B <= pdl.RELEASE_MAX_BATCH)   # as an engine of B sequences launches them
-        x = xs[:B]
-        out = torch.empty(B, N, device=dev, dtype=dtype)
-        ref = ref_all[:B]
-        m: dict = {"int4_bytes": float(pw.nbytes), "bf16_bytes": float(N * K * 2)}
-        ok_all = True
-        for v in variants:
-            try:
-                y = disp.run_variant(v, x, pw)
-                ok, err = _close(y, ref, TOL[v])
-                m[f"{v}_ok"], m[f"{v}_max_err"] = int(ok), err
-                ok_all &= ok
-                m[f"{v}_us"] = graph_time([lambda p=p: disp.run_variant(v, x, p, out) for p in pws]) * 1e6
-                m[f"{v}_tbps"] = pw.nbytes / (m[f"{v}_us"] / 1e6) / 1e12
-            except Exception as e:  # a variant that fails is reported, the others still run
-                print(f"[error] int4_gemm {N}x{K} {fmt} B={B} {v}: {type(e).__name__}: {e}")
-                m[f"{v}_ok"] = 0
-                ok_all = False
-        y = torch.matmul(x, w16.t())
-        ok, err = _close(y, ref, TOL["bf16"])
-        m["bf16_ok"], m["bf16_max_err"] = int(ok), err
-        m["bf16_us"] = graph_time([lambda w=w: torch.matmul(x, w.t(), out=out) for w in w16s]) * 1e6
-        m["bf16_tbps"] = N * K * 2 / (m["bf16_us"] / 1e6) / 1e12
-        pick = disp.runnable(disp.choose(B, N, K, fmt, disp.Int4Policy("invariant", B)), x, fmt)
-        timed = {v: m[f"{v}_us"] for v in variants if f"{v}_us" in m and m.get(f"{v}_ok")}
-        best = min(timed, key=timed.get) if timed else "none"
-        if pick in timed:
-            m["picked_us"] = timed[pick]
-            m["effective_tbps"] = pw.nbytes / (timed[pick] / 1e6) / 1e12
-            m["speedup_vs_bf16"] = m["bf16_us"] / timed[pick]
-            m["throughput_tok_s"] = B / (timed[pick] / 1e6)
-        if timed:
-            m["best_us"] = timed[best]
-            m["best_speedup_vs_bf16"] = m["bf16_us"] / timed[best]
-            m["best_tbps"] = pw.nbytes / (timed[best] / 1e6) / 1e12
-        m["verify_ok"] = int(ok_all)
-        m["pdl"] = pdl.mode(device)
-        m["_tags"] = {"int4_pick": pick, "int4_best": best, "cuda_compiler": nvrtc.compiler()}
+        # the launch policy of an engine of B sequences (no early trigger: not for the Triton GEMM either)
+        with pdl.applied(pdl.LaunchPolicy(pdl=pdl_on, release=B <= pdl.RELEASE_MAX_BATCH)):
+            x = xs[:B]
+            out = torch.empty(B, N, device=dev, dtype=dtype)
+            ref = ref_all[:B]
+            m: dict = {"int4_bytes": float(pw.nbytes), "bf16_bytes": float(N * K * 2)}
+            ok_all = True
+            for v in variants:
+                try:
+                    y = disp.run_variant(v, x, pw)
+                    ok, err = _close(y, ref, TOL[v])
+                    m[f"{v}_ok"], m[f"{v}_max_err"] = int(ok), err
+                    ok_all &= ok
+                    m[f"{v}_us"] = graph_time([lambda p=p: disp.run_variant(v, x, p, out) for p in pws]) * 1e6
+                    m[f"{v}_tbps"] = pw.nbytes / (m[f"{v}_us"] / 1e6) / 1e12
+                except Exception as e:  # a variant that fails is reported, the others still run
+                    print(f"[error] int4_gemm {N}x{K} {fmt} B={B} {v}: {type(e).__name__}: {e}")
+                    m[f"{v}_ok"] = 0
+                    ok_all = False
+            y = torch.matmul(x, w16.t())
+            ok, err = _close(y, ref, TOL["bf16"])
+            m["bf16_ok"], m["bf16_max_err"] = int(ok), err
+            m["bf16_us"] = graph_time([lambda w=w: torch.matmul(x, w.t(), out=out) for w in w16s]) * 1e6
+            m["bf16_tbps"] = N * K * 2 / (m["bf16_us"] / 1e6) / 1e12
+            pick = disp.runnable(disp.choose(B, N, K, fmt, disp.Int4Policy("invariant", B)), x, fmt)
+            timed = {v: m[f"{v}_us"] for v in variants if f"{v}_us" in m and m.get(f"{v}_ok")}
+            best = min(timed, key=timed.get) if timed else "none"
+            if pick in timed:
+                m["picked_us"] = timed[pick]
+                m["effective_tbps"] = pw.nbytes / (timed[pick] / 1e6) / 1e12
+                m["speedup_vs_bf16"] = m["bf16_us"] / timed[pick]
+                m["throughput_tok_s"] = B / (timed[pick] / 1e6)
+            if timed:
+                m["best_us"] = timed[best]
+                m["best_speedup_vs_bf16"] = m["bf16_us"] / timed[best]
+                m["best_tbps"] = pw.nbytes / (timed[best] / 1e6) / 1e12
+            m["verify_ok"] = int(ok_all)
+            m["pdl"] = pdl.mode(device)
+            m["_tags"] = {"int4_pick": pick, "int4_best": best, "cuda_compiler": nvrtc.compiler()}
         rows.append(m)
     return rows
 
@@ -186,8 +187,6 @@ def int4_gemm_runs(cfg) -> Iterator[RunRecord]:
     dev, dtype, _ = EngineSpec(device=cfg.engine.device, dtype=cfg.engine.dtype, threads=cfg.engine.threads).resolve()
     if dev.type != "cuda":
         raise ConfigError("int4_gemm times GPU kernels; it needs a CUDA device")
-    pdl.configure(bool(cfg.engine.pdl), batch=1 << 30)   # no early trigger, for the Triton GEMM as for the CUDA ones
-    # (the CUDA GEMMs' late release is set per B in bench_shape)
     if dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"int4_gemm runs bf16 / fp16 activations, not {dtype}")
     sweep = f"int4_gemm-{uuid.uuid4().hex[:12]}"
@@ -203,7 +202,7 @@ def int4_gemm_runs(cfg) -> Iterator[RunRecord]:
             if K % (256 if fmt == "q4_k" else 32):
                 print(f"[error] int4_gemm: K={K} is not a multiple of {fmt}'s block; skipped")
                 continue
-            rows = bench_shape(N, K, fmt, list(cfg.micro.batches), dev, dtype)
+            rows = bench_shape(N, K, fmt, list(cfg.micro.batches), dev, dtype, pdl_on=bool(cfg.engine.pdl))
             for B, m in zip(cfg.micro.batches, rows):
                 tags = {"dtype": str(dtype).removeprefix("torch."), "sweep_id": sweep, **m.pop("_tags")}
                 c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))

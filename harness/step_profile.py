@@ -11,8 +11,8 @@ Printed per kernel kind (its name and grid, which tells a GEMM's shapes apart) a
 a step and per call, and the mean duration per call.
 
 One model is built (Hydra overrides as for `onepass`, e.g. experiment=hybrid_27b_q4_0), then per batch size a
-fresh stepper runs a static batch's prefill and warm-up, and --steps graph replays are traced with the torch
-profiler (CUPTI). Kernels are grouped into steps by the graph launch that ran them. A probe: nothing is logged.
+static batch of 4 tokens compiles the kernels, then a static batch of --steps decode steps is traced with the
+torch profiler (CUPTI). Kernels are grouped into steps by the graph launch that ran them. A probe: nothing is logged.
 """
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ def charge_steps(kernels: list[dict]) -> list[dict[str, list[float]]]:
 
 def summarize(steps: list[dict], B: int) -> list[dict]:
     """Rows per kernel kind, averaged over the steps: calls a step, charged us a step and per call, duration per
-    call. Steps with another kernel count than the most common one (a launch that was not a decode step) are left
-    out."""
+    call. Launches of one kernel (eager work: the prefill, copies) and steps with another kernel count than the
+    most common one (a launch that was not a decode step) are left out."""
+    steps = [s for s in steps if sum(len(v) for v in s.values()) > 1]
     sizes = collections.Counter(sum(len(v) for v in s.values()) for s in steps)
     usual = sizes.most_common(1)[0][0]
     steps = [s for s in steps if sum(len(v) for v in s.values()) == usual]
@@ -87,19 +88,15 @@ def summarize(steps: list[dict], B: int) -> list[dict]:
 def profile_batch(built, cfg, B: int, steps: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
-    from onepass.engine.static_batch import run_static
     from onepass.harness.build import sampling_params
     from onepass.harness.workload import prompt_ids
 
     ids = prompt_ids(cfg.workload, built.tokenizer, built.cfg.vocab_size)
-    stepper, kv = built.stepper(B, sampling_params(cfg), cfg.kv_cache.ctx, max_len=len(ids) + steps + 4)
-    run_static(stepper, [ids] * B, 2, (), cfg.scheduler.prefill, cfg.kv_cache.ctx)   # prefill, compile, capture
-    for _ in range(2):
-        stepper.decode()
+    sampling = sampling_params(cfg)
+    built.run_static([ids] * B, 4, sampling, (), cfg.scheduler.prefill)   # compile every kernel once
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            stepper.decode()
+        built.run_static([ids] * B, steps + 1, sampling, (), cfg.scheduler.prefill)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
@@ -109,7 +106,6 @@ def profile_batch(built, cfg, B: int, steps: int) -> list[dict]:
     kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "args" in e]
     if not kernels:
         raise ConfigError("the profiler recorded no kernels (no CUDA, or CUPTI unavailable)")
-    del stepper, kv
     return summarize(charge_steps(kernels), B)
 
 

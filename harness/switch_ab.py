@@ -4,7 +4,7 @@ MODULE.ATTR=A,B [--switch ...] [--batches 8,32] [--tokens 32] [--reps 2]`.
 A kernel change behind a module constant (kernels/int4_wgmma_ws.py's X_IN_GEMM_MAX_BT, FRESH_MIN_BT, ...) is judged
 by the model's step time, and two separate jobs differ by more than such a change moves (clocks, another
 machine). Here one model is built once (Hydra overrides as for `onepass`, e.g. experiment=hybrid_27b_q4) and, per
-batch size, every combination of the switches' values gets a fresh stepper (new CUDA graphs, kernels compiled
+batch size, every combination of the switches' values gets a fresh step (new CUDA graphs, kernels compiled
 for the values) and a static-batch run, in ABAB order over --reps rounds. Printed per variant: the best p50 step
 time over the rounds, its ratio to the first variant (every switch at its first value), and whether its greedy
 tokens equal the first variant's (a switch meant to keep the bits must say true). Timing only: nothing is logged
@@ -140,7 +140,6 @@ def run_ab(overrides: list[str], switches: list[Switch], batches: list[int], tok
     and whether the tokens equal the baseline's."""
     from hydra import compose, initialize_config_dir
 
-    from onepass.engine.static_batch import run_static
     from onepass.harness.app import CONF_DIR
     from onepass.harness.build import build, sampling_params
     from onepass.harness.workload import prompt_ids
@@ -156,19 +155,18 @@ def run_ab(overrides: list[str], switches: list[Switch], batches: list[int], tok
             built = build(cfg)
             ids = prompt_ids(cfg.workload, built.tokenizer, built.cfg.vocab_size)
             sampling = sampling_params(cfg)
-            ctx, prefill = cfg.kv_cache.ctx, cfg.scheduler.prefill
+            prefill = cfg.scheduler.prefill
             times: list[list[float]] = [[] for _ in combos]     # by combo index: values may be unhashable
             tokens_of: dict[int, list] = {}
             for _ in range(reps):
                 for i, combo in enumerate(combos):
                     for s, v in zip(switches, combo):
                         s.set(v)
-                    stepper, kv = built.stepper(B, sampling, ctx, max_len=len(ids) + tokens)
-                    run_static(stepper, [ids] * B, 2, (), prefill, ctx)        # compile / capture outside the timing
-                    r = run_static(stepper, [ids] * B, tokens, (), prefill, ctx)
+                    built.run_static([ids] * B, 2, sampling, (), prefill)     # compile outside the timing
+                    r = built.run_static([ids] * B, tokens, sampling, (), prefill)
                     times[i].append(statistics.median(r.step_s) * 1e3)
                     tokens_of.setdefault(i, r.outputs)
-                    del stepper, kv, r
+                    del r
                     gc.collect()
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ of one group for the tile's 256 rows are 4 KB contiguous in the packed layout ([
 padded by 32 bytes in shared memory so the 8 lanes of a quarter-warp (rows g, g + 1 of the 4 groups of a quad) hit
 distinct banks; the scales likewise, 512 bytes a row.
 
-Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + the ready scale words 4.1 KB (READY_SCALES; the raw scales took
+Stage (BT = 128, Q4_K): x 32 KB + weights 16.1 KB + the ready scale words 4.1 KB (ready scales; the raw scales took
 3.1), rounded to 1 KB; four stages fill 212 KB. Q8_0's records are 32 bytes (a group's 8 KB for 256 rows), so three of
 its 67 KB stages fit.
 Needs N % 8 == 0 and 16-byte aligned scale arrays (bulk copies move multiples of 16 bytes from 16-byte aligned
@@ -50,7 +50,7 @@ group per two or four words (or per k16 step, which keeps the wgmmas pipelined a
 STEP_GROUPS_MIN_BT), tensor-map copies, fewer ring stages, consumers reading the next quad ahead, wgmma groups left in
 flight, two consumer warpgroups at 64-128 sequences, batch tiles of 64 at 128, x staged in the GEMM above 8 sequences,
 Q4_K's scales made by the producer warpgroup's idle warps (slower steps, however they waited); made once per weight
-instead (READY_SCALES), they pay. Nor are the copies the bound at 32-128 sequences: without x's (or the weights')
+instead (ready scales), they pay. Nor are the copies the bound at 32-128 sequences: without x's (or the weights')
 copies a call is hardly faster.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ import weakref
 import torch
 
 from onepass.kernels.quant_pack import GROUP, WORDS_PER_GROUP, PackedWeight
-from onepass.kernels import int4_mma, int4_wgmma, nvrtc
+from onepass.kernels import int4_mma, int4_wgmma, nvrtc, pdl
 from onepass.kernels.workspace import SplitKWorkspace
 
 FORMATS = int4_mma.FOLD_FORMATS   # the folded form's: a Q8_0 stage holds 32-byte records
@@ -133,7 +133,6 @@ WEIGHT_EVICT_FIRST = True
 # same two values. The same values, so the same bits; 4 bytes a (group, row) copied instead of 3, and 4 more held per
 # (group, row) beside the raw scales, which every other kernel reads.
 # Module switch (probes compare it off).
-READY_SCALES = True
 _READY = weakref.WeakKeyDictionary()           # PackedWeight -> {x's dtype: its ready words}
 _XSTAGED = SplitKWorkspace(dtype=torch.uint8)   # x in the ring's image, per device (graphs keep the old one)
 
@@ -148,7 +147,7 @@ def source(fmt: str, bt: int, x_f16: bool, out32: bool, stages: int, swz: int = 
     """One instantiation: int4_wgmma's SOURCE_DEFINES lines (cwg consumer warpgroups of MT m64 tiles), then
     int4_mma's common code, the block's shape, WS_PRELUDE, int4_wgmma's common part and WS_KERNEL. mma: the
     consumers on mma.sync (CMMA) instead of wgmma. fresh / step_groups (FRESH_WRITE, WG_STEP_GROUPS): by default
-    from FRESH_MIN_BT and STEP_GROUPS_MIN_BT; ready (READY_SCALES: the sub argument then points at ready_words):
+    from FRESH_MIN_BT and STEP_GROUPS_MIN_BT; ready (the sub argument then points at ready_words):
     by default ready_scales(fmt, x_in_gemm)."""
     fresh = bt >= FRESH_MIN_BT if fresh is None else fresh
     step_groups = bt >= STEP_GROUPS_MIN_BT if step_groups is None else step_groups
@@ -197,17 +196,15 @@ def stage_bytes(bt: int, fmt: str, mt: int = 2, ready: bool = False) -> int:
 
 
 def ready_scales(fmt: str, x_in_gemm: bool) -> bool:
-    """Whether a build reads ready-made Q4_K scale words (READY_SCALES: not in the batch tiles that stage x in the GEMM,
-    where a call streams its weight once and the extra byte a (group, row) would cost more than it saves)."""
-    return bool(READY_SCALES) and fmt == "q4_k" and not x_in_gemm
+    """Whether a build reads ready-made Q4_K scale words: the launch policy's ready_scales (kernels/pdl.py), and not in
+    the batch tiles that stage x in the GEMM, where a call streams its weight once and the extra byte a (group, row)
+    would cost more than it saves."""
+    return pdl.current().ready_scales and fmt == "q4_k" and not x_in_gemm
 
 
-def configure_ready(on: bool) -> None:
-    """READY_SCALES for the jobs that follow (engine.ready_scales); off also frees the words already made."""
-    global READY_SCALES
-    READY_SCALES = bool(on)
-    if not on:
-        _READY.clear()
+def free_ready() -> None:
+    """Drop every ready scale word made so far (they are made again at a weight's next call that reads them)."""
+    _READY.clear()
 
 
 def ready_bytes(device: torch.device | str | None = None) -> int:
@@ -385,5 +382,5 @@ def w4a16_wgmma_ws(x: torch.Tensor, pw: PackedWeight, out: torch.Tensor | None =
 
 
 __all__ = ["w4a16_wgmma_ws", "image_for", "available", "supports", "aligned", "ws_config", "wg_equivalent",
-           "ready_scales", "ready_words", "configure_ready", "ready_bytes",
+           "ready_scales", "ready_words", "free_ready", "ready_bytes",
            "reserve_workspace", "source", "stage_bytes", "DEFAULTS", "T128", "MEASURED_T128", "WS_KERNEL"]

@@ -33,14 +33,17 @@ is complete too. Kernels launched without the attribute (torch's, cuBLAS's) wait
 No deadlock: a dependent launches only after all of its predecessor's blocks are resident.
 
 Switch: on wherever it can run (CUDA, sm_90+, a Triton that has gdc_wait, not the interpreter), off with
-ONEPASS_PDL=0 or `set_enabled(False)` (engine.pdl); `configure(enabled, batch)` sets both from an engine's config.
-Both are read when a kernel is launched (for a CUDA graph: at capture).
+ONEPASS_PDL=0 or engine.pdl=false. An engine's settings are a LaunchPolicy it puts in force around its launches
+(`applied`); kernels read it when launched (for a CUDA graph: at capture).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,15 +55,6 @@ try:  # triton >= 3.4
 except ImportError:  # older triton, or none: PDL stays off (enter() is never compiled with PDL=True)
     gdc_launch_dependents = gdc_wait = None
 
-_override: bool | None = None
-
-
-def set_enabled(flag: bool | None) -> None:
-    """Force PDL on (where supported) or off; None: back to the default (ONEPASS_PDL, on unless "0")."""
-    global _override
-    _override = flag
-
-
 @functools.lru_cache(maxsize=None)
 def supported(device_index: int) -> bool:
     """Whether this device, driver and Triton can launch with PDL."""
@@ -69,41 +63,9 @@ def supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def enabled(device: torch.device | None = None) -> bool:
-    want = _override if _override is not None else os.environ.get("ONEPASS_PDL", "1") not in ("0", "false", "off")
-    if not want:
-        return False
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type != "cuda":
-        return False
-    return supported(device.index if device.index is not None else torch.cuda.current_device())
-
-
 EARLY_MAX_BATCH = 32   # the largest engine batch whose Triton kernels trigger early (why: kernels/PROBES.md)
 EARLY_MAX_BATCH_BY_ARCH = {"qwen35": 128}   # architectures measured otherwise (module docstring)
-_early = False
-
-
-def set_early(flag: bool) -> None:
-    """Whether Triton kernels launched from now on trigger their dependents at entry."""
-    global _early
-    _early = bool(flag)
-
-
 RELEASE_MAX_BATCH = 8   # the largest engine batch whose CUDA GEMMs release their dependents late (module docstring)
-_release = False
-
-
-def set_gemm_release(flag: bool) -> None:
-    """Whether the CUDA GEMMs launched from now on let their dependents launch once their last weight loads are
-    issued (and the split-K reduce at entry), instead of at completion."""
-    global _release
-    _release = bool(flag)
-
-
-def gemm_release() -> bool:
-    return _release
 
 
 def early_max_batch(arch: str | None = None) -> int:
@@ -111,23 +73,73 @@ def early_max_batch(arch: str | None = None) -> int:
     return EARLY_MAX_BATCH_BY_ARCH.get(arch, EARLY_MAX_BATCH)
 
 
-def configure(on: bool, batch: int, arch: str | None = None) -> None:
-    """An engine's setting: PDL on or off (engine.pdl), the early trigger from its batch and the model's
-    architecture (early_max_batch), the GEMMs' late release from its batch too (RELEASE_MAX_BATCH)."""
-    set_enabled(on)
-    set_early(batch <= early_max_batch(arch))
-    set_gemm_release(batch <= RELEASE_MAX_BATCH)
+@dataclass(frozen=True)
+class LaunchPolicy:
+    """How kernels launch: PDL (None: on unless ONEPASS_PDL=0), the Triton kernels' early trigger, the CUDA GEMMs'
+    late release, and whether packed Q4_K GEMMs read ready-made scale words (kernels/int4_wgmma_ws.py). An engine
+    holds one and puts it in force around what it launches or captures (`with applied(policy):`); kernels read
+    `current()` at launch, so a CUDA graph keeps the policy it was captured under."""
+
+    pdl: bool | None = None
+    early: bool = False
+    release: bool = False
+    ready_scales: bool = True
+
+    @classmethod
+    def for_engine(cls, pdl: bool, batch: int, arch: str | None = None, ready_scales: bool = True) -> LaunchPolicy:
+        """An engine's: PDL as engine.pdl, the early trigger up to the architecture's measured batch
+        (early_max_batch), the late release up to RELEASE_MAX_BATCH."""
+        return cls(pdl, batch <= early_max_batch(arch), batch <= RELEASE_MAX_BATCH, ready_scales)
+
+    def enabled(self, device: torch.device | None = None) -> bool:
+        want = self.pdl if self.pdl is not None else os.environ.get("ONEPASS_PDL", "1") not in ("0", "false", "off")
+        if not want:
+            return False
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if device is None or device.type != "cuda":
+            return False
+        return supported(device.index if device.index is not None else torch.cuda.current_device())
+
+    def mode(self, device: torch.device) -> int:
+        """A run's metrics.pdl: 0 PDL off here; 1 on; 2 on, Triton kernels triggering early; 3 on, the CUDA GEMMs'
+        late release; 4 on, both."""
+        return 1 + int(self.early) + 2 * int(self.release) if self.enabled(device) else 0
+
+
+_current: contextvars.ContextVar[LaunchPolicy] = contextvars.ContextVar("launch_policy", default=LaunchPolicy())
+
+
+def current() -> LaunchPolicy:
+    """The policy in force: the innermost `applied` one, else the default (PDL as ONEPASS_PDL, nothing early)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def applied(policy: LaunchPolicy):
+    """Put `policy` in force for the block (this thread and context only)."""
+    token = _current.set(policy)
+    try:
+        yield policy
+    finally:
+        _current.reset(token)
+
+
+def enabled(device: torch.device | None = None) -> bool:
+    return current().enabled(device)
+
+
+def gemm_release() -> bool:
+    return current().release
 
 
 def mode(device: torch.device) -> int:
-    """The runs' metrics.pdl: 0 PDL off here; 1 on; 2 on, Triton kernels triggering early; 3 on, the CUDA GEMMs'
-    late release; 4 on, both."""
-    return 1 + int(_early) + 2 * int(_release) if enabled(device) else 0
+    return current().mode(device)
 
 
 def triton_opts(device: torch.device) -> dict:
     """Extra launch arguments for a Triton kernel that calls `enter(PDL)`: {} when PDL is off."""
-    return {"PDL": 2 if _early else 1, "launch_pdl": True} if enabled(device) else {}
+    return {"PDL": 2 if current().early else 1, "launch_pdl": True} if enabled(device) else {}
 
 
 @triton.jit

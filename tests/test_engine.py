@@ -1,4 +1,5 @@
-"""The reference engine on tiny models: per-slot KV, prefill modes, static batching, sampling."""
+"""Tiny models: the reference model's per-slot KV and prefill modes; the engine's static batching (the fused step over
+the torch kernels, through the runner) against the reference; sampling."""
 import pytest
 import torch
 
@@ -7,7 +8,10 @@ from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams, filter_logits
-from onepass.engine.static_batch import generate_static
+from onepass.engine.fused_model import FusedDecoder
+from onepass.engine.models.generate import reference_generate
+from onepass.engine.runner import run_static
+from onepass.kernels.backend import get_step_kernels
 from onepass.engine.verify import verify_greedy, verify_sampled
 
 GREEDY = SamplingParams()
@@ -17,6 +21,16 @@ GREEDY = SamplingParams()
 def model(request, tiny_ggufs):
     cfg, weights, _ = load_gguf(tiny_ggufs[request.param], progress=False)
     return build_model(cfg, weights)
+
+
+@pytest.fixture(scope="module")
+def fused(model):
+    return FusedDecoder(model.cfg, model.w, get_step_kernels("torch"), max_pos=128)
+
+
+def static(fused, prompts, n, sampling=GREEDY, **kw):
+    """The engine's static batch: len(prompts) slots + the scratch slot."""
+    return run_static(fused, kv_for(fused, len(prompts) + 1, kw.pop("ctx", 64)), prompts, n, sampling, **kw)
 
 
 def kv_for(model, slots, ctx=64):
@@ -64,7 +78,7 @@ def test_token_prefill_equals_batched_prefill(model):
     runs = {}
     for mode in ("token", "batched"):
         kv = kv_for(model, 2)
-        runs[mode] = (generate_static(model, kv, p, 12, GREEDY, prefill=mode), kv)
+        runs[mode] = (reference_generate(model, kv, p, 12, GREEDY, prefill=mode), kv)
     (rt, kt), (rb, kb) = runs["token"], runs["batched"]
     assert rt.outputs == rb.outputs
     for a, b in zip(kt.k + kt.v, kb.k + kb.v):
@@ -72,10 +86,10 @@ def test_token_prefill_equals_batched_prefill(model):
 
 
 @pytest.mark.parametrize("B", range(1, 9))
-def test_static_greedy_verifies(model, B):
+def test_static_greedy_verifies(model, fused, B):
     p = prompt(6, 6)
-    ref = generate_static(model, kv_for(model, 1), [p], 16, GREEDY)
-    res = generate_static(model, kv_for(model, B), [p] * B, 16, GREEDY)
+    ref = reference_generate(model, kv_for(model, 1), [p], 16, GREEDY)
+    res = static(fused, [p] * B, 16)
     v = verify_greedy(res.outputs, ref.outputs[0])
     assert v.ok, v.line
     assert res.decode_tokens == B * 15 and len(res.step_s) == 15
@@ -90,24 +104,29 @@ def test_verify_greedy_detects_a_wrong_stream():
     assert v.ok and "token 7 repeated" in v.line and v.detail["reference_distinct_tokens"] == 1
 
 
-def test_temperature_streams_distinct_and_reproducible(model):
+@pytest.mark.parametrize("run", ["reference", "engine"])
+def test_temperature_streams_distinct_and_reproducible(model, fused, run):
     p = prompt(6, 7)
     s = SamplingParams(temperature=0.9, seed=3)
-    r1 = generate_static(model, kv_for(model, 8), [p] * 8, 16, s)
-    r2 = generate_static(model, kv_for(model, 8), [p] * 8, 16, s)
+    go = (lambda s: reference_generate(model, kv_for(model, 8), [p] * 8, 16, s)) if run == "reference" else (
+        lambda s: static(fused, [p] * 8, 16, s))
+    r1, r2 = go(s), go(s)
     assert r1.outputs == r2.outputs
     assert verify_sampled(r1.outputs, 0.9).ok
-    r3 = generate_static(model, kv_for(model, 8), [p] * 8, 16, SamplingParams(temperature=0.9, seed=4))
+    r3 = go(SamplingParams(temperature=0.9, seed=4))
     assert r3.outputs != r1.outputs
 
 
-def test_stop_token_ends_a_stream(model):
+@pytest.mark.parametrize("prefill", ["token", "batched"])
+def test_stop_token_ends_a_stream(model, fused, prefill):
+    """Both slots stop at the stop token, which lands inside a lockstep run of steps; nothing after it is kept."""
     p = prompt(6, 8)
-    free = generate_static(model, kv_for(model, 2), [p] * 2, 10, GREEDY).outputs[0]
+    free = reference_generate(model, kv_for(model, 2), [p] * 2, 10, GREEDY).outputs[0]
     stop = free[3]
-    out = generate_static(model, kv_for(model, 2), [p] * 2, 10, GREEDY, stop_ids=(stop,)).outputs
+    out = reference_generate(model, kv_for(model, 2), [p] * 2, 10, GREEDY, stop_ids=(stop,)).outputs
     cut = free.index(stop) + 1
     assert out == [free[:cut]] * 2
+    assert static(fused, [p] * 2, 10, stop_ids=(stop,), prefill=prefill).outputs == [free[:cut]] * 2
 
 
 def test_top_k_top_p_filtering():
@@ -120,16 +139,16 @@ def test_top_k_top_p_filtering():
     assert torch.isfinite(p).tolist() == [[True, True, False, False, False]]
 
 
-def test_prompt_longer_than_ctx_is_rejected(model):
+def test_prompt_longer_than_ctx_is_rejected(fused):
     with pytest.raises(ConfigError, match=r"kv_cache.ctx=16"):
-        generate_static(model, kv_for(model, 1, ctx=16), [prompt(12, 9)], 8, GREEDY)
+        static(fused, [prompt(12, 9)], 8, ctx=16)
 
 
-def test_zero_new_tokens_is_rejected(model):
+def test_zero_new_tokens_is_rejected(fused):
     with pytest.raises(ConfigError, match=r"max_new_tokens=0.*workload.max_new_tokens >= 1"):
-        generate_static(model, kv_for(model, 1, ctx=16), [prompt(4, 9)], 0, GREEDY)
+        static(fused, [prompt(4, 9)], 0, ctx=16)
 
 
-def test_ragged_prompts_rejected_in_static_mode(model):
+def test_ragged_prompts_rejected_in_static_mode(fused):
     with pytest.raises(ConfigError, match="equal length"):
-        generate_static(model, kv_for(model, 2), [prompt(4, 1), prompt(5, 1)], 4, GREEDY)
+        static(fused, [prompt(4, 1), prompt(5, 1)], 4)

@@ -11,9 +11,9 @@ from onepass.engine.fused_model import FusedDecoder
 from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.engine.models import build_model
-from onepass.engine.runner import GraphStepper
 from onepass.engine.sampler import SamplingParams
-from onepass.engine.static_batch import generate_static, run_static
+from onepass.engine.models.generate import reference_generate
+from onepass.engine.runner import run_static
 from onepass.engine.verify import verify_greedy
 from onepass.kernels.backend import get_step_kernels
 
@@ -23,8 +23,7 @@ def fused_run(path, backend, batch, prompt, new, prefill="batched", graphs=False
     cfg, w, _ = load_gguf(path, dtype=dtype, device=device, progress=False)
     model = FusedDecoder(cfg, w, get_step_kernels(backend), max_pos=128)
     kv = ContiguousKVCache(cfg, batch + 1, 64, dtype, device)
-    stepper = GraphStepper(model, kv, batch, sampling, use_graphs=graphs)
-    return run_static(stepper, [prompt] * batch, new, prefill=prefill, ctx=64)
+    return run_static(model, kv, [prompt] * batch, new, sampling, prefill=prefill, use_graphs=graphs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -32,7 +31,7 @@ def fused_run(path, backend, batch, prompt, new, prefill="batched", graphs=False
 def test_fused_torch_matches_reference_model(tiny_ggufs, arch, prefill):
     prompt = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     cfg, w, _ = load_gguf(tiny_ggufs[arch], progress=False)
-    ref = generate_static(build_model(cfg, w), ContiguousKVCache(cfg, 1, 64, torch.float32, "cpu"),
+    ref = reference_generate(build_model(cfg, w), ContiguousKVCache(cfg, 1, 64, torch.float32, "cpu"),
                           [prompt], 12, SamplingParams())
     got = fused_run(tiny_ggufs[arch], "torch", 3, prompt, 12, prefill)
     assert verify_greedy(got.outputs, ref.outputs[0]).ok
@@ -46,12 +45,9 @@ def test_padded_rows_write_only_the_scratch_slot(tiny_ggufs):
     prompts = [torch.randint(3, 256, (6,), generator=g).tolist() for _ in range(3)]
     model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=128)
     kv = ContiguousKVCache(cfg, 4, 64, torch.float32, "cpu")
-    stepper = GraphStepper(model, kv, 3, SamplingParams(), use_graphs=False)
-    assert stepper.rows == 4 and stepper.slots.tolist() == [0, 1, 2, 3]
-    got = run_static(stepper, prompts, 5, ctx=64)
-    assert stepper.positions.tolist() == [10, 10, 10, 0]
+    got = run_static(model, kv, prompts, 5, use_graphs=False)
     ref_kv = ContiguousKVCache(cfg, 3, 64, torch.float32, "cpu")
-    ref = generate_static(build_model(cfg, w), ref_kv, prompts, 5, SamplingParams())
+    ref = reference_generate(build_model(cfg, w), ref_kv, prompts, 5, SamplingParams())
     assert got.outputs == ref.outputs
     for layer in range(cfg.n_layers):
         torch.testing.assert_close(kv.k[layer][:3, :10], ref_kv.k[layer][:, :10], rtol=1e-5, atol=1e-5)

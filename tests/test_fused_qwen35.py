@@ -1,4 +1,4 @@
-"""The fused hybrid decode step (engine/fused_qwen35.py, driven by engine/runner.GraphStepper) against the
+"""The fused hybrid decode step (engine/fused_qwen35.py, driven by engine/runner.py) against the
 qwen35 reference model (engine/models/qwen35.py, itself checked against HF transformers in test_qwen35.py).
 
 Models: two tiny synthetic qwen35 GGUFs, one with value heads = key heads (2 GDN + 2 attention layers, tied
@@ -20,6 +20,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -30,10 +32,10 @@ from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.gguf_writer import random_weights, write_gguf
 from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from onepass.engine.models import build_model
-from onepass.engine.runner import GraphStepper
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.state_pool import HybridCache, StatePool, check_hybrid_serving, drop_recurrent_kv, snapshot_slots
-from onepass.engine.static_batch import generate_static, run_static
+from onepass.engine.models.generate import reference_generate
+from onepass.engine.runner import run_static
 from onepass.engine.verify import verify_greedy
 from onepass.kernels.backend import get_step_kernels
 from tests.interpreter import run_in_interpreter
@@ -84,7 +86,7 @@ def hybrid(cfg, slots, ctx=64, dtype=torch.float32, device="cpu", state_dtype=to
 
 def stepper(model, batch, ctx=64, graphs=False, **kw):
     kv = hybrid(model.cfg, batch + 1, ctx, model.dtype, model.device, **kw)
-    return GraphStepper(model, kv, batch, SamplingParams(), use_graphs=graphs), kv
+    return partial(run_static, model, kv, sampling=SamplingParams(), use_graphs=graphs), kv
 
 
 def rows_logits(model, kv, tokens, positions, slots, seq_len=1, block_table=None):
@@ -127,9 +129,9 @@ def test_logits_match_reference_model(ggufs, name):
 def test_greedy_matches_reference_model(ggufs, name, prefill):
     cfg, w, _ = load(ggufs[name])
     p = prompt(5, 9)
-    want = generate_static(build_model(cfg, w), hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
+    want = reference_generate(build_model(cfg, w), hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
     st, _ = stepper(fused(cfg, w), 3)  # 3 slots in the 4-row bucket: one padded row on the scratch slot
-    got = run_static(st, [p] * 3, 12, prefill=prefill, ctx=64)
+    got = st([p] * 3, 12, prefill=prefill)
     assert verify_greedy(got.outputs, want).ok
 
 
@@ -141,11 +143,11 @@ def test_state_written_back_every_few_tokens(ggufs, writeback):
     cfg, w, _ = load(ggufs["3x-value-heads"])
     p = prompt(5, 9)
     ref = build_model(cfg, w)
-    want = generate_static(ref, hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
+    want = reference_generate(ref, hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
     st, kv = stepper(fused(cfg, w), 3, writeback=writeback)
     assert kv.state.writeback == writeback and kv.state.log[0] is not None
     for prefill in ("batched", "token", "batched"):     # the last a refill over the earlier sequences
-        assert verify_greedy(run_static(st, [p] * 3, 12, prefill=prefill, ctx=64).outputs, want).ok, prefill
+        assert verify_greedy(st([p] * 3, 12, prefill=prefill).outputs, want).ok, prefill
     with pytest.raises(ConfigError, match="written back every"):
         ref.forward(torch.tensor([p]), torch.arange(9)[None], torch.tensor([0]), hybrid(cfg, 1, writeback=writeback))
 
@@ -172,12 +174,12 @@ def test_static_refill_restarts_slots(ggufs):
     cfg, w, _ = load(ggufs["3x-value-heads"])
     model = fused(cfg, w)
     a, b = [prompt(6, 10), prompt(7, 10)], [prompt(8, 5), prompt(9, 5)]
-    fresh = run_static(stepper(model, 2)[0], b, 8, ctx=64).outputs
+    fresh = stepper(model, 2)[0](b, 8).outputs
     for prefill in ("batched", "token"):
         st, kv = stepper(model, 2)
-        run_static(st, a, 20, prefill=prefill, ctx=64)  # slots now hold 29 tokens of other sequences
+        st(a, 20, prefill=prefill)  # slots now hold 29 tokens of other sequences
         assert kv.state.ssm[0][:2].abs().max() > 0
-        assert run_static(st, b, 8, prefill=prefill, ctx=64).outputs == fresh, prefill
+        assert st(b, 8, prefill=prefill).outputs == fresh, prefill
 
 
 def test_slot_restarts_while_others_continue(ggufs):
@@ -229,10 +231,10 @@ def test_paged_kv_matches_contiguous(ggufs):
 
 def _serve(model, kv, prompts, max_new, prefill, budget, graphs=False):
     from onepass.engine.scheduler import Request, Scheduler
-    from onepass.engine.serve import ServingEngine
+    from onepass.engine.runner import Runner
 
     sched = Scheduler(kv.num_slots - 1, "continuous", prefill, budget, None, kv.kv.ctx)
-    eng = ServingEngine(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
+    eng = Runner(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
     return eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
 
 
@@ -248,7 +250,7 @@ def test_serving_chunked_prefill_matches_single_stream(ggufs, name):
     model, ref = fused(cfg, w), build_model(cfg, w)
     prompts = [prompt(sd, n) for sd, n, _ in SERVE_PROMPTS]
     max_new = [m for _, _, m in SERVE_PROMPTS]
-    want = {i: generate_static(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
+    want = {i: reference_generate(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
             for i, (p, m) in enumerate(zip(prompts, max_new))}
     res = {pf: _serve(model, hybrid(cfg, 4), prompts, max_new, pf, 8) for pf in ("token", "chunked")}
     for pf, r in res.items():
@@ -262,7 +264,7 @@ def _pinned_engine(model, batch, prefill, budget, ctx=64, bs=4, graphs=False, wr
     blocks: the pool (0: every slot can reach ctx)."""
     from onepass.engine.block_manager import BlockManager
     from onepass.engine.scheduler import Scheduler
-    from onepass.engine.serve import ServingEngine
+    from onepass.engine.runner import Runner
 
     cfg, dev, dt = model.cfg, model.device, model.dtype
     blocks = blocks or batch * ctx // bs + 1
@@ -271,7 +273,7 @@ def _pinned_engine(model, batch, prefill, budget, ctx=64, bs=4, graphs=False, wr
     kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, blocks, bs, batch, ctx, dt, dev), cfg),
                      StatePool(cfg, slots, dev, conv_dtype=dt, writeback=writeback))
     sched = Scheduler(batch, "continuous", prefill, budget, BlockManager(blocks, bs, whole_pinned=True), ctx)
-    return ServingEngine(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
+    return Runner(model, kv, sched, SamplingParams(), True, use_graphs=graphs)
 
 
 def _pinned_workload():
@@ -296,7 +298,7 @@ def test_serving_pinned_prefix_matches_single_stream(ggufs, name, prefill, write
     cfg, w, _ = load(ggufs[name])
     model, ref = fused(cfg, w), build_model(cfg, w)
     shared, prompts, max_new, requests = _pinned_workload()
-    want = {i: generate_static(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
+    want = {i: reference_generate(ref, hybrid(cfg, 1), [p], m, SamplingParams()).outputs[0]
             for i, (p, m) in enumerate(zip(prompts, max_new))}
     eng = _pinned_engine(model, 3, prefill, 8, writeback=writeback)
     assert eng.pin_prefix(shared) == 16
@@ -321,12 +323,12 @@ def test_refusals(ggufs):
     # the serving engine refuses them too, for a caller that builds it without the harness's checks
     from onepass.engine.block_manager import BlockManager
     from onepass.engine.scheduler import Scheduler
-    from onepass.engine.serve import ServingEngine
+    from onepass.engine.runner import Runner
 
     def engine(bm, state_slots):
         kv = HybridCache(drop_recurrent_kv(PagedKVCache(cfg, 9, 16, 2, 64, torch.float32, "cpu"), cfg),
                          StatePool(cfg, state_slots, "cpu"))
-        return ServingEngine(model, kv, Scheduler(2, "continuous", "token", 512, bm, 64), SamplingParams(),
+        return Runner(model, kv, Scheduler(2, "continuous", "token", 512, bm, 64), SamplingParams(),
                              use_graphs=False)
 
     with pytest.raises(ConfigError, match="prefix=auto: automatic prefix caching is not supported"):
@@ -360,8 +362,8 @@ def test_bf16_state_close_to_fp32(ggufs):
     cfg, w, _ = load(ggufs["3x-value-heads"])
     model = fused(cfg, w)
     p = [prompt(15, 8)]
-    hi = run_static(stepper(model, 1)[0], p, 16, ctx=64).outputs
-    lo = run_static(stepper(model, 1, state_dtype=torch.bfloat16)[0], p, 16, ctx=64).outputs
+    hi = stepper(model, 1)[0](p, 16).outputs
+    lo = stepper(model, 1, state_dtype=torch.bfloat16)[0](p, 16).outputs
     assert hi == lo
     a = rows_logits(model, hybrid(cfg, 1), p[0], list(range(8)), [0] * 8, seq_len=8)
     b = rows_logits(model, hybrid(cfg, 1, state_dtype=torch.bfloat16), p[0], list(range(8)), [0] * 8, seq_len=8)
@@ -410,7 +412,7 @@ def test_triton_batch_streams_equal_single_stream(ggufs):
     cfg, w, _ = load(ggufs["3x-value-heads"], torch.bfloat16, dev)
     model = fused(cfg, w, "triton")
     p = prompt(18, 5)
-    runs = {B: run_static(stepper(model, B)[0], [p] * B, 6, ctx=64).outputs for B in (1, 3)}
+    runs = {B: stepper(model, B)[0]([p] * B, 6).outputs for B in (1, 3)}
     assert verify_greedy(runs[3], runs[1][0]).ok
 
 
@@ -428,7 +430,7 @@ def test_triton_serving_chunked_prefill_matches_token_prefill(ggufs, writeback):
     want = {}
     for i, (p, m) in enumerate(zip(prompts, max_new)):
         st, _ = stepper(model, 1)
-        want[i] = run_static(st, [p], m, prefill="batched", ctx=64).outputs[0]
+        want[i] = st([p], m, prefill="batched").outputs[0]
     for pf in ("token", "chunked"):
         r = _serve(model, hybrid(cfg, 3, dtype=torch.bfloat16, device=dev, writeback=writeback), prompts, max_new, pf,
                    8)
@@ -449,7 +451,7 @@ def test_cpu_kernels_in_interpreter_subprocess():
 def gpu_run(path, B, p, new, graphs=True, prefill="batched", state_dtype=torch.float32, writeback=1):
     cfg, w, _ = load(path, torch.bfloat16, "cuda")
     st, _ = stepper(fused(cfg, w, "triton"), B, graphs=graphs, state_dtype=state_dtype, writeback=writeback)
-    return run_static(st, [p] * B, new, prefill=prefill, ctx=64).outputs
+    return st([p] * B, new, prefill=prefill).outputs
 
 
 @pytest.mark.gpu
@@ -510,7 +512,7 @@ def test_gpu_side_stream_gives_the_sequential_tokens(monkeypatch):
         model = fused(cfg, w, "triton")
         assert model.layers[0]["in_proj"].side == [1]
         st, _ = stepper(model, 4, graphs=graphs)
-        outs[concurrent, graphs] = run_static(st, p, 20, ctx=64).outputs
+        outs[concurrent, graphs] = st(p, 20).outputs
     assert outs[True, True] == outs[False, True] == outs[True, False]
 
 
@@ -519,11 +521,11 @@ def test_gpu_refill_inside_graphs(ggufs):
     cfg, w, _ = load(ggufs["3x-value-heads"], torch.bfloat16, "cuda")
     model = fused(cfg, w, "triton")
     a, b = [prompt(22, 10)] * 4, [prompt(23, 7)] * 4
-    fresh = run_static(stepper(model, 4, graphs=True)[0], b, 12, ctx=64).outputs
+    fresh = stepper(model, 4, graphs=True)[0](b, 12).outputs
     st, _ = stepper(model, 4, graphs=True)
-    run_static(st, a, 30, ctx=64)
-    assert run_static(st, b, 12, ctx=64).outputs == fresh
-    assert run_static(st, b, 12, prefill="token", ctx=64).outputs == fresh
+    st(a, 30)
+    assert st(b, 12).outputs == fresh
+    assert st(b, 12, prefill="token").outputs == fresh
 
 
 @pytest.mark.gpu
@@ -552,7 +554,7 @@ def test_gpu_serving_chunked_prefill(ggufs, name):
     want = {}
     for i, (p, m) in enumerate(zip(prompts, max_new)):
         st, _ = stepper(model, 1, graphs=True)
-        want[i] = run_static(st, [p], m, prefill="batched", ctx=64).outputs[0]
+        want[i] = st([p], m, prefill="batched").outputs[0]
     for pf in ("token", "chunked"):
         kv = hybrid(cfg, 4, dtype=torch.bfloat16, device="cuda")
         r = _serve(model, kv, prompts, max_new, pf, 8, graphs=True)
@@ -572,8 +574,8 @@ def test_gpu_write_back_gives_the_same_tokens(ggufs, name):
         assert gpu_run(ggufs[name], 8, p, 24, prefill="token", state_dtype=state_dtype, writeback=4) == every[8]
     cfg, w, _ = load(ggufs[name], torch.bfloat16, "cuda")
     st, _ = stepper(fused(cfg, w, "triton"), 4, graphs=True, writeback=3)
-    first = run_static(st, [prompt(28, 7)] * 4, 30, ctx=64).outputs
-    again = run_static(st, [p] * 4, 24, ctx=64).outputs
+    first = st([prompt(28, 7)] * 4, 30).outputs
+    again = st([p] * 4, 24).outputs
     assert again == gpu_run(ggufs[name], 4, p, 24), "a refilled stepper written back every 3 tokens"
     assert verify_greedy(first, first[0]).ok
 
@@ -587,7 +589,7 @@ def test_gpu_serving_pinned_prefix(ggufs, name):
     cfg, w, _ = load(ggufs[name], torch.bfloat16, "cuda")
     model = fused(cfg, w, "triton")
     shared, prompts, max_new, _ = _pinned_workload()
-    want = {i: run_static(stepper(model, 1, graphs=True)[0], [p], m, prefill="batched", ctx=64).outputs[0]
+    want = {i: stepper(model, 1, graphs=True)[0]([p], m, prefill="batched").outputs[0]
             for i, (p, m) in enumerate(zip(prompts, max_new))}
     for writeback in (1, 4):
         for pf in ("token", "chunked"):
@@ -730,7 +732,7 @@ def test_deep_synthetic_packed_model_answers_each_prompt_its_own_way(fmt):
     cfg = ModelConfig(**{**_BASE, "dim": 256, "ffn_dim": 512, "n_layers": 32, "vocab_size": 2048, "name": "deep"},
                       full_attention_interval=4, gdn_k_heads=2, gdn_v_heads=6, gdn_k_dim=32, gdn_v_dim=32)
     model = fused(cfg, dict(LazyWeights(cfg, torch.float32, "cpu", seed=0, packed_fmt=fmt).items()))
-    outs = [run_static(stepper(model, 1)[0], [prompt(100 + s, 8)], 8, prefill="batched", ctx=64).outputs[0]
+    outs = [stepper(model, 1)[0]([prompt(100 + s, 8)], 8, prefill="batched").outputs[0]
             for s in range(4)]
     assert len({tuple(o) for o in outs}) == 4 and all(len(set(o)) > 2 for o in outs), outs
 
@@ -773,14 +775,14 @@ def test_packed_projections_match_their_dense_values():
 
 
 def test_ragged_runs_staged_per_step():
-    """RowStep's runs for a step: one per slot's consecutive rows, one per padding row, empty runs to the bucket;
+    """Step's runs for a step: one per slot's consecutive rows, one per padding row, empty runs to the bucket;
     a slot whose rows are split in two is refused (its two runs would race on its state)."""
     import numpy as np
 
-    from onepass.engine.row_step import RowStep
+    from onepass.engine.step import Step
 
     ro = np.zeros(9, dtype=np.int64)
-    RowStep._stage_runs(np.array([3, 0, 0, 0, 4, 4]), 6, 8, ro)
+    Step._stage_runs(np.array([3, 0, 0, 0, 4, 4]), 6, 8, ro)
     assert ro.tolist() == [0, 1, 4, 6, 7, 8, 8, 8, 8]
     with pytest.raises(ValueError, match="consecutive"):
-        RowStep._stage_runs(np.array([3, 0, 3]), 3, 4, np.zeros(5, dtype=np.int64))
+        Step._stage_runs(np.array([3, 0, 3]), 3, 4, np.zeros(5, dtype=np.int64))

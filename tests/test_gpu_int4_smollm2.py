@@ -14,9 +14,7 @@ import torch
 from onepass.engine.fused_model import FusedDecoder
 from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache
-from onepass.engine.runner import GraphStepper
-from onepass.engine.sampler import SamplingParams
-from onepass.engine.static_batch import run_static
+from onepass.engine.runner import run_static
 from onepass.engine.tokenizer import Tokenizer
 from onepass.kernels import int4_dispatch
 from onepass.kernels.backend import get_step_kernels
@@ -33,7 +31,7 @@ def _model(path, packed: bool):
 
 def _greedy(cfg, model, ids, batch=1):
     kv = ContiguousKVCache(cfg, batch + 1, 512, torch.float16, "cuda")
-    return run_static(GraphStepper(model, kv, batch, SamplingParams()), [ids] * batch, NEW, ctx=512).outputs
+    return run_static(model, kv, [ids] * batch, NEW).outputs
 
 
 def _forced_logits(cfg, model, seq):

@@ -12,9 +12,9 @@ from onepass.engine.fused_model import FusedDecoder
 from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.engine.models import build_model
-from onepass.engine.runner import GraphStepper
 from onepass.engine.sampler import SamplingParams
-from onepass.engine.static_batch import generate_static, run_static
+from onepass.engine.models.generate import reference_generate
+from onepass.engine.runner import run_static
 from onepass.engine.tokenizer import Tokenizer
 from onepass.kernels.backend import get_step_kernels
 
@@ -32,8 +32,8 @@ def test_smollm2_fp16_gpu_reproduces_cpu_reference(smollm2_path):
     fused = FusedDecoder(cfg16, w16, get_step_kernels("triton"), max_pos=600)
     for text in PROMPTS:
         ids = tok.encode_chat(text)
-        ref = generate_static(ref_model, ContiguousKVCache(cfg, 1, 512, torch.float32, "cpu"), [ids], 64,
+        ref = reference_generate(ref_model, ContiguousKVCache(cfg, 1, 512, torch.float32, "cpu"), [ids], 64,
                               SamplingParams())
         kv = ContiguousKVCache(cfg16, 2, 512, torch.float16, "cuda")
-        got = run_static(GraphStepper(fused, kv, 1, SamplingParams()), [ids], 64, ctx=512)
+        got = run_static(fused, kv, [ids], 64)
         assert got.outputs[0] == ref.outputs[0], f"{text!r}: {tok.decode(got.outputs[0])!r}"

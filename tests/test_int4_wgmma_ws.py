@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from onepass.kernels import int4_wgmma, int4_wgmma_ws as ws
+from onepass.kernels import int4_wgmma, int4_wgmma_ws as ws, pdl
 from tests import cuda_emu
 from tests.test_nvrtc import (emulated_matches_ref, gpu_matches_ref, gpu_rows_independent_of_m,
                               gpu_strided_and_graph_capture)
@@ -176,8 +176,8 @@ def test_ws_launch_rules():
     assert not ws.aligned(_weight("q4_0", 36, 256, 0, device="cpu")[0])
 
 
-def test_ws_ready_scales_rules(monkeypatch):
-    """READY_SCALES: Q4_K builds whose batch tiles stage x outside the GEMM carry ready scale words (4 rows of 4-byte
+def test_ws_ready_scales_rules():
+    """Ready scales: Q4_K builds whose batch tiles stage x outside the GEMM carry ready scale words (4 rows of 4-byte
     words a stage instead of 6 of 2 bytes); other formats, tiles of up to X_IN_GEMM_MAX_BT, READY 0 and the switch
     off do not; the words go in before int4_mma's code; a bad READY or a ready build of another format is refused."""
     for M, N, K, config in [(32, 5120, 17408, None), (128, 16384, 5120, ws.T128), (128, 34816, 5120, {"CWG": 4})]:
@@ -202,9 +202,9 @@ def test_ws_ready_scales_rules(monkeypatch):
         ws.source("q4_0", 32, False, True, 4, ready=True)
     with pytest.raises(ValueError, match="ready scale words"):
         ws.ready_words(_weight("q4_0", 264, 256, 0, device="cpu")[0], torch.bfloat16)
-    monkeypatch.setattr(ws, "READY_SCALES", False)
-    assert _plan(32, 5120, 17408, "q4_k")["ready"] == 0
-    assert "#define READY_SCALES 0" in ws.source("q4_k", 32, False, True, 4)
+    with pdl.applied(pdl.LaunchPolicy(ready_scales=False)):    # an engine with engine.ready_scales=false
+        assert _plan(32, 5120, 17408, "q4_k")["ready"] == 0
+        assert "#define READY_SCALES 0" in ws.source("q4_k", 32, False, True, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -227,8 +227,8 @@ def test_ready_words_are_the_affine_scale_and_offset_rounded(seed, dtype):
 
 
 def test_ready_words_counted_and_freed(seed, monkeypatch):
-    """ready_bytes counts the words made (per device); configure_ready(False) turns the switch off and frees them."""
-    monkeypatch.setattr(ws, "READY_SCALES", ws.READY_SCALES)
+    """ready_bytes counts the words made (per device); free_ready frees them; a launch policy without ready scales
+    plans the raw scales."""
     monkeypatch.setattr(ws, "_READY", type(ws._READY)())
     pw, _ = _weight("q4_k", 264, 512, seed % 1000, device="cpu")
     assert ws.ready_bytes() == 0
@@ -236,10 +236,10 @@ def test_ready_words_counted_and_freed(seed, monkeypatch):
     assert ws.ready_bytes("cpu") == ws.ready_bytes() == 264 * 512 // 32 * 4
     if torch.cuda.is_available():
         assert ws.ready_bytes("cuda") == 0
-    ws.configure_ready(False)
-    assert ws.READY_SCALES is False and ws.ready_bytes() == 0
-    assert _plan(32, 5120, 17408, "q4_k")["ready"] == 0
-    ws.configure_ready(True)
+    ws.free_ready()
+    assert ws.ready_bytes() == 0
+    with pdl.applied(pdl.LaunchPolicy(ready_scales=False)):
+        assert _plan(32, 5120, 17408, "q4_k")["ready"] == 0
     assert _plan(32, 5120, 17408, "q4_k")["ready"] == 1
 
 

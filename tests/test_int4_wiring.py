@@ -23,9 +23,7 @@ from onepass.engine.gguf_loader import load_gguf  # noqa: E402
 from onepass.engine.gguf_writer import random_weights, write_gguf  # noqa: E402
 from onepass.engine.kv_cache import ContiguousKVCache  # noqa: E402
 from onepass.kernels.quant_pack import PackedWeight, pack, unpack_ref  # noqa: E402
-from onepass.engine.runner import GraphStepper  # noqa: E402
-from onepass.engine.sampler import SamplingParams  # noqa: E402
-from onepass.engine.static_batch import run_static  # noqa: E402
+from onepass.engine.runner import run_static  # noqa: E402
 from onepass.harness import int4_tables as tables  # noqa: E402
 from onepass.kernels import int4_dispatch as disp, nvrtc  # noqa: E402
 from onepass.kernels.backend import get_step_kernels  # noqa: E402
@@ -73,8 +71,7 @@ def _run(path, batch, prompt, new, packed):
     cfg, w, _ = load_gguf(path, progress=False, keep_quantized=packed)
     model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=128)
     kv = ContiguousKVCache(cfg, batch + 1, 64, torch.float32, "cpu")
-    return model, run_static(GraphStepper(model, kv, batch, SamplingParams(), use_graphs=False),
-                             [prompt] * batch, new, ctx=64)
+    return model, run_static(model, kv, [prompt] * batch, new, use_graphs=False)
 
 
 @pytest.mark.parametrize("fmt", list(CASES))

@@ -11,7 +11,7 @@ from onepass.engine.gguf_loader import load_gguf
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams
-from onepass.engine.static_batch import generate_static
+from onepass.engine.models.generate import reference_generate
 from onepass.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -55,7 +55,7 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
     for text in PROMPTS:
         ids = tok.encode_chat(text)
         kv = ContiguousKVCache(model.cfg, 1, len(ids) + 32, torch.float32, "cpu")
-        mine = generate_static(model, kv, [ids], 32, SamplingParams(), stop_ids=tok.stop_ids).outputs[0]
+        mine = reference_generate(model, kv, [ids], 32, SamplingParams(), stop_ids=tok.stop_ids).outputs[0]
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=list(tok.stop_ids),
                               pad_token_id=tok.eos_id)
@@ -85,7 +85,7 @@ def test_qwen3_synthetic_matches_transformers(tmp_path):
         torch.testing.assert_close(full_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
     ids = torch.randint(0, TINY_QWEN3.vocab_size, (6,), generator=g).tolist()
     kv = ContiguousKVCache(model.cfg, 1, 64, torch.float32, "cpu")
-    mine = generate_static(model, kv, [ids], 32, SamplingParams()).outputs[0]
+    mine = reference_generate(model, kv, [ids], 32, SamplingParams()).outputs[0]
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 6:].tolist()
     assert mine == theirs

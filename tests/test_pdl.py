@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -168,36 +169,35 @@ def test_ws_staging_triggers_its_gemm_and_the_gemm_releases_late():
     assert "#define STAGE_TRIGGER 1" in src and "griddepcontrol.launch_dependents" in src
 
 
-def test_engine_setting_and_early_trigger(monkeypatch):
-    """configure() follows engine.pdl, the engine's batch and the model's architecture: the early trigger up to
-    EARLY_MAX_BATCH, or the architecture's own limit (EARLY_MAX_BATCH_BY_ARCH)."""
+def test_engine_policy_and_early_trigger(monkeypatch):
+    """An engine's LaunchPolicy follows engine.pdl, its batch and the model's architecture: the early trigger up to
+    EARLY_MAX_BATCH, or the architecture's own limit (EARLY_MAX_BATCH_BY_ARCH); kernels see it only while it is in
+    force, and only in the thread that put it there."""
     monkeypatch.setattr(pdl, "supported", lambda index: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    dev = torch.device("cuda", 0)
+    dev, policy = torch.device("cuda", 0), pdl.LaunchPolicy.for_engine
     assert pdl.RELEASE_MAX_BATCH < pdl.EARLY_MAX_BATCH
-    try:
-        pdl.configure(True, pdl.RELEASE_MAX_BATCH)
+    with pdl.applied(policy(True, pdl.RELEASE_MAX_BATCH)):
         assert pdl.mode(dev) == 4 and pdl.gemm_release()
-        pdl.configure(True, pdl.EARLY_MAX_BATCH)
+    with pdl.applied(policy(True, pdl.EARLY_MAX_BATCH)):
         assert pdl.mode(dev) == 2 and pdl.triton_opts(dev) == {"PDL": 2, "launch_pdl": True}
         assert not pdl.gemm_release()
-        pdl.configure(True, pdl.EARLY_MAX_BATCH + 1)
-        assert pdl.mode(dev) == 1 and pdl.triton_opts(dev) == {"PDL": 1, "launch_pdl": True}
-        # the hybrid (qwen35) triggers early up to its own, measured limit; the dense decoders keep the default
-        hybrid = pdl.early_max_batch("qwen35")
-        assert hybrid > pdl.EARLY_MAX_BATCH and pdl.early_max_batch("llama") == pdl.EARLY_MAX_BATCH
-        pdl.configure(True, hybrid, "qwen35")
+        with pdl.applied(policy(True, pdl.EARLY_MAX_BATCH + 1)):    # another engine's run inside this one's
+            assert pdl.mode(dev) == 1 and pdl.triton_opts(dev) == {"PDL": 1, "launch_pdl": True}
         assert pdl.mode(dev) == 2
-        pdl.configure(True, hybrid, "llama")
-        assert pdl.mode(dev) == 1
-        pdl.configure(True, hybrid + 1, "qwen35")
-        assert pdl.mode(dev) == 1
-        pdl.configure(False, 1)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(pdl.current()))
+        thread.start()
+        thread.join()
+        assert seen == [pdl.LaunchPolicy()]
+    # the hybrid (qwen35) triggers early up to its own, measured limit; the dense decoders keep the default
+    hybrid = pdl.early_max_batch("qwen35")
+    assert hybrid > pdl.EARLY_MAX_BATCH and pdl.early_max_batch("llama") == pdl.EARLY_MAX_BATCH
+    assert policy(True, hybrid, "qwen35").mode(dev) == 2 and policy(True, hybrid, "llama").mode(dev) == 1
+    assert policy(True, hybrid + 1, "qwen35").mode(dev) == 1
+    with pdl.applied(policy(False, 1)):
         assert pdl.mode(dev) == 0 and pdl.triton_opts(dev) == {}
-    finally:
-        pdl.set_enabled(None)
-        pdl.set_early(False)
-        pdl.set_gemm_release(False)
+    assert pdl.current() == pdl.LaunchPolicy() and not pdl.gemm_release()
 
 
 @pytest.fixture
@@ -222,10 +222,7 @@ def fake_nvrtc(monkeypatch):
     monkeypatch.setattr(pdl, "launch_ex", lambda func, *a: launched.append(a))
     monkeypatch.setattr(pdl, "enabled", lambda device=None: True)
     k = nvrtc._Kernel(nvrtc.reduce_source(False, True), "w4a16_splitk_reduce", "torch", torch.device("cuda", 0))
-    try:
-        yield compiled, launched, k
-    finally:
-        pdl.set_gemm_release(False)
+    yield compiled, launched, k
 
 
 def test_gemm_release_compiles_its_own_kernel(fake_nvrtc):
@@ -234,8 +231,8 @@ def test_gemm_release_compiles_its_own_kernel(fake_nvrtc):
     compiled, launched, k = fake_nvrtc
     assert compiled == []                                   # nothing compiled before the first launch
     for flag in (False, True, False, True):
-        pdl.set_gemm_release(flag)
-        k(1, 256, [], torch.device("cuda", 0))
+        with pdl.applied(pdl.LaunchPolicy(release=flag)):
+            k(1, 256, [], torch.device("cuda", 0))
     assert len(compiled) == 2 and len(launched) == 4
     assert not compiled[0].startswith("#define PDL_RELEASE 1") and compiled[1].startswith("#define PDL_RELEASE 1\n")
 
@@ -245,8 +242,8 @@ def test_evict_launch_compiles_its_own_kernel(fake_nvrtc):
     compiled once per release setting; the other launches keep the plain build."""
     compiled, launched, k = fake_nvrtc
     for evict, release in ((False, False), (True, False), (True, False), (False, False), (True, True)):
-        pdl.set_gemm_release(release)
-        k(1, 256, [], torch.device("cuda", 0), evict=evict)
+        with pdl.applied(pdl.LaunchPolicy(release=release)):
+            k(1, 256, [], torch.device("cuda", 0), evict=evict)
     assert len(compiled) == 3 and len(launched) == 5
     assert "#define WEIGHT_EVICT 1" not in compiled[0] and compiled[1].startswith("#define WEIGHT_EVICT 1\n")
     assert compiled[2].startswith("#define PDL_RELEASE 1\n#define WEIGHT_EVICT 1\n")
@@ -257,11 +254,8 @@ def test_off_on_cpu_and_by_switch(monkeypatch):
     assert not pdl.enabled(cpu) and pdl.triton_opts(cpu) == {}
     monkeypatch.setenv("ONEPASS_PDL", "0")
     assert not pdl.enabled()
-    pdl.set_enabled(True)
-    try:
+    with pdl.applied(pdl.LaunchPolicy(pdl=True)):
         assert pdl.enabled() == (torch.cuda.is_available() and pdl.supported(torch.cuda.current_device()))
-    finally:
-        pdl.set_enabled(None)
 
 
 def test_launch_ex_refuses_unknown_arguments():
@@ -289,10 +283,8 @@ def _packed_run(path, B, policy, prompts=None):
     """Greedy tokens of B streams (prompts, default one prompt B times) on the packed wide hybrid, graphed."""
     from onepass.engine.gguf_loader import load_gguf
     from onepass.engine.fused_qwen35 import FusedQwen35Decoder
-    from onepass.engine.runner import GraphStepper
-    from onepass.engine.sampler import SamplingParams
     from onepass.engine.state_pool import HybridCache
-    from onepass.engine.static_batch import run_static
+    from onepass.engine.runner import run_static
     from onepass.kernels import int4_dispatch as disp
     from onepass.kernels.backend import get_step_kernels
     from tests.test_fused_qwen35 import prompt
@@ -301,8 +293,7 @@ def _packed_run(path, B, policy, prompts=None):
         cfg, w, _ = load_gguf(path, dtype=torch.bfloat16, device="cuda", progress=False, keep_quantized=True)
         model = FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=128)
         kv = HybridCache.create(cfg, B + 1, 64, torch.bfloat16, "cuda", torch.float32)
-        st = GraphStepper(model, kv, B, SamplingParams(), use_graphs=True)
-        return run_static(st, prompts or [prompt(72, 9)] * B, 16, ctx=64).outputs
+        return run_static(model, kv, prompts or [prompt(72, 9)] * B, 16, use_graphs=True).outputs
     finally:
         disp.set_policy("invariant")
 
@@ -311,13 +302,8 @@ def _on_off(fn):
     """fn's result with PDL off, on, and on with the Triton kernels triggering early."""
     runs = {}
     for mode, (on, early) in {"off": (False, False), "on": (True, False), "early": (True, True)}.items():
-        pdl.set_enabled(on)
-        pdl.set_early(early)
-        try:
+        with pdl.applied(pdl.LaunchPolicy(pdl=on, early=early)):
             runs[mode] = fn()
-        finally:
-            pdl.set_enabled(None)
-            pdl.set_early(False)
     return runs
 
 

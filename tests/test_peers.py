@@ -32,7 +32,7 @@ def test_peer_model_matches_ours(tiny_ggufs, arch):
 def test_peer_continuous_batching_matches_our_greedy(tiny_ggufs):
     """The serving peer (HF continuous batching) decodes the same tokens as our single-stream greedy."""
     from onepass.engine.sampler import SamplingParams
-    from onepass.engine.static_batch import generate_static
+    from onepass.engine.models.generate import reference_generate
     from onepass.harness.peers import hf_model, hf_serving_rate
 
     cfg, w, _ = load_gguf(tiny_ggufs["qwen3"], progress=False)
@@ -41,7 +41,7 @@ def test_peer_continuous_batching_matches_our_greedy(tiny_ggufs):
     peer = hf_serving_rate(hf, reqs, warmup=2)
     model = build_model(cfg, w)
     for (prompt, n), theirs in zip(reqs, peer["peer_outputs"]):
-        ours = generate_static(model, ContiguousKVCache(cfg, 1, 32, torch.float32, "cpu"), [prompt], n,
+        ours = reference_generate(model, ContiguousKVCache(cfg, 1, 32, torch.float32, "cpu"), [prompt], n,
                                SamplingParams())
         assert ours.outputs[0] == theirs
     assert peer["peer_tok_s"] > 0

@@ -32,7 +32,7 @@ from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.state_pool import HybridCache, StatePool, drop_recurrent_kv
-from onepass.engine.static_batch import generate_static
+from onepass.engine.models.generate import reference_generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -249,7 +249,7 @@ def test_greedy_16_tokens_match_transformers(tiny, name):
     _, _, cfg, _, model, hf = tiny[name]
     prompts = [prompt(2, 9), prompt(3, 9)]
     kv = cache(cfg, slots=2)
-    mine = generate_static(model, kv, prompts, 16, SamplingParams()).outputs  # ReferenceStepper, unchanged
+    mine = reference_generate(model, kv, prompts, 16, SamplingParams()).outputs  # ReferenceStepper, unchanged
     for p, m in zip(prompts, mine):
         with torch.no_grad():
             theirs = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
@@ -302,8 +302,8 @@ def test_chunked_prefill_widths_give_same_state_and_tokens(tiny, name):
 def test_token_and_batched_prefill_modes_agree(tiny):
     _, _, cfg, _, model, _ = tiny["3x-value-heads"]
     prompts = [prompt(5, 7), prompt(6, 7)]
-    a = generate_static(model, cache(cfg, slots=2), prompts, 10, SamplingParams(), prefill="token").outputs
-    b = generate_static(model, cache(cfg, slots=2), prompts, 10, SamplingParams(), prefill="batched").outputs
+    a = reference_generate(model, cache(cfg, slots=2), prompts, 10, SamplingParams(), prefill="token").outputs
+    b = reference_generate(model, cache(cfg, slots=2), prompts, 10, SamplingParams(), prefill="batched").outputs
     assert a == b
 
 

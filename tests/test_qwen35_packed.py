@@ -23,6 +23,8 @@ import dataclasses
 import importlib.util
 
 import numpy as np
+from functools import partial
+
 import pytest
 import torch
 from gguf import GGUFReader
@@ -34,10 +36,9 @@ from onepass.engine.gguf_loader import (GDN_PACKABLE_PROJECTIONS, INPUT_ORDER, P
 from onepass.engine.gguf_writer import random_weights, write_gguf
 from onepass.engine.quant import dequantize
 from onepass.kernels.quant_pack import PackedWeight, unpack_ref
-from onepass.engine.runner import GraphStepper
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.state_pool import HybridCache
-from onepass.engine.static_batch import run_static
+from onepass.engine.runner import run_static
 from onepass.kernels.backend import get_step_kernels
 from tests.interpreter import run_in_interpreter
 from tests.test_fused_qwen35 import BF16_SLACK, CONFIGS, HAS_CUDA, INTERPRET, needs_kernel, prompt
@@ -173,8 +174,8 @@ def test_fused_decoder_packed_matches_dequantized(files, case):
     outs = []
     for model in (m_dense, m_packed):
         kv = HybridCache.create(cfg, 4, 64, torch.float32, "cpu", torch.float32)
-        st = GraphStepper(model, kv, 3, SamplingParams(), use_graphs=False)
-        outs.append(run_static(st, [p] * 3, 10, ctx=64).outputs)
+        st = partial(run_static, model, kv, sampling=SamplingParams(), use_graphs=False)
+        outs.append(st([p] * 3, 10).outputs)
     assert outs[1] == outs[0]
     assert len(set(map(tuple, outs[0]))) == 1
 

@@ -13,8 +13,8 @@ from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from onepass.engine.models import build_model
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request, Scheduler
-from onepass.engine.serve import ServingEngine
-from onepass.engine.static_batch import generate_static
+from onepass.engine.runner import Runner
+from onepass.engine.models.generate import reference_generate
 from onepass.kernels.backend import get_step_kernels
 
 CTX, BS = 64, 4
@@ -34,7 +34,7 @@ def setup(tiny_ggufs):
     refs = {}
     for i, (p, n) in enumerate(zip(prompts, max_new)):
         kv = ContiguousKVCache(cfg, 1, CTX, torch.float32, "cpu")
-        refs[i] = generate_static(ref_model, kv, [p], n, SamplingParams()).outputs[0]
+        refs[i] = reference_generate(ref_model, kv, [p], n, SamplingParams()).outputs[0]
     return cfg, fused, prompts, max_new, refs
 
 
@@ -48,7 +48,7 @@ def serve(setup, slots=4, mode="continuous", prefill="token", layout="contiguous
     else:
         kv = ContiguousKVCache(cfg, slots + 1, CTX, torch.float32, "cpu")
     sched = Scheduler(slots, mode, prefill, budget, bm, CTX, prefix_burst=burst)
-    eng = ServingEngine(fused, kv, sched, SamplingParams(), on_device)
+    eng = Runner(fused, kv, sched, SamplingParams(), on_device)
     if prefix == "pinned":
         eng.pin_prefix(SHARED + [0])
     reqs = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
@@ -125,7 +125,7 @@ def test_request_that_can_never_fit_is_rejected_with_block_count(setup):
     cfg, fused, *_ = setup
     bm = BlockManager(4, BS)
     kv = PagedKVCache(cfg, 4, BS, 2, CTX, torch.float32, "cpu")
-    eng = ServingEngine(fused, kv, Scheduler(2, block_manager=bm, ctx=CTX), SamplingParams())
+    eng = Runner(fused, kv, Scheduler(2, block_manager=bm, ctx=CTX), SamplingParams())
     res = eng.run([Request(0, list(range(3, 20)), 4), Request(1, [5, 6], 3)])
     assert [r.rid for r in res.finished] == [1]
     (req, why), = res.rejected
@@ -148,7 +148,7 @@ def test_stop_token_ends_a_request_even_one_step_ahead(setup, on_device, prefill
     stop = refs[0][1]  # the second token of request 0: it must stop there
     bm = BlockManager(64, BS, prefix_caching=True)
     kv = PagedKVCache(cfg, 64, BS, 3, CTX, torch.float32, "cpu")
-    eng = ServingEngine(fused, kv, Scheduler(3, "continuous", prefill, 16, bm, CTX, stop_ids=(stop,)),
+    eng = Runner(fused, kv, Scheduler(3, "continuous", prefill, 16, bm, CTX, stop_ids=(stop,)),
                         SamplingParams(), on_device)
     res = eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
     for r in res.finished:
@@ -164,7 +164,7 @@ def test_host_sampling_with_temperature_is_refused(setup):
     cfg, fused, *_ = setup
     kv = ContiguousKVCache(cfg, 3, CTX, torch.float32, "cpu")
     with pytest.raises(ConfigError, match="on_device"):
-        ServingEngine(fused, kv, Scheduler(2, ctx=CTX), SamplingParams(temperature=0.7), sample_on_device=False)
+        Runner(fused, kv, Scheduler(2, ctx=CTX), SamplingParams(temperature=0.7), sample_on_device=False)
 
 
 def test_bad_scheduler_config_is_named():
@@ -179,8 +179,7 @@ def test_bad_scheduler_config_is_named():
 def test_gpu_row_graphs_reproduce_single_stream(tiny_ggufs, layout, prefill):
     """Triton kernels + CUDA graphs per row bucket, one step ahead of the host: same tokens as the
     single-stream Triton run."""
-    from onepass.engine.runner import GraphStepper
-    from onepass.engine.static_batch import run_static
+    from onepass.engine.runner import run_static
 
     cfg, w, _ = load_gguf(tiny_ggufs["qwen3"], dtype=torch.bfloat16, device="cuda", progress=False)
     fused = FusedDecoder(cfg, w, get_step_kernels("triton"), max_pos=CTX + 1)
@@ -190,11 +189,11 @@ def test_gpu_row_graphs_reproduce_single_stream(tiny_ggufs, layout, prefill):
     refs = {}
     for i, (p, n) in enumerate(zip(prompts, max_new)):
         kv = ContiguousKVCache(cfg, 2, CTX, torch.bfloat16, "cuda")
-        refs[i] = run_static(GraphStepper(fused, kv, 1, SamplingParams()), [p], n, prefill="token", ctx=CTX).outputs[0]
+        refs[i] = run_static(fused, kv, [p], n, prefill="token").outputs[0]
     bm = BlockManager(20, 16, prefix_caching=True) if layout == "paged" else None  # the Triton kernels page by >= 16
     kv = (PagedKVCache(cfg, 20, 16, 4, CTX, torch.bfloat16, "cuda") if bm
           else ContiguousKVCache(cfg, 5, CTX, torch.bfloat16, "cuda"))
-    eng = ServingEngine(fused, kv, Scheduler(4, "continuous", prefill, 16, bm, CTX), SamplingParams(), time_steps=True)
+    eng = Runner(fused, kv, Scheduler(4, "continuous", prefill, 16, bm, CTX), SamplingParams())
     assert eng.step.layer_graphs and eng.step.head_graphs
     res = eng.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
     assert outputs(res) == refs

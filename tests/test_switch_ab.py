@@ -63,19 +63,19 @@ def test_cli_refuses_bad_arguments_with_exit_2(capsys):
 def test_ab_runs_every_variant_flags_changed_tokens_and_restores(tmp_path, monkeypatch):
     """Two switches, 2 x 2 variants at B = 1 and 2: a switch the CPU path never reads keeps the tokens; a knob that
     changes the sampled tokens is reported as not the baseline's; both are back at their values afterwards."""
-    from onepass.engine import static_batch
+    from onepass.engine import engine as engine_module
 
     knob = types.ModuleType("ab_test_knob")
     knob.shift = 0
     monkeypatch.setitem(sys.modules, "ab_test_knob", knob)
-    real = static_batch.run_static
+    real = engine_module.run_static
 
     def shifted(*args, **kw):          # the "kernel change": every token moved by the knob
         r = real(*args, **kw)
         r.outputs = [[t + knob.shift for t in o] for o in r.outputs]
         return r
 
-    monkeypatch.setattr(static_batch, "run_static", shifted)
+    monkeypatch.setattr(engine_module, "run_static", shifted)
     switches = [switch_ab.parse_switch("engine.fused_qwen35.Projection.concurrent=True,False"),
                 switch_ab.parse_switch("ab_test_knob.shift=0,1")]
     lines = []
