@@ -229,16 +229,16 @@ class Engine:
 
     def run_static(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
                    stop_ids: tuple[int, ...] = (), prefill: str = "batched", progress: bool = False,
-                   max_len: int | None | str = "fit") -> StaticBatchResult:
+                   max_len: int | None | str = "fit", drafts=None, spec_k: int = 0) -> StaticBatchResult:
         """One static batch in a fresh cache: every prompt (of one length) decoded in lockstep, timed per step.
         Positions stay below max_len: "fit" (prompt + new tokens: the attention grid sized for them) or None (the
-        context)."""
+        context). drafts, spec_k: speculative decoding (engine/drafts.py)."""
         if max_len == "fit":
             max_len = len(prompts[0]) + max_new_tokens
         kv = self.cache(len(prompts) + 1)   # + the scratch slot
         return run_static(self.model, kv, prompts, max_new_tokens, sampling, stop_ids, prefill,
                           use_graphs=self.spec.cuda_graphs and self.device.type == "cuda", workspace=self.workspace(),
-                          max_len=max_len, launch=self.launch, progress=progress)
+                          max_len=max_len, launch=self.launch, drafts=drafts, spec_k=spec_k, progress=progress)
 
     def teacher_forced_logits(self, ids: list[int], follow: list[int]) -> torch.Tensor:
         """fp32 logits [1 + len(follow), V]: the prompt's last position, then each token of `follow` fed in turn
@@ -280,7 +280,7 @@ class Engine:
               layout: str = "paged", block_size: int = 16, num_blocks: int = 0, prefix: str = "off",
               token_budget: int = 512, prefix_burst: bool = True, sampling: SamplingParams | None = None,
               sample_on_device: bool = True, stop_ids: tuple[int, ...] | None = None, pool_vs_peak: float = 0.0,
-              progress: bool = False) -> ServeResult:
+              drafts=None, spec_k: int = 0, progress: bool = False) -> ServeResult:
         """Serve a queue of requests with `spec.batch` slots: `mode` continuous (a finished request's slot is
         refilled at once) or wave (a new wave when all have finished); KV contiguous or paged (a pool of
         `num_blocks`, 0: enough for every slot's ctx); `prefix` off, pinned (the first request's prompt shared
@@ -289,7 +289,7 @@ class Engine:
 
         setup = ServingSetup(self, mode=mode, prefill=prefill, layout=layout, block_size=block_size,
                              num_blocks=num_blocks, prefix=prefix, token_budget=token_budget,
-                             prefix_burst=prefix_burst, pool_vs_peak=pool_vs_peak)
+                             prefix_burst=prefix_burst, pool_vs_peak=pool_vs_peak, drafts=drafts, spec_k=spec_k)
         stops = self.stop_ids() if stop_ids is None else stop_ids
         serving, pinned = setup.build(requests, sampling or SamplingParams(), sample_on_device, stops)
         result = serving.run(requests, progress=progress)

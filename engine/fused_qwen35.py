@@ -3,7 +3,7 @@
 Same math as engine/models/qwen35.py, arranged as engine/fused_model.py arranges llama/qwen3: row r is
 one token of slot `slots[r]` at position `positions[r]`, every activation lives in preallocated buffers,
 and the interface is FusedDecoder's (`buffers(rows)`, `hidden(...)`, `logits(...)`, `weight_bytes()`), so
-GraphStepper captures it in CUDA graphs unchanged. `kv` is a HybridCache (engine/state_pool.py): its KV
+the step (engine/step.py) captures it in CUDA graphs unchanged. `kv` is a HybridCache (engine/state_pool.py): its KV
 cache (contiguous, or paged through `block_table`) serves the attention layers, its StatePool the GDN
 layers (state [slots, Hv, Dk, Dv] and conv ring [slots, conv_dim, K-1] per GDN layer).
 
@@ -33,9 +33,9 @@ step trusts its rows (each slot's rows must continue its sequence or restart it 
 
 Rows per slot: in token mode (decode, token prefill) each slot has at most one row per step. A step may
 also carry runs of `seq_len` consecutive tokens per slot, slot-major (rows n*T .. n*T+T-1 of one slot:
-GraphStepper's batched prefill of a static batch), or ragged runs (`runs`, int32 row offsets: a serving
-step's decode rows and prompt chunks of unequal lengths, each slot's rows together; engine/row_step.py
-builds them); the GDN kernels walk each run in order.
+a whole prompt, Engine.teacher_forced_logits), or ragged runs (`runs`, int32 row offsets: a step's decode
+rows and prompt chunks of unequal lengths, each slot's rows together; engine/step.py builds them); the GDN
+kernels walk each run in order.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from onepass.kernels.splitk import SplitSums
 
 
 class FusedQwen35Decoder(FusedBase):
-    hybrid = True  # GraphStepper passes seq_len to batched prefill; the cache must be a HybridCache
+    hybrid = True  # the step passes its prompt rows as runs; the cache must be a HybridCache
 
     def __init__(self, cfg: ModelConfig, weights, kernels: StepKernels, max_pos: int):
         if cfg.arch != "qwen35":

@@ -44,6 +44,9 @@ class ServeResult:
     step_s: list[float] = field(default_factory=list)  # each step's span on the device timeline (engine/step.py)
     d2h_bytes: int = 0
     pinned_prefix: int = 0
+    drafted: int = 0   # speculation: draft tokens proposed, and kept
+    accepted: int = 0
+    on_gpu: bool = False
 
     @property
     def generated(self) -> int:
@@ -51,7 +54,8 @@ class ServeResult:
 
     @property
     def gpu_ms(self) -> list[float]:
-        return [s * 1e3 for s in self.step_s]
+        """Device time per step (CUDA events); empty on the CPU."""
+        return [s * 1e3 for s in self.step_s] if self.on_gpu else []
 
 
 class Runner:
@@ -75,6 +79,9 @@ class Runner:
         if self.hybrid:
             check_hybrid_serving(model.cfg,
                                  "auto" if scheduler.bm is not None and scheduler.bm.prefix_caching else "off")
+            if scheduler.spec_k:
+                raise ConfigError("speculative decoding on a hybrid (qwen35) model needs its recurrent state rolled "
+                                  "back past rejected drafts, which is not built yet; use speculative=off with qwen35")
         # hybrid pinned prefix: (the spare state slot holding its snapshot for each write-back phase class, positions)
         self.snapshot: tuple[list[int], int] | None = None
         graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
@@ -82,8 +89,10 @@ class Runner:
         ragged = self.hybrid and scheduler.prefill == "chunked"
         self.step = Step(model, kv, scheduler.num_slots, max_rows or scheduler.max_rows, sampling, paged=self.paged,
                          use_graphs=graphs, sample_on_device=sample_on_device, workspace=workspace, max_len=max_len,
-                         ragged=ragged, buckets=buckets, launch=launch)
-        self.lockstep = LOCKSTEP_MAX if sample_on_device else 1   # host sampling reads every step's logits
+                         ragged=ragged, buckets=buckets, launch=launch, max_samples=scheduler.max_samples)
+        # host sampling reads every step's logits, and drafts need every step's tokens: both keep step with the host
+        self.host_steps = not sample_on_device or scheduler.spec_k > 0
+        self.lockstep = 1 if self.host_steps else LOCKSTEP_MAX
         self._locked_slots: tuple[int, ...] | None = None   # the slots of the lockstep rows staged on the device
         self.marks: list[tuple[str, object]] = []           # the last run's timeline (Step.mark)
 
@@ -154,7 +163,7 @@ class Runner:
             sched.add(r)
         res = ServeResult(sched.finished, sched.rejected)
         bar = tqdm(total=len(requests), desc="requests", disable=not progress, leave=False)
-        host_lockstep = not self.sample_on_device
+        host_lockstep = self.host_steps
         prev = None  # (plan, handle) of the step whose ids are not read yet
         first_mark = len(st.marks)
         st.mark("start")
@@ -194,6 +203,7 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         res.wall_s = time.perf_counter() - t_start
+        res.drafted, res.accepted, res.on_gpu = sched.drafted, sched.accepted, self.device.type == "cuda"
         self.marks = st.marks[first_mark:]
         res.step_s = step_spans(st.clock, self.marks)
         bar.close()
@@ -237,6 +247,18 @@ class Runner:
             req = s.request
             start, n_prompt = req.computed, len(req.prompt)
             prompt_rows += max(0, min(start + s.rows, n_prompt) - start)
+            if s.drafts:   # the newest token (on the host), then the drafts; every row samples
+                seed, step = self._sampling_of(req)
+                for i, tok in enumerate([req.output[start - n_prompt]] + s.drafts):
+                    tokens.append(tok)
+                    positions.append(start + i)
+                    slots.append(req.slot)
+                    feed.append(0)
+                    sample_rows.append(len(tokens) - 1)
+                    sample_slots.append(req.slot)
+                    seeds.append(seed)
+                    steps.append(step + i)
+                continue
             if s.rows == 1:  # token mode and decode rows: the common case, without the inner loop
                 p = start
                 tokens.append(req.prompt[p] if p < n_prompt else
@@ -287,6 +309,8 @@ class StaticBatchResult:
     step_s: list[float] = field(default_factory=list)  # span of each decode step (forward + sample)
     decode_s: float = 0.0     # from the prefill's end to the last step's
     cache: object = None      # the KV cache (and recurrent state) the batch ran in
+    drafted: int = 0          # speculation: draft tokens proposed, and kept
+    accepted: int = 0
 
     @property
     def generated_tokens(self) -> int:
@@ -319,11 +343,13 @@ def check_fits(prompt_len: int, max_new_tokens: int, ctx: int) -> int:
 
 def run_static(model, kv, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
                stop_ids: tuple[int, ...] = (), prefill: str = "batched", *, use_graphs: bool | None = None,
-               workspace=None, max_len: int | None = None, launch=None, progress: bool = False) -> StaticBatchResult:
+               workspace=None, max_len: int | None = None, launch=None, drafts=None, spec_k: int = 0,
+               progress: bool = False) -> StaticBatchResult:
     """B = len(prompts) requests of one prompt length started together in slots 0..B-1 of `kv` (which holds a
     scratch slot beyond them), run to max_new_tokens or a stop token each: the scheduler's static mode. Prefill
     "token" feeds the prompts through the decode step a token a step (the seed's way); "batched" feeds all of
-    them in one step. Request b samples as a request of id b does in any other run."""
+    them in one step. Request b samples as a request of id b does in any other run. drafts, spec_k: speculative
+    decoding (engine/drafts.py): up to spec_k draft tokens a slot, checked in each step."""
     if prefill not in PREFILL_MODES:
         raise ConfigError(f"unknown prefill mode {prefill!r}; choose one of {PREFILL_MODES}")
     B, P = len(prompts), len(prompts[0])
@@ -333,11 +359,14 @@ def run_static(model, kv, prompts: list[list[int]], max_new_tokens: int, samplin
     check_fits(P, max_new_tokens, kv.ctx)
     sampling = sampling or SamplingParams()
     batched = prefill == "batched"
-    sched = Scheduler(B, "static", "chunked" if batched else "token", B * P if batched else B, None, kv.ctx, stop_ids)
-    # graphs and buffers for the steps this batch takes: the lockstep step, and B rows a step in token prefill; the
-    # batched prefill runs once, eagerly
+    budget = max(B * P, B * (1 + spec_k)) if batched else B
+    sched = Scheduler(B, "static", "chunked" if batched else "token", budget, None, kv.ctx, stop_ids, drafts=drafts,
+                      spec_k=spec_k)
+    # graphs and buffers for the steps this batch takes: the lockstep step, and B rows a step in token prefill (every
+    # bucket up to B (1 + k) rows with speculation, whose steps vary); the batched prefill runs once, eagerly
+    buckets = None if spec_k else () if batched else (bucket_for(B),)
     runner = Runner(model, kv, sched, sampling, use_graphs=use_graphs, workspace=workspace, max_len=max_len,
-                    buckets=() if batched else (bucket_for(B),), max_rows=B, launch=launch)
+                    buckets=buckets, max_rows=B * (1 + spec_k), launch=launch)
     requests = [Request(b, list(p), max_new_tokens) for b, p in enumerate(prompts)]
     res = runner.run(requests, progress)
     if res.rejected:
@@ -349,4 +378,5 @@ def run_static(model, kv, prompts: list[list[int]], max_new_tokens: int, samplin
     return StaticBatchResult(
         prompts, [r.output for r in sorted(res.finished, key=lambda r: r.rid)],
         clock.seconds(marks[0][1], marks[prefill_end][1]), steps,
-        clock.seconds(marks[prefill_end][1], marks[-1][1]) if len(marks) > prefill_end + 1 else 0.0, kv)
+        clock.seconds(marks[prefill_end][1], marks[-1][1]) if len(marks) > prefill_end + 1 else 0.0, kv,
+        res.drafted, res.accepted)

@@ -83,6 +83,7 @@ class Scheduled:
     rows: int  # tokens fed this step: positions computed .. computed + rows - 1
     samples: bool  # its last row is the newest token: sample the next one
     feed_device: bool = False  # its last row's token is still in flight: read it on the device
+    drafts: list[int] = field(default_factory=list)  # fed after the newest token; every row samples (speculation)
 
 
 @dataclass
@@ -99,14 +100,24 @@ class Plan:
 class Scheduler:
     def __init__(self, num_slots: int, mode: str = "continuous", prefill: str = "token", token_budget: int = 512,
                  block_manager: BlockManager | None = None, ctx: int = 512, stop_ids: tuple[int, ...] = (),
-                 prefix_burst: int = 0):
+                 prefix_burst: int = 0, drafts=None, spec_k: int = 0):
         """prefix_burst: the most prompt rows one shared-prefix burst may feed in a step (token prefill with
-        automatic prefix caching only; 0 = off)."""
+        automatic prefix caching only; 0 = off). drafts, spec_k: speculative decoding, a draft source
+        (engine/drafts.py) asked for up to spec_k tokens after each decoding request's newest token."""
         if mode not in MODES:
             raise ConfigError(f"scheduler.mode={mode!r}; choose one of {MODES}")
         if prefill not in PREFILLS:
             raise ConfigError(f"scheduler.prefill={prefill!r} for serving; choose one of {PREFILLS}")
         check_token_budget(prefill, token_budget, num_slots)
+        if (drafts is None) != (spec_k == 0):
+            raise ConfigError(f"speculative decoding needs a draft source and spec_k >= 1 (got spec_k={spec_k} "
+                              f"and {'no' if drafts is None else 'a'} draft source); set speculative.k >= 1 with a "
+                              "method, or speculative=off")
+        if spec_k < 0 or spec_k >= ctx:
+            raise ConfigError(f"speculative decoding with spec_k={spec_k} drafts a step: between 1 and the context "
+                              f"({ctx}) less one; lower speculative.k")
+        self.drafts, self.spec_k = drafts, spec_k
+        self.drafted = self.accepted = 0   # draft tokens proposed and kept, over the run
         self.num_slots, self.mode, self.prefill, self.budget = num_slots, mode, prefill, token_budget
         self.bm, self.ctx, self.stop_ids = block_manager, ctx, set(stop_ids)
         bursts = prefill == "token" and block_manager is not None and block_manager.prefix_caching
@@ -137,7 +148,12 @@ class Scheduler:
     @property
     def max_rows(self) -> int:
         """The most rows one step may hold."""
-        return self.num_slots + self.max_burst if self.prefill == "token" else self.budget
+        return self.num_slots * (1 + self.spec_k) + self.max_burst if self.prefill == "token" else self.budget
+
+    @property
+    def max_samples(self) -> int:
+        """The most rows one step may sample: one a slot, or with speculation one per fed token of a slot."""
+        return self.num_slots * (1 + self.spec_k)
 
     @property
     def done(self) -> bool:
@@ -160,14 +176,25 @@ class Scheduler:
                 rows = min(req.pending, budget)
             if rows <= 0:
                 continue
-            if not self._grow(req, req.computed + rows):
+            drafts = self._drafts(req, rows, budget)
+            if not self._grow(req, req.computed + rows + len(drafts)):
                 continue
             if budget is not None:
-                budget -= rows
+                budget -= rows + len(drafts)
             last = req.computed + rows
-            items.append(Scheduled(req, rows, last == req.length, last > len(req.prompt) + len(req.output)))
+            items.append(Scheduled(req, rows + len(drafts), last == req.length,
+                                   last > len(req.prompt) + len(req.output), drafts))
         items = [s for s in items if s.request.slot >= 0]  # drop any preempted while growing others
         return Plan(items, admitted, self._repeat(items, admitted, lockstep))
+
+    def _drafts(self, req: Request, rows: int, budget: int | None) -> list[int]:
+        """Draft tokens to feed after a decoding request's newest token (it is on the host: speculation runs the
+        loop in step with the host), at most as many as it may still generate past that token's successor."""
+        if not self.spec_k or rows != 1 or req.in_prefill or req.inflight or req.pending != 1:
+            return []
+        room = budget - 1 if budget is not None else self.spec_k    # chunked prefill: the step's rows left
+        k = min(self.spec_k, req.max_new_tokens - len(req.output) - 1, room)
+        return list(self.drafts(req, k))[:k] if k > 0 else []
 
     def _repeat(self, items: list[Scheduled], admitted: list[Request], most: int) -> int:
         """Steps the plan's decode rows can run in lockstep: every running request decodes one row, its token on
@@ -254,39 +281,72 @@ class Scheduler:
             req = s.request
             if req.retired:  # a stop token arrived after this step was launched
                 continue
+            if s.drafts:   # speculation: how far the positions count as written is known when the tokens arrive
+                req.inflight += 1
+                continue
             req.computed += s.rows * n
-            if self.bm is not None:
-                if self.bm.commit_needs_tokens(req.rid, req.computed):
-                    self.bm.commit(req.rid, req.tokens, req.computed)
-                else:  # no block filled: skip building the token list (the common step)
-                    self.bm.mark_written(req.rid, req.computed)
+            self._written(req)
             if s.samples:
                 req.inflight += n
                 if len(req.output) + req.inflight >= req.max_new_tokens:
                     self._retire(req)
         self.step += n
 
+    def _written(self, req: Request) -> None:
+        """Tell the block manager how far the request's KV is written (a block it fills is committed to the cache)."""
+        if self.bm is not None:
+            if self.bm.commit_needs_tokens(req.rid, req.computed):
+                self.bm.commit(req.rid, req.tokens, req.computed)
+            else:  # no block filled: skip building the token list (the common step)
+                self.bm.mark_written(req.rid, req.computed)
+
     def receive(self, plan: Plan, sampled: list[int]) -> list[Request]:
-        """The sampled ids of `plan`, in plan order (step by step for a lockstep run); returns the requests that
-        completed."""
+        """The sampled ids of `plan`, in plan order (step by step for a lockstep run; every row of a request with
+        drafts); returns the requests that completed."""
         it = iter(sampled)
         done = []
         for s in plan.items * plan.repeat:
             if not s.samples:
                 continue
-            req, tok = s.request, next(it)
-            req.inflight -= 1
-            if not req.stopped:
-                req.output.append(tok)
-                if tok in self.stop_ids:
-                    req.stopped = True
-                    if not req.retired:
-                        self._retire(req)
+            req = s.request
+            if s.drafts:
+                self._settle(req, s.drafts, [next(it) for _ in range(len(s.drafts) + 1)])
+            else:
+                req.inflight -= 1
+                self._append(req, next(it))
             if req.retired and not req.inflight and req.finished_step < 0:
                 req.finished_step = self.step - 1
                 self.finished.append(req)
                 done.append(req)
         return done
+
+    def _append(self, req: Request, tok: int) -> None:
+        if req.stopped:   # a token computed after the stop token: dropped
+            return
+        req.output.append(tok)
+        if tok in self.stop_ids:
+            req.stopped = True
+            if not req.retired:
+                self._retire(req)
+
+    def _settle(self, req: Request, drafts: list[int], target: list[int]) -> None:
+        """A speculative row set's outcome: target[i] is the token the target sampled after the newest token and
+        drafts[:i]; the drafts are kept while they equal it, then the target's own token follows. Only the fed
+        positions of kept tokens count as written."""
+        if req.retired:   # as in advance, which put nothing in flight for it
+            return
+        req.inflight -= 1
+        kept = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), len(drafts))
+        self.drafted += len(drafts)
+        self.accepted += kept
+        req.computed += 1 + kept       # the newest token and the kept drafts are in the KV now
+        self._written(req)
+        for tok in target[:kept + 1]:
+            self._append(req, tok)
+            if req.stopped:
+                break
+        if not req.retired and len(req.output) >= req.max_new_tokens:
+            self._retire(req)
 
     def finish_step(self, plan: Plan, sampled: list[int]) -> list[Request]:
         """Both halves of a step at once: advance every scheduled request, then take its sampled ids."""
@@ -295,6 +355,8 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         req.retired = True
+        if self.drafts is not None:
+            self.drafts.forget(req.rid)
         if req.slot < 0:  # preempted and waiting when its stop token arrived
             self.waiting.remove(req)
             return

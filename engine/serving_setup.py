@@ -34,6 +34,8 @@ class ServingSetup:
     token_budget: int = 512         # rows per step with chunked prefill
     prefix_burst: bool = True       # token prefill + prefix=auto: a prefix shared by queued requests fed as one chunk
     pool_vs_peak: float = 0.0       # > 0: the pool at this multiple of the peak block demand (a host dry run)
+    drafts: object = None           # speculative decoding: a draft source (engine/drafts.py) and its tokens a step
+    spec_k: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -73,7 +75,7 @@ class ServingSetup:
 
     def scheduler(self, bm: BlockManager | None, stop_ids: tuple[int, ...]) -> Scheduler:
         return Scheduler(self.slots, MODES[self.mode], self.prefill, self.token_budget, bm, self.ctx, stop_ids,
-                         self.burst())
+                         self.burst(), self.drafts, self.spec_k)
 
     def peak_blocks(self, requests: list[Request], pin: list[int] | None) -> int:
         """Peak block demand of this schedule, from a host-only dry run of the scheduler over an ample pool.
@@ -81,7 +83,8 @@ class ServingSetup:
         bm = self.block_manager(self.slots * (self.ctx // self.block_size + 1) + 2)
         if pin:
             bm.pin_prefix(pin)
-        sched = self.scheduler(bm, ())
+        # without drafts: a request's blocks then cover its positions only (drafts may reach k positions further)
+        sched = Scheduler(self.slots, MODES[self.mode], self.prefill, self.token_budget, bm, self.ctx, (), self.burst())
         for r in requests:
             sched.add(Request(r.rid, list(r.prompt), r.max_new_tokens))
         while not sched.done:

@@ -21,7 +21,7 @@ same way a KV slot is simply overwritten from position 0), and any other row mus
 where its slot stopped. `reset(slots)` zeroes slots explicitly (e.g. when a scheduler frees them).
 
 `HybridCache` bundles a KV cache (for the attention layers) with a StatePool and stands wherever a
-model takes `kv`, so the existing steppers drive qwen35 unchanged.
+model takes `kv`, so the reference loop and the engine's step drive qwen35 unchanged.
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def check_hybrid_serving(cfg: ModelConfig, prefix: str = "off") -> None:
     automatic prefix caching (`prefix` == "auto"): a cached KV block says nothing about the recurrent state after
     it, and the state pool keeps a snapshot only at the end of a pinned prefix, so a hit anywhere else would
     continue from the wrong state; refused rather than ever giving a wrong output. A pinned prefix works: its state
-    is snapshotted once and copied into each slot whose request starts with it (ServingEngine.pin_prefix). Token
+    is snapshotted once and copied into each slot whose request starts with it (Runner.pin_prefix). Token
     and chunked prefill both work (a chunk is a ragged run the GDN kernels walk in order), as does continuous
     refill: a slot restarting at position 0 starts from zero state inside the kernels."""
     if not cfg.gdn_layers:

@@ -69,13 +69,15 @@ class Step:
     def __init__(self, model, kv, num_slots: int, max_rows: int, sampling: SamplingParams, *, paged: bool,
                  use_graphs: bool, sample_on_device: bool = True,
                  workspace: Callable[[int, int], object] | None = None, max_len: int | None = None,
-                 ragged: bool = False, buckets: tuple[int, ...] | None = None, launch: pdl.LaunchPolicy | None = None):
+                 ragged: bool = False, buckets: tuple[int, ...] | None = None, launch: pdl.LaunchPolicy | None = None,
+                 max_samples: int | None = None):
         """kv holds the slots 0..num_slots-1 and a scratch slot (the last). `workspace(rows, max_len)` makes the
         decode attention's split buffers; `max_len` bounds every position (default: the cache's ctx). ragged: a
         hybrid model's steps may hold several rows of one slot (chunked prefill): each step also stages its runs
         (engine/fused_qwen35.py). `buckets`: the row buckets whose graphs are captured (default: all up to
         max_rows); the lockstep graph is captured for num_slots' bucket. `launch`: the policy every kernel of this
-        step launches under, captured into its graphs (default: the one in force now)."""
+        step launches under, captured into its graphs (default: the one in force now). `max_samples`: the most rows
+        one step samples (default num_slots; more with speculation)."""
         dev, self.model, self.kv, self.sampling = model.device, model, kv, sampling
         self.policy = launch or pdl.current()
         self.device, self.ragged, self.cuda = dev, ragged, dev.type == "cuda"
@@ -83,7 +85,8 @@ class Step:
         if num_slots > self.scratch:
             raise ConfigError(f"{num_slots} slots but the KV cache holds {self.scratch} (+ a scratch slot)")
         self.rows = bucket_for(min(max(max_rows, num_slots), BUCKETS[-1]))
-        self.sample_rows = bucket_for(num_slots)
+        self.lock_rows = bucket_for(num_slots)      # a lockstep step: one row a slot
+        self.sample_rows = min(bucket_for(min(max(max_samples or 0, num_slots), BUCKETS[-1])), self.rows)
         self.paged, self.on_device = paged, sample_on_device
         self.max_len = min(max_len or kv.ctx, kv.ctx)
         self.make_ws = workspace or (lambda rows, n: None)
@@ -176,7 +179,7 @@ class Step:
     def _capture(self, buckets: tuple[int, ...] | None) -> None:
         layer_buckets = [b for b in BUCKETS if b <= self.rows and (buckets is None or b in buckets)]
         head_buckets = [b for b in BUCKETS if b <= self.sample_rows and (buckets is None or b in buckets)]
-        lock = self.sample_rows
+        lock = self.lock_rows
         self.flat.zero_()
         if self.paged:
             self.tab[:, 0] = self.table_rows - 1
@@ -322,7 +325,7 @@ class Step:
         # with paged KV the table rows were uploaded by earlier steps; the lockstep step rewrites only scratch's row
         # the lockstep step samples every row in place (SAMPLE_ROW / SAMPLE_SLOT unused): seeds and steps matter
         # padded to the captured lockstep graph's rows when there is one
-        pad = self.sample_rows if self.lock_graphs else 0
+        pad = self.lock_rows if self.lock_graphs else 0
         self._fill(a, t, ro, [0] * nrows, positions, slots, [1] * nrows, range(nrows), slots, seeds, steps, None, pad)
         self.flat.copy_(self.stage[flip], non_blocking=True)
         self.locked = nrows
@@ -336,7 +339,7 @@ class Step:
         nrows = self.locked
         if not 1 <= steps <= LOCKSTEP_MAX or not nrows:
             raise ValueError(f"lockstep of {steps} steps over {nrows} staged rows")
-        r = self.sample_rows if self.lock_graphs else bucket_for(nrows)
+        r = self.lock_rows if self.lock_graphs else bucket_for(nrows)
         flip = self.flip
         self.flip ^= 1
         for i in range(steps):

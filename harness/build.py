@@ -71,6 +71,19 @@ def _with_scaling(mcfg: ModelConfig) -> ModelConfig:
     return replace(mcfg, rope_scaling=RopeScaling())
 
 
+def draft_source(cfg, vocab_size: int, futures: dict[int, list[int]] | None = None):
+    """(draft source, k) of the job's speculative group: (None, 0) when off. Scripted drafts take the target's own
+    future tokens per request id, from the run without speculation."""
+    from onepass.engine.drafts import PromptLookup, ScriptedDrafts
+
+    s = cfg.speculative
+    if s.method == "off":
+        return None, 0
+    if s.method == "ngram":
+        return PromptLookup(s.ngram_max), s.k
+    return ScriptedDrafts(futures or {}, s.acceptance, vocab_size, seed=cfg.workload.seed), s.k
+
+
 def sampling_params(cfg) -> SamplingParams:
     """The job's sampling group as SamplingParams (which refuses values out of range)."""
     s = cfg.sampling

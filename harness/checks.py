@@ -40,6 +40,7 @@ def check_decode(cfg, backend: str) -> None:
         raise ConfigError("kv_cache.pool_vs_peak sizes the pool from a dry run with fixed output lengths; "
                           "set workload.ignore_eos=true or give kv_cache.num_blocks")
     check_kv_cache(cfg.kv_cache, backend)
+    check_speculative(cfg)
 
 
 def check_kv_cache(kvc, backend: str) -> None:
@@ -63,6 +64,35 @@ def check_kv_cache(kvc, backend: str) -> None:
     if kvc.pool_vs_peak < 0:
         raise ConfigError(f"kv_cache.pool_vs_peak={kvc.pool_vs_peak}; 0 (off) or a positive multiple of the peak "
                           "block demand")
+
+
+def check_speculative(cfg) -> None:
+    """The speculative group, before the model loads: a known method, k drafts that fit the context, a model that
+    can roll back."""
+    from onepass.engine.drafts import METHODS
+
+    s, ctx = cfg.speculative, cfg.kv_cache.ctx
+    if s.method == "mtp":
+        raise ConfigError("speculative=mtp (the qwen35 MTP head as the draft) is not built yet; use speculative=ngram "
+                          "or scripted on llama / qwen3 models")
+    if s.method not in METHODS:
+        raise ConfigError(f"speculative.method={s.method!r}; choose one of {', '.join(METHODS)}")
+    if s.method == "off":
+        return
+    ks = list(s.ks) if cfg.job.name == "spec_decode" else [s.k]
+    for k in ks:
+        if not 1 <= k < ctx:
+            raise ConfigError(f"speculative.k={k}: draft tokens a step, between 1 and kv_cache.ctx - 1 ({ctx - 1})")
+    synth = cfg.model.synthetic
+    if synth is not None and not cfg.model.path and not cfg.model.package and synth.arch == "qwen35":
+        raise ConfigError("speculative decoding on qwen35 needs its recurrent state rolled back past rejected drafts "
+                          "(and speculative=mtp its MTP head): not built yet; use speculative=off with this model")
+    if s.method == "scripted" and cfg.scheduler.mode != "static" and cfg.sampling.temperature > 0:
+        raise ConfigError("speculative=scripted in a served queue takes its futures from the greedy single stream; "
+                          "use sampling=greedy, or speculative=ngram")
+    if not 0.0 <= s.acceptance <= 1.0 or any(not 0.0 <= a <= 1.0 for a in s.acceptances):
+        raise ConfigError(f"speculative.acceptance={s.acceptance}, acceptances={list(s.acceptances)}: probabilities "
+                          "in [0, 1]")
 
 
 def check_micro(cfg) -> None:

@@ -3,6 +3,7 @@ the verification, the printed lines and the run record."""
 from __future__ import annotations
 
 import resource
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -13,7 +14,7 @@ from onepass.engine.sampler import SamplingParams
 from onepass.engine.runner import StaticBatchResult, check_fits
 from onepass.engine.tokenizer import Tokenizer
 from onepass.engine.verify import verify_greedy, verify_sampled
-from onepass.harness.build import build, resolve_engine, sampling_params
+from onepass.harness.build import build, draft_source, resolve_engine, sampling_params
 from onepass.harness.checks import check_decode, check_pool
 from onepass.harness.job import RunRecord
 from onepass.harness.roofline import copy_bandwidth, decode_floor_bytes, hybrid_floor_bytes, weight_bytes_per_step
@@ -96,8 +97,10 @@ def decode_run(cfg) -> RunRecord:
                 "dtype": str(dtype).removeprefix("torch."), "verify": vline}
         return RunRecord(f"{cfg.table} {cfg.model.name} B={B} {cfg.scheduler.mode}", dev, metrics, tags, artifacts)
 
-    def run(batch: int, new_tokens: int, progress: bool = False) -> tuple[StaticBatchResult, object]:
-        r = built.run_static([ids] * batch, new_tokens, sampling, stop_ids, cfg.scheduler.prefill, progress)
+    def run(batch: int, new_tokens: int, progress: bool = False, drafts=None, k: int = 0
+            ) -> tuple[StaticBatchResult, object]:
+        r = built.run_static([ids] * batch, new_tokens, sampling, stop_ids, cfg.scheduler.prefill, progress,
+                             drafts=drafts, spec_k=k)
         return r, r.cache
 
     for n in (1, B):  # warm both shapes so neither timed run pays first-call costs
@@ -107,9 +110,22 @@ def decode_run(cfg) -> RunRecord:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     result, kv = run(B, w.max_new_tokens, cfg.progress)
+    spec_metrics, spec_line = {}, ""
+    if cfg.speculative.method != "off":   # the same batch again with drafts: token for token the same output
+        drafts, k = draft_source(cfg, mcfg.vocab_size, dict(enumerate(result.outputs)))
+        plain = result
+        result, kv = run(B, w.max_new_tokens, cfg.progress, drafts, k)
+        spec_metrics = speculation_metrics(result, plain, B, k)
+        same = result.outputs == plain.outputs
+        spec_metrics["spec_same_tokens"] = int(same)
+        spec_line = (f"; with {cfg.speculative.method} drafts (k={k}) token for token the run without: "
+                     f"{str(same).lower()}")
 
     verdict = (verify_greedy(result.outputs, single.outputs[0]) if sampling.greedy
                else verify_sampled(result.outputs, sampling.temperature))
+    if spec_line:
+        verdict = replace(verdict, ok=verdict.ok and bool(spec_metrics["spec_same_tokens"]),
+                          line=verdict.line + spec_line)
     tput, single_tput = decode_rate(result), decode_rate(single)
     metrics = {
         "throughput_tok_s": tput, "per_stream_tok_s": tput / B,
@@ -125,6 +141,7 @@ def decode_run(cfg) -> RunRecord:
     }
     metrics.update({k: float(v) for k, v in verdict.detail.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    metrics.update(spec_metrics)
     if mcfg.arch == "qwen35":
         metrics.update(_hybrid_metrics(built, kv, B, ids, single, w.max_new_tokens, ctx, cfg.scheduler.prefill))
     if dev.type == "cuda":
@@ -146,6 +163,11 @@ def decode_run(cfg) -> RunRecord:
                if metrics["ready_scales_mb"] else ""))
     if "floor_frac" in metrics:
         perf += f"; floor {metrics['step_floor_ms']:.3f} ms/step ({metrics['floor_frac']:.0%} reached)"
+    if spec_metrics:
+        m = spec_metrics
+        perf += (f"; drafts k={m['spec_k']:.0f}: {m['tokens_per_step']:.2f} tokens a slot a step, "
+                 f"{m['acceptance_rate']:.0%} of drafts kept, {m['speedup_vs_nonspec']:.2f}x the batch without "
+                 f"drafts ({m['nonspec_tok_s']:,.1f} tok/s)")
     print(perf)
     if cfg.peer.enabled and (not cfg.peer.batches or B in cfg.peer.batches):
         metrics.update(_peer(built, ids, B, w.max_new_tokens, tput))
@@ -157,6 +179,17 @@ def decode_run(cfg) -> RunRecord:
     tags = {"workload_hash": workload_digest([ids], w), "model_file": built.source.name, "backend": built.backend,
             "dtype": str(dtype).removeprefix("torch."), "verify": verdict.line}
     return RunRecord(f"{cfg.table} {cfg.model.name} B={B}", dev, metrics, tags, artifacts)
+
+
+def speculation_metrics(spec: StaticBatchResult, plain: StaticBatchResult, B: int, k: int) -> dict[str, float]:
+    """A speculative batch against the same batch without drafts: rates, and what a step made."""
+    rate, base = decode_rate(spec), decode_rate(plain)
+    steps = max(len(spec.step_s), 1)
+    return {"spec_k": float(k), "nonspec_tok_s": base, "speedup_vs_nonspec": rate / base if base else 0.0,
+            "drafted": float(spec.drafted), "accepted": float(spec.accepted),
+            "acceptance_rate": spec.accepted / spec.drafted if spec.drafted else 0.0,
+            "tokens_per_step": spec.decode_tokens / (B * steps),
+            "nonspec_step_ms_p50": percentile_ms(plain.step_s, 0.5)}
 
 
 def _hybrid_metrics(built: Engine, kv, B: int, ids: list[int], single: StaticBatchResult, new_tokens: int, ctx: int,

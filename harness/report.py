@@ -79,13 +79,15 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
                  "params.batch.size"),
     "static_scaling": ("params.model.name", "params.engine.gemm", "params.batch.size"),
     "serving_full": ("params.scheduler.mode", "params.scheduler.prefill", "params.batch.size"),
+    "spec_decode": ("params.model.name", "params.speculative.method", "params.speculative.k",
+                    "params.speculative.acceptance", "params.batch.size"),
 }
 # Every table's row key also holds the card (tags.device): a rerun on another device is recorded beside the rows it
 # re-measures, never in their place.
 DEVICE_KEY = "tags.device"
 # Tables that show each row's device, so they may hold runs of several cards; any other table refuses a mix
 # (check_one_device), since its rows would compare figures of different cards without saying so.
-DEVICE_TABLES = {"hybrid_27b", "static_scaling", "int4_e2e", "serving_full"}
+DEVICE_TABLES = {"hybrid_27b", "static_scaling", "int4_e2e", "serving_full", "spec_decode"}
 # a key column that runs recorded before it existed lack, and the value they ran with
 ROW_KEY_DEFAULTS = {DEVICE_KEY: "unknown device",
                     "params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
@@ -904,6 +906,52 @@ def serving_qwen3(df: pd.DataFrame):
     headline = _serving_headline(d, df["params.kv_cache.prefix"].eq("off"), "x prefix off", [
         "steps", "gen tok/s", "requests/s", "prefill tokens", "peak KV blocks", "correct"])
     return _report(headline, _md(d, ("",) + SERVING_FMT)), None
+
+
+@table("spec_decode", "Speculative decoding: static batches that feed up to k draft tokens a slot a step and keep "
+                      "those the target agrees with, against the same batch without drafts in the same job. "
+                      "Scripted drafts set the acceptance (the target's own future tokens, each wrong at the rate "
+                      "asked); prompt lookup (ngram) measures it.")
+def spec_decode(df: pd.DataFrame):
+    method = (df["params.speculative.method"] if "params.speculative.method" in df
+              else pd.Series("?", index=df.index))
+    acc = num(df, "params.speculative.acceptance").where(method == "scripted")
+    d = pd.DataFrame({
+        "card": device_label(df),
+        "model": df["params.model.name"],
+        "drafts": method,
+        "B": num(df, "params.batch.size").astype(int),
+        "k": num(df, "params.speculative.k").astype(int),
+        "acceptance set": acc,
+        "drafts kept": num(df, "metrics.acceptance_rate"),
+        "tokens a slot a step": num(df, "metrics.tokens_per_step"),
+        "step ms (p50)": num(df, "metrics.step_ms_p50"),
+        "no-draft step ms": _opt(df, "metrics.nonspec_step_ms_p50"),
+        "gen tok/s": num(df, "metrics.throughput_tok_s"),
+        "no-draft tok/s": num(df, "metrics.nonspec_tok_s"),
+        "x no drafts": num(df, "metrics.speedup_vs_nonspec"),
+        "verified": check(num(df, "metrics.verify_ok")),
+    }).sort_values(["card", "model", "drafts", "B", "k", "acceptance set"],
+                   key=lambda c: c.map(_card_order) if c.name == "card" else c)
+    md = _md(d, ("", "", "", ".0f", ".0f", ".2f", ".0%", ".2f", ".3f", ".3f", ",.0f", ",.0f", ".2f", ""))
+    h = _newest(d.assign(_start=_start(df)), ["card", "model", "drafts", "B", "k", "acceptance set"])
+    h = h.sort_values(["card", "model", "drafts", "B", "k", "acceptance set"],
+                      key=lambda c: c.map(_card_order) if c.name == "card" else c)
+    head = h[["card", "B", "k", "acceptance set", "drafts kept", "tokens a slot a step", "x no drafts", "verified"]]
+    headline = _md(head.rename(columns={"acceptance set": "acceptance"}),
+                   ("", ".0f", ".0f", ".2f", ".0%", ".2f", ".2f", ""))
+    first = h[h["card"] == h["card"].iloc[0]] if len(h) else h
+    curves = {}
+    for (k, a), g in first.groupby(["k", "acceptance set"], dropna=False, sort=True):
+        if pd.isna(a) or a in (0.5, 0.7, 1.0):
+            curves[f"k = {k}" + ("" if pd.isna(a) else f", acceptance {a:g}")] = (g["B"], g["x no drafts"])
+    fig = _curves(curves, "B (slots)", "x the batch without drafts",
+                  f"Speculative decoding, {first['model'].iloc[0] if len(first) else ''}",
+                  hline=(1.0, "no drafts")) if curves else None
+    note = ("Headline: the newest row of each (card, model, drafts, B, k, acceptance); the model and draft source of "
+            "each row, and the step times: the appendix. Verified: token for token the batch without drafts, and "
+            "greedy streams equal to the single stream.")
+    return _report(headline, md, note=note), fig
 
 
 def _plot(x, y, xlabel: str, ylabel: str, title: str):

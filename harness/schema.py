@@ -169,6 +169,21 @@ class PeerCfg:
 
 
 @dataclass
+class SpeculativeCfg:
+    """Speculative decoding (engine/drafts.py): each decoding request feeds up to k draft tokens after its newest
+    token and keeps those the target agrees with."""
+
+    method: str = "off"  # off | ngram (prompt lookup in the request's own tokens) | scripted (controlled acceptance)
+    k: int = 0  # draft tokens a step
+    ngram_max: int = 3  # ngram: the longest suffix looked up
+    # scripted: the target's own future tokens (from the run without speculation), each right with this probability
+    acceptance: float = 0.7
+    # job=spec_decode: the (k, acceptance) pairs one job sweeps against its run without speculation
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3])
+    acceptances: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.7, 0.9, 1.0])
+
+
+@dataclass
 class JobCfg:
     """The job a run is: `_target_` names its class (harness/job.py instantiates it), `name` which one."""
 
@@ -189,6 +204,7 @@ class RunCfg:
     verify: VerifyCfg = field(default_factory=VerifyCfg)
     peer: PeerCfg = field(default_factory=PeerCfg)
     micro: MicroCfg = field(default_factory=MicroCfg)
+    speculative: SpeculativeCfg = field(default_factory=SpeculativeCfg)
     job: JobCfg = field(default_factory=JobCfg)  # conf/job: decode | int4_gemm | projection_crossover | ...
     table: str = "adhoc"  # the experiments/<table> this run belongs to
     progress: bool = True
@@ -199,5 +215,5 @@ def register() -> None:
     cs.store(name="run_schema", node=RunCfg)
     for group, node in [("model", ModelCfg), ("batch", BatchCfg), ("kv_cache", KVCacheCfg), ("scheduler", SchedulerCfg),
                         ("sampling", SamplingCfg), ("workload", WorkloadCfg), ("engine", EngineCfg),
-                        ("tracking", TrackingCfg), ("job", JobCfg)]:
+                        ("tracking", TrackingCfg), ("job", JobCfg), ("speculative", SpeculativeCfg)]:
         cs.store(group=group, name=f"{group}_schema", node=node)

@@ -8,6 +8,7 @@ from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request
 from onepass.engine.serving_setup import ServingSetup
 from onepass.engine.verify import constant_reference_note
+from onepass.harness.build import draft_source
 
 
 def make_requests(prompt: list[int], w) -> list[Request]:
@@ -16,12 +17,12 @@ def make_requests(prompt: list[int], w) -> list[Request]:
     return [Request(i, list(prompt), rng.randint(lo, w.max_new_tokens)) for i in range(w.num_requests)]
 
 
-def setup_of(cfg, engine) -> ServingSetup:
-    """The job's scheduler and kv_cache groups as the engine's serving setup."""
+def setup_of(cfg, engine, drafts=None, spec_k: int = 0) -> ServingSetup:
+    """The job's scheduler and kv_cache groups as the engine's serving setup (with a draft source: speculation)."""
     kvc, sc = cfg.kv_cache, cfg.scheduler
     return ServingSetup(engine, mode=sc.mode, prefill=sc.prefill, layout=kvc.layout, block_size=kvc.block_size,
                         num_blocks=kvc.num_blocks, prefix=kvc.prefix, token_budget=sc.token_budget,
-                        prefix_burst=sc.prefix_burst, pool_vs_peak=kvc.pool_vs_peak)
+                        prefix_burst=sc.prefix_burst, pool_vs_peak=kvc.pool_vs_peak, drafts=drafts, spec_k=spec_k)
 
 
 def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...],
@@ -30,13 +31,15 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...],
     # the settings were checked before the model was built (harness/checks.py)
     dev, dt = built.device, built.dtype
     requests = make_requests(ids, w)
-    engine, pinned = setup_of(cfg, built).build(requests, sampling, cfg.sampling.on_device, stop_ids)
+    longest = max(r.max_new_tokens for r in requests)
+    ref = built.run_static([ids], longest, sampling, stop_ids, "token", max_len=None).outputs[0]
+    # scripted drafts: each request's future is the greedy single stream's (checks.py refuses them when sampling)
+    drafts, k = draft_source(cfg, built.cfg.vocab_size, {r.rid: ref for r in requests})
+    engine, pinned = setup_of(cfg, built, drafts, k).build(requests, sampling, cfg.sampling.on_device, stop_ids)
     kv, bm = engine.kv, engine.sched.bm
     res = engine.run(requests, progress=cfg.progress)
 
     # verify: greedy outputs equal the single-stream greedy output of the prompt, truncated to each length
-    longest = max(r.max_new_tokens for r in requests)
-    ref = built.run_static([ids], longest, sampling, stop_ids, "token", max_len=None).outputs[0]
     if sampling.greedy:
         bad = [r.rid for r in res.finished if r.output != ref[:len(r.output)]]
         ok = not bad and not res.rejected and len(res.finished) == len(requests)
@@ -84,6 +87,9 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...],
                        gpu_busy_frac=sum(res.gpu_ms) / 1e3 / res.wall_s)
     if peer:
         metrics.update(peer, speedup_vs_peer=metrics["throughput_tok_s"] / peer["peer_tok_s"])
+    if k:
+        metrics.update(spec_k=float(k), drafted=float(res.drafted), accepted=float(res.accepted),
+                       acceptance_rate=res.accepted / res.drafted if res.drafted else 0.0)
     if bm is not None:
         metrics.update(kv_blocks=bm.num_blocks, peak_blocks=bm.peak_used,
                        peak_block_frac=bm.peak_used / (bm.num_blocks - 1))
@@ -92,6 +98,8 @@ def run_serving(cfg, built, ids: list[int], stop_ids: tuple[int, ...],
             f"{res.steps} steps, {metrics['throughput_tok_s']:,.1f} gen tok/s, {metrics['requests_s']:.1f} req/s, "
             f"slot util {metrics['slot_util']:.1%}, prefill tokens {res.prefill_rows}, "
             f"host {metrics['host_ms_p50']:.2f} ms/step (p50), D2H {metrics['d2h_bytes_per_step']:,.0f} B/step")
+    if k:
+        perf += f", drafts k={k}: {metrics['acceptance_rate']:.0%} kept"
     if res.gpu_ms:
         perf += (f", GPU {metrics['gpu_step_ms']:.2f} ms/step, host/GPU {metrics['host_over_gpu']:.0%}, "
                  f"GPU busy {metrics['gpu_busy_frac']:.0%}")

@@ -249,7 +249,7 @@ def test_greedy_16_tokens_match_transformers(tiny, name):
     _, _, cfg, _, model, hf = tiny[name]
     prompts = [prompt(2, 9), prompt(3, 9)]
     kv = cache(cfg, slots=2)
-    mine = reference_generate(model, kv, prompts, 16, SamplingParams()).outputs  # ReferenceStepper, unchanged
+    mine = reference_generate(model, kv, prompts, 16, SamplingParams()).outputs  # the reference loop, unchanged
     for p, m in zip(prompts, mine):
         with torch.no_grad():
             theirs = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,

@@ -18,7 +18,7 @@ already hold HF's 1 + w, ssm_a = -exp(A_log)), value heads in HF grouped order.
 Calling convention is LlamaModel's: forward(tokens [B, T], positions [B, T], slots [B], kv). The
 attention layers read/write `kv` at their trunk layer index; the GDN layers keep their state in a
 StatePool (engine/state_pool.py), taken from `state=` or else from `kv.state` (a HybridCache), so
-ReferenceStepper and generate_static drive this model unchanged. A row starting at position 0 starts
+reference_generate (engine/models/generate.py) drives this model unchanged. A row starting at position 0 starts
 a new sequence in its slot (its state is zeroed); other rows must continue their slot's sequence. T may
 be anything: the conv and the delta rule run token by token inside the forward, so prefill in chunks
 of any width walks the same recurrence as decode (agreeing to GEMM rounding, not bit for bit).
