@@ -55,24 +55,26 @@ class ScriptedDrafts:
     """Controlled acceptance for benchmarks: the target's own future tokens (from a run without speculation), each
     replaced by a wrong token with probability 1 - acceptance. Every cost of speculation is the real one; only how
     often a draft is right is set. Whether the draft for a request's token j is right is fixed by (seed, rid, j),
-    so reruns propose the same drafts."""
+    so reruns propose the same drafts, and a draft proposed again after an earlier one was rejected is the same."""
 
     def __init__(self, futures: dict[int, list[int]], acceptance: float, vocab_size: int, seed: int = 0):
         if not 0.0 <= acceptance <= 1.0:
             raise ConfigError(f"speculative.acceptance={acceptance}: a probability in [0, 1]")
-        self.futures, self.acceptance, self.vocab, self.seed = futures, acceptance, vocab_size, seed
+        self.acceptance, self.vocab, self.seed = acceptance, vocab_size, seed
+        # every request's drafts made once, so a proposal is a slice (the benchmark times the step, not this)
+        self.scripts = {rid: self._script(rid, future) for rid, future in futures.items()}
+
+    def _script(self, rid: int, future: list[int]) -> list[int]:
+        rng = random.Random(f"{self.seed}:{rid}")
+        out = []
+        for tok in future:
+            right, shift = rng.random() < self.acceptance, 1 + rng.randrange(self.vocab - 1)
+            out.append(tok if right else (tok + shift) % self.vocab)
+        return out
 
     def __call__(self, req: Request, k: int) -> list[int]:
-        future = self.futures.get(req.rid, [])
         n = len(req.output)
-        out = []
-        for j in range(n, min(n + k, len(future))):
-            rng = random.Random(f"{self.seed}:{req.rid}:{j}")
-            tok = future[j]
-            if rng.random() >= self.acceptance:
-                tok = (tok + 1 + rng.randrange(self.vocab - 1)) % self.vocab
-            out.append(tok)
-        return out
+        return self.scripts.get(req.rid, [])[n:n + k]
 
     def forget(self, rid: int) -> None:
         pass

@@ -340,13 +340,14 @@ class Scheduler:
         self.drafted += len(drafts)
         self.accepted += kept
         req.computed += 1 + kept       # the newest token and the kept drafts are in the KV now
-        self._written(req)
         for tok in target[:kept + 1]:
             self._append(req, tok)
-            if req.stopped:
-                break
-        if not req.retired and len(req.output) >= req.max_new_tokens:
+            if req.stopped:            # retired: its blocks are free already
+                return
+        if len(req.output) >= req.max_new_tokens:
             self._retire(req)
+        else:
+            self._written(req)         # after the tokens: a block it fills is hashed from them
 
     def finish_step(self, plan: Plan, sampled: list[int]) -> list[Request]:
         """Both halves of a step at once: advance every scheduled request, then take its sampled ids."""

@@ -90,7 +90,7 @@ def serve(fused, prompts, max_new, sampling, drafts=None, k=0, slots=3, mode="co
     cfg = fused.cfg
     bm = None
     if layout == "paged":
-        bm = BlockManager(blocks, 4)
+        bm = BlockManager(blocks, 4, prefix_caching=True)
         kv = PagedKVCache(cfg, blocks, 4, slots, CTX, torch.float32, "cpu")
     else:
         kv = ContiguousKVCache(cfg, slots + 1, CTX, torch.float32, "cpu")
