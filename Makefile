@@ -27,7 +27,7 @@ run: install
 	$(BIN)/onepass-report static_batching
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 lint: install
 	$(BIN)/ruff check .

@@ -57,17 +57,15 @@ def test_misspelled_experiment_is_refused_not_run_as_the_default():
     assert cfg_of().model.name == "smollm2-135m"          # no experiment: the default job still composes
 
 
-def test_engine_ready_scales_sets_the_kernels_switch(tmp_path, monkeypatch):
-    """engine.ready_scales=false turns int4_wgmma_ws's READY_SCALES off for the job (and frees words already made);
-    the default turns it back on."""
+def test_engine_ready_scales_sets_its_launch_policy(tmp_path):
+    """engine.ready_scales=false reaches the engine's launch policy (kernels/pdl.py), which its step puts in force
+    around its launches; the default keeps the ready words; nothing process-wide changes."""
     from onepass.harness.build import build
-    from onepass.kernels import int4_wgmma_ws as ws
+    from onepass.kernels import pdl
 
-    monkeypatch.setattr(ws, "READY_SCALES", ws.READY_SCALES)   # restored after the test
-    build(cfg_of(*tiny(tmp_path, "engine.ready_scales=false")))
-    assert ws.READY_SCALES is False and not ws._READY
-    build(cfg_of(*tiny(tmp_path)))
-    assert ws.READY_SCALES is True
+    assert build(cfg_of(*tiny(tmp_path, "engine.ready_scales=false"))).launch.ready_scales is False
+    assert build(cfg_of(*tiny(tmp_path))).launch.ready_scales is True
+    assert pdl.current() == pdl.LaunchPolicy()
 
 
 def test_misspelled_override_names_the_key():
