@@ -122,6 +122,8 @@ def _qwen35_config(meta: dict[str, Any], path: str, shapes: dict[str, tuple[int,
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise bad(key, f"has value {value!r}; expected {'an integer' if kind is int else 'a number'}")
         value = kind(value)
+        if not math.isfinite(value):
+            raise bad(key, f"is {value}; it must be finite")
         if minimum is not None and value < minimum:
             raise bad(key, f"is {value}; must be >= {minimum}")
         return value
@@ -170,7 +172,8 @@ def _qwen35_config(meta: dict[str, Any], path: str, shapes: dict[str, tuple[int,
     fields = dict(
         arch=arch, n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         ffn_dim=num("feed_forward_length"), vocab_size=int(vocab),
-        norm_eps=num("attention.layer_norm_rms_epsilon", kind=float, minimum=0.0),
+        norm_eps=_in_domain(path, f"{arch}.attention.layer_norm_rms_epsilon",
+                            num("attention.layer_norm_rms_epsilon", kind=float, minimum=None), float, 0.0, True),
         rope_theta=num("rope.freq_base", 10000.0, kind=float, minimum=1.0),
         context_length=num("context_length"), tie_embeddings="output.weight" not in shapes, qk_norm=True,
         name=str(meta.get("general.name", "")), bos_id=None if bos is None else int(bos),
@@ -207,8 +210,18 @@ def config_from_metadata(
             raise GGUFError(f"{path}: metadata key {arch}.{key} is per-layer ({value[:4]}...), which is not supported")
         return value
 
-    dim, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", dim // n_heads))
+    def count(key: str, default: Any = None) -> int:
+        return _in_domain(path, f"{arch}.{key}", get(key, default), int, 1)
+
+    def positive(key: str, default: Any = None) -> float:
+        return _in_domain(path, f"{arch}.{key}", get(key, default), float, 0.0, open_low=True)
+
+    dim, n_heads = count("embedding_length"), count("attention.head_count")
+    n_kv = count("attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise GGUFError(f"{path}: metadata key {arch}.attention.head_count_kv is {n_kv}, which does not divide "
+                        f"attention.head_count {n_heads}")
+    head_dim = count("attention.key_length", max(dim // n_heads, 1))
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise GGUFError(f"{path}: attention.value_length differs from key_length {head_dim}; not supported")
     if int(get("rope.dimension_count", head_dim)) != head_dim:
@@ -224,22 +237,35 @@ def config_from_metadata(
     eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return ModelConfig(
         arch=arch,
-        n_layers=int(get("block_count")),
+        n_layers=count("block_count"),
         dim=dim,
         n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        n_kv_heads=n_kv,
         head_dim=head_dim,
-        ffn_dim=int(get("feed_forward_length")),
+        ffn_dim=count("feed_forward_length"),
         vocab_size=int(vocab),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        context_length=int(get("context_length")),
+        norm_eps=positive("attention.layer_norm_rms_epsilon"),
+        rope_theta=positive("rope.freq_base", 10000.0),
+        context_length=count("context_length"),
         tie_embeddings="output.weight" not in shapes,
         qk_norm=arch == "qwen3",
         name=str(meta.get("general.name", "")),
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
     )
+
+
+def _in_domain(path: str, key: str, value: Any, kind: type, low: float, open_low: bool = False):
+    """A scalar hyperparameter as `kind`, refused unless a finite number >= low (> low with open_low)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise GGUFError(f"{path}: metadata key {key} has value {value!r}; expected a number")
+    if not math.isfinite(value):
+        raise GGUFError(f"{path}: metadata key {key} is {value}; it must be finite")
+    if kind is int and value != int(value):
+        raise GGUFError(f"{path}: metadata key {key} is {value}; expected an integer")
+    if value < low or (open_low and value == low):
+        raise GGUFError(f"{path}: metadata key {key} is {value}; it must be {'>' if open_low else '>='} {low:g}")
+    return kind(value)
 
 
 def _vocab_size(meta: dict[str, Any], path: str, arch: str, shapes: dict[str, tuple[int, ...]]) -> int:
@@ -319,9 +345,13 @@ def _check_tensors(path: str, cfg: ModelConfig, found: dict[str, Any]) -> dict[s
         if got != shape:
             raise GGUFError(f"{path}: tensor {name} has shape {got}, expected {shape}")
         if t.tensor_type not in SUPPORTED_TYPES:
-            raise GGUFError(f"{path}: tensor {name} has type {t.tensor_type.name}, which is not supported "
-                            f"(supported: {_SUPPORTED_NAMES})")
+            raise _unsupported(path, t)
     return wanted
+
+
+def _unsupported(path: str, t: Any) -> GGUFError:
+    return GGUFError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which is not supported "
+                     f"(supported: {_SUPPORTED_NAMES})")
 
 
 # the projections keep_quantized may leave packed; everything else is dequantized
@@ -351,11 +381,50 @@ def keeps_packed(cfg: ModelConfig, name: str, qtype: Any) -> bool:
     return name.startswith("blk.") and name.split(".", 2)[-1] in kinds
 
 
+def _check_layout(reader: gguf.GGUFReader, path: str) -> None:
+    """The tensors' data as the header describes it, before any of it is read: each range aligned, inside the file,
+    overlapping no other, and together covering the data section with no hole an alignment wide. A changed
+    count, offset, shape or type field shows up here as one of those."""
+    align, start, size = int(reader.alignment), int(reader.data_offset), len(reader.data)
+    prev_end, prev, prev_t = start, "the header", None
+    for t in sorted(reader.tensors, key=lambda t: int(t.data_offset)):
+        off, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+        if (off - start) % align:
+            raise GGUFError(f"{path}: tensor {t.name} starts at data offset {off - start}, not a multiple of the "
+                            f"file's alignment {align}")
+        if off < prev_end:
+            raise GGUFError(f"{path}: tensor {t.name} (bytes {off}..{end}) overlaps {prev} (ending at {prev_end})")
+        if off - prev_end >= align:
+            if prev_t is not None and prev_t.tensor_type not in SUPPORTED_TYPES:   # the likelier cause, named so
+                raise _unsupported(path, prev_t)
+            raise GGUFError(f"{path}: {off - prev_end} unused bytes between {prev} and tensor {t.name}: a type, "
+                            "shape or offset field does not match the data")
+        if end > size:
+            raise GGUFError(f"{path}: tensor {t.name} needs bytes up to {end}, the file has {size}")
+        prev_end, prev, prev_t = end, f"tensor {t.name}", t
+    if size - prev_end >= align:
+        raise GGUFError(f"{path}: {size - prev_end} bytes after {prev}, the last tensor the header lists "
+                        f"({len(reader.tensors)}): the tensor count or a tensor's size does not match the data")
+
+
+def _check_layers(path: str, cfg: ModelConfig, found: dict[str, Any]) -> None:
+    """No tensor of a layer the header does not count (block_count): such a file is not the model it claims."""
+    blocks = cfg.n_layers + cfg.mtp_layers
+    beyond = sorted((int(n.split(".")[1]), n) for n in found
+                    if n.startswith("blk.") and n.split(".")[1].isdigit() and int(n.split(".")[1]) >= blocks)
+    if beyond:
+        raise GGUFError(f"{path}: tensor {beyond[0][1]} belongs to layer {beyond[0][0]}, but block_count is "
+                        f"{blocks}: the file holds more layers than its header counts")
+
+
 def _header(reader: gguf.GGUFReader, path: str) -> tuple[dict[str, Any], dict[str, Any], ModelConfig]:
+    _check_layout(reader, path)
     meta = read_metadata(reader)
     found = {t.name: t for t in reader.tensors}
     shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in found.items()}
-    return meta, found, config_from_metadata(meta, path, shapes)
+    cfg = config_from_metadata(meta, path, shapes)
+    _check_layers(path, cfg, found)
+    return meta, found, cfg
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -392,6 +461,7 @@ def load_gguf(
         raw = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8)).to(device)
         if keep_quantized and keeps_packed(cfg, name, t.tensor_type):
             weights[name] = _load_packed(cfg, name, raw, t.tensor_type, wanted[name])
+            _check_finite(path, name, weights[name].scales, weights[name].mins)
             order = ssm_out_input_order(cfg, name)
             if order is not None:  # ssm_out's columns stay in the file's order: permute its input instead
                 weights[name.removesuffix(".weight") + INPUT_ORDER] = order.to(device)
@@ -399,12 +469,23 @@ def load_gguf(
                 weights["output.weight"] = weights[name]   # tied LM head: the same packed bytes
             continue
         w = dequantize(raw, t.tensor_type, wanted[name])
+        _check_finite(path, name, w)
         n_head = qk_heads(cfg, name)
         if n_head is not None:
             w = unpermute_qk(w, n_head)
         w = gdn_v_reorder(cfg, name, w, to_gguf=False)
         weights[name] = w if name == ROPE_FREQS else w.to(dtype)
     return cfg, weights, meta
+
+
+def _check_finite(path: str, name: str, *tensors: torch.Tensor | None) -> None:
+    """A weight (or a packed weight's scales) with a NaN or an infinity makes every output NaN or garbage that a
+    greedy check can still call consistent: refused at load, named (one pass over the values; on the CPU about a
+    second per 4 GB)."""
+    for t in tensors:
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise GGUFError(f"{path}: tensor {name} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf)")
 
 
 def ssm_out_input_order(cfg: ModelConfig, name: str) -> torch.Tensor | None:

@@ -1,0 +1,54 @@
+"""Recorded runs are never lost by a report: a record that would drop rows is refused unless asked, and every
+generated file is written whole or not at all."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from onepass.harness import report
+
+
+def runs(*ids):
+    return pd.DataFrame({"run_id": list(ids), "start_time": [f"2026-12-0{i + 1}" for i in range(len(ids))],
+                         "status": "FINISHED", "metrics.throughput_tok_s": [1.0] * len(ids)})
+
+
+@pytest.fixture
+def experiments(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "EXPERIMENTS", tmp_path)
+    report.record_csv("t", runs("a", "b", "c"))
+    return tmp_path / "t" / "runs.csv"
+
+
+def test_a_record_that_would_drop_rows_is_refused(experiments):
+    """An interrupted sweep's one run must not replace six recorded ones silently."""
+    before = experiments.read_text()
+    with pytest.raises(ValueError, match=r"drop 2 of the 3 runs.*--merge.*--replace"):
+        report.record_csv("t", runs("a"))
+    assert experiments.read_text() == before
+    report.record_csv("t", runs("a", "b", "c", "d"))               # adding runs drops nothing
+    assert list(pd.read_csv(experiments)["run_id"]) == ["a", "b", "c", "d"]
+    report.record_csv("t", runs("z"), replace=True)                 # asked for
+    assert list(pd.read_csv(experiments)["run_id"]) == ["z"]
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "r.md"
+    path.write_text("old")
+
+    def half(tmp):
+        tmp.write_text("half of the new")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        report.atomic_write(path, half)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["r.md"]
+
+
+def test_record_command_refuses_and_keeps_the_csv(experiments, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "runs_from_store", lambda name, uri, newest=True: runs("a").assign(
+        **{"params.batch.size": "1", "tags.device": "cpu"}))
+    monkeypatch.setitem(report.TABLES, "t", lambda df: ("### Headline\n\n| B |\n|---|\n| 1 |\n", None))
+    before = experiments.read_text()
+    assert report.main(["t", "--record", "--out", str(tmp_path / "out")]) == 1
+    assert "would drop 2" in capsys.readouterr().err and experiments.read_text() == before
