@@ -1,11 +1,12 @@
 """Structured-config schema: a misspelled key or a wrong type fails at composition, naming the key."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -211,6 +212,8 @@ class RunCfg:
 
 
 def register() -> None:
+    # ${pid:} in conf/config.yaml's output folders
+    OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunCfg)
     for group, node in [("model", ModelCfg), ("batch", BatchCfg), ("kv_cache", KVCacheCfg), ("scheduler", SchedulerCfg),

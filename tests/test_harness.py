@@ -68,6 +68,14 @@ def test_engine_ready_scales_sets_its_launch_policy(tmp_path):
     assert pdl.current() == pdl.LaunchPolicy()
 
 
+def test_a_plus_key_outside_the_schema_is_refused(tmp_path):
+    """`+batch.sise=4` used to pass composition, run the default batch and log the typo as a parameter."""
+    from onepass.kernels.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown setting batch\.sise"):
+        run_job(cfg_of(*tiny(tmp_path, "+batch.sise=4")), tmp_path / "out")
+
+
 def test_misspelled_override_names_the_key():
     with pytest.raises(ConfigCompositionException) as e:
         cfg_of("batch.sise=4")
@@ -169,9 +177,11 @@ def test_sweep_makes_parent_and_children(tmp_path):
     assert sorted(children["params.batch.size"]) == ["1", "3"]
 
 
-def test_ctrl_c_stops_the_sweep_and_marks_its_parent_killed(tmp_path):
-    """Ctrl-C in a job: one line that says what was kept instead of a traceback, exit status 130, and the sweep's
-    parent run closed as KILLED (it read FAILED, as if a job had raised)."""
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_the_sweep_and_marks_its_parent_killed(tmp_path, stop):
+    """Ctrl-C (or SIGTERM, as `kill` and batch schedulers stop a job) in a job: one line that says what was kept
+    instead of a traceback, exit status 128 + the signal, and the sweep's parent run closed as KILLED (Ctrl-C left it
+    FAILED, as if a job had raised; SIGTERM left it RUNNING)."""
     import signal
 
     env = {**os.environ, "ONEPASS_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
@@ -185,9 +195,10 @@ def test_ctrl_c_stops_the_sweep_and_marks_its_parent_killed(tmp_path):
     for line in p.stdout:   # the job is decoding once it has printed its workload
         if line.startswith("[workload]"):
             break
-    p.send_signal(signal.SIGINT)
+    sig = getattr(signal, stop)
+    p.send_signal(sig)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-3000:]
+    assert p.returncode == 128 + sig, err[-3000:]
     assert "[interrupted] job 0 stopped before it was recorded" in err and "Traceback" not in err
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     df = mlflow.search_runs(search_all_experiments=True)
@@ -624,3 +635,21 @@ def test_load_time_leaves_out_writing_a_synthetic_file(tmp_path, monkeypatch):
     monkeypatch.setattr(run_mod, "resolve_gguf", slow_resolve)
     built = run_mod.build(cfg_of(*tiny(tmp_path), "engine.device=cpu"))
     assert 0 < built.load_s < 1.0
+
+
+def test_output_folders_differ_for_runs_started_in_the_same_second():
+    """Two sweeps started in the same second used one multirun folder and overwrote each other's records: the
+    folders carry the process id after the time."""
+    import os
+
+    import re
+
+    from hydra import compose, initialize_config_dir
+
+    from onepass.harness.app import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    for node in (cfg.hydra.run, cfg.hydra.sweep):
+        stamp = rf"\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d-{os.getpid()}"
+        assert re.fullmatch(rf"(outputs|multirun)/adhoc/{stamp}", node.dir), node.dir
