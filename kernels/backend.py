@@ -129,7 +129,8 @@ def torch_kernels() -> StepKernels:
                          max_len=None, scale=None):
         if block_table is not None:
             return _into(out, paged_attention_ref(q, k_cache, v_cache, block_table, slots, positions, scale))
-        o = attention_ref(q.unsqueeze(1), k_cache[slots], v_cache[slots], positions.view(-1, 1))
+        S = min(max_len or k_cache.shape[1], k_cache.shape[1])   # every position is < max_len: read no further
+        o = attention_ref(q.unsqueeze(1), k_cache[slots, :S], v_cache[slots, :S], positions.view(-1, 1))
         return _into(out, o.squeeze(1))
 
     def conv(x, ring, w, slots, positions=None, seq_len=1, out=None, runs=None):
