@@ -93,7 +93,6 @@ class Runner:
         # host sampling reads every step's logits, and drafts need every step's tokens: both keep step with the host
         self.host_steps = not sample_on_device or scheduler.spec_k > 0
         self.lockstep = 1 if self.host_steps else LOCKSTEP_MAX
-        self._locked_slots: tuple[int, ...] | None = None   # the slots of the lockstep rows staged on the device
         self.marks: list[tuple[str, object]] = []           # the last run's timeline (Step.mark)
 
     def pin_prefix(self, tokens: list[int]) -> int:
@@ -231,12 +230,11 @@ class Runner:
         """Queue plan.repeat lockstep steps over the plan's decode rows (staged again only when they changed)."""
         st, items = self.step, plan.items
         key = tuple(s.request.slot for s in items)
-        if st.locked != len(items) or key != self._locked_slots:
+        if key != st.locked:
             seeds, steps = zip(*(self._sampling_of(s.request) for s in items))
             greedy = self.sampling.greedy
             st.stage_lockstep(key, [s.request.computed for s in items], None if greedy else seeds,
                               None if greedy else steps)
-            self._locked_slots = key
         return st.lockstep(plan.repeat), 0
 
     def _launch(self, plan: Plan):
@@ -289,7 +287,6 @@ class Runner:
         greedy = self.sampling.greedy
         handle = self.step.launch(tokens, positions, slots, feed, sample_rows, sample_slots,
                                   None if greedy else seeds, None if greedy else steps, tables)
-        self._locked_slots = None
         return handle, prompt_rows
 
 

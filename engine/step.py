@@ -59,10 +59,9 @@ class Clock:
 
 @dataclass
 class Launched:
-    n_samples: int       # ids the handle returns
+    n_samples: int       # ids the handle returns (a lockstep run's step-major)
     flip: int            # the staging / host buffer pair it used
     event: object        # recorded after its last copy (None on the CPU)
-    steps: int = 1       # > 1: a lockstep run, its ids step-major
 
 
 class Step:
@@ -127,7 +126,7 @@ class Step:
         if not sample_on_device:  # the seed's baseline: the sampling rows' logits cross as fp32
             self.logits_host = [torch.zeros(self.sample_rows, model.cfg.vocab_size, pin_memory=pin) for _ in range(2)]
         self.flip = 0
-        self.locked = 0   # rows of the staged lockstep run (0: none staged)
+        self.locked: tuple[int, ...] = ()   # the slots of the lockstep rows staged on the device (none: ())
         # the timeline: (kind, mark) after every step, kind "rows" (launch) or "lock" (a lockstep replay)
         self.marks: list[tuple[str, object]] = []
         self.layer_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -264,7 +263,7 @@ class Step:
             return self._launch(tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables)
 
     def _launch(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables) -> Launched:
-        self.locked = 0   # the lockstep rows staged on the device are overwritten
+        self.locked = ()   # the lockstep rows staged on the device are overwritten
         if len(tokens) > self.rows:
             return self._launch_wide(tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables)
         flip = self.flip
@@ -322,13 +321,12 @@ class Step:
         nrows = len(slots)
         flip = self.flip
         a, t, ro = self.stage_np[flip]
-        # with paged KV the table rows were uploaded by earlier steps; the lockstep step rewrites only scratch's row
-        # the lockstep step samples every row in place (SAMPLE_ROW / SAMPLE_SLOT unused): seeds and steps matter
-        # padded to the captured lockstep graph's rows when there is one
+        # paged KV: the table rows were uploaded by earlier steps. Every row samples in place (SAMPLE_ROW and
+        # SAMPLE_SLOT are unused), padded to the captured lockstep graph's rows when there is one
         pad = self.lock_rows if self.lock_graphs else 0
         self._fill(a, t, ro, [0] * nrows, positions, slots, [1] * nrows, range(nrows), slots, seeds, steps, None, pad)
         self.flat.copy_(self.stage[flip], non_blocking=True)
-        self.locked = nrows
+        self.locked = tuple(slots)
 
     def lockstep(self, steps: int) -> Launched:
         """Replay the staged lockstep rows `steps` times (<= LOCKSTEP_MAX); the handle returns steps x rows ids."""
@@ -336,7 +334,7 @@ class Step:
             return self._lockstep_run(steps)
 
     def _lockstep_run(self, steps: int) -> Launched:
-        nrows = self.locked
+        nrows = len(self.locked)
         if not 1 <= steps <= LOCKSTEP_MAX or not nrows:
             raise ValueError(f"lockstep of {steps} steps over {nrows} staged rows")
         r = self.lock_rows if self.lock_graphs else bucket_for(nrows)
@@ -349,7 +347,7 @@ class Step:
         n = steps * nrows
         self.ids_host[flip][:n].view(steps, nrows).copy_(self.history[:steps, :nrows], non_blocking=True)
         self.mark("copy")
-        return Launched(n, flip, self.marks[-1][1] if self.cuda else None, steps)
+        return Launched(n, flip, self.marks[-1][1] if self.cuda else None)
 
     def ids(self, h: Launched) -> list[int]:
         """Wait for that step and return its sampled ids (host argmax of its logits in host mode)."""
