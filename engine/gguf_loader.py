@@ -280,25 +280,6 @@ def _vocab_size(meta: dict[str, Any], path: str, arch: str, shapes: dict[str, tu
     return vocab
 
 
-class _Truncated(Exception):
-    def __init__(self, tensor: str, end: int, size: int) -> None:
-        super().__init__(f"truncated: tensor {tensor} needs bytes up to {end}, file has {size}")
-
-
-class _BoundsCheckedReader(gguf.GGUFReader):
-    """GGUFReader that checks every tensor's data range against the file size before mapping it."""
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        size = len(self.data)
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
-            end = int(start_offs) + int(offset[0]) + math.prod(int(d) for d in dims) // block * type_size
-            if end > size:
-                raise _Truncated(bytes(name).decode("utf-8", "replace"), end, size)
-        super()._build_tensors(start_offs, fields)
-
-
 def _open(path: str) -> gguf.GGUFReader:
     # gguf-py builds ~1M acyclic numpy views for a tokenizer's metadata; cycle GC passes over them
     # cost more than the parse itself
@@ -306,15 +287,6 @@ def _open(path: str) -> gguf.GGUFReader:
     gc.disable()
     try:
         return open_reader(path)
-    except GGUFError:
-        # gguf-py fails on cut tensor data with a bare reshape error; name the tensor instead
-        try:
-            _BoundsCheckedReader(path, "r")
-        except _Truncated as e:
-            raise GGUFError(f"{path}: {e}") from None
-        except Exception:
-            pass
-        raise
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -417,10 +389,29 @@ def _check_layers(path: str, cfg: ModelConfig, found: dict[str, Any]) -> None:
                         f"{blocks}: the file holds more layers than its header counts")
 
 
+def _check_block_count(path: str, meta: dict[str, Any], found: dict[str, Any]) -> None:
+    """block_count no higher than the layers the tensors hold, checked before anything is sized by it: a config of
+    2**31 layers costs GBs in per-layer tables before the first missing tensor is noticed. (Layers beyond
+    block_count are _check_layers' refusal.)"""
+    arch = meta.get("general.architecture")
+    key = f"{arch}.block_count"
+    claimed = meta.get(key)
+    if isinstance(claimed, bool) or not isinstance(claimed, int):
+        return   # missing or mistyped: config_from_metadata names it
+    # distinct layers, not the highest index: one stray blk.2147483647.* tensor must not vouch for 2**31 layers
+    layers = {int(n.split(".")[1]) for n in found if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if claimed > len(layers):
+        held = (f"tensors for {len(layers)} layers (blk.{min(layers)} to blk.{max(layers)})" if layers
+                else "no blk.* tensors")
+        raise GGUFError(f"{path}: metadata key {key} is {claimed}, but the file holds {held}: the header does not "
+                        "describe this file's layers; use an intact copy of the file")
+
+
 def _header(reader: gguf.GGUFReader, path: str) -> tuple[dict[str, Any], dict[str, Any], ModelConfig]:
     _check_layout(reader, path)
     meta = read_metadata(reader)
     found = {t.name: t for t in reader.tensors}
+    _check_block_count(path, meta, found)
     shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in found.items()}
     cfg = config_from_metadata(meta, path, shapes)
     _check_layers(path, cfg, found)
