@@ -6,6 +6,10 @@ Every source here proposes tokens without a distribution of its own (a point mas
 probabilities: each draft row samples the target's token exactly as the run without speculation would (the
 request's seed at that token's index), and a draft is kept while it equals that token. Greedy or sampled, the
 output is token for token the output without speculation; speculation changes only how many steps it takes.
+
+A source is called as `source(request, k) -> drafts` and told `forget(rid)` when a request ends. The qwen35 MTP head
+(engine/mtp_drafts.py, method "mtp") also reads the target's hidden states: the runner binds it to its model
+(`bind`) and shows it every step's rows once their tokens are settled (`observe`).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import random
 from onepass.engine.scheduler import Request
 from onepass.kernels.errors import ConfigError
 
-METHODS = ("off", "ngram", "scripted")
+METHODS = ("off", "ngram", "scripted", "mtp")   # mtp: the qwen35 MTP head, engine/mtp_drafts.py
 
 
 class PromptLookup:

@@ -36,6 +36,13 @@ also carry runs of `seq_len` consecutive tokens per slot, slot-major (rows n*T .
 a whole prompt, Engine.teacher_forced_logits), or ragged runs (`runs`, int32 row offsets: a step's decode
 rows and prompt chunks of unequal lengths, each slot's rows together; engine/step.py builds them); the GDN
 kernels walk each run in order.
+
+Speculative verify (`spec`: the step's SpecRows, kernels/gdn.py): a slot's k + 1 rows of its newest token and drafts
+are a run like any other; the GDN layers keep a verify run's updates in the pool's draft logs instead of the state,
+and fold in the kept ones at the slot's next run (its `kept` count), so rejected drafts never reach the state. The
+attention layers write every row's KV; a rejected row's position is simply written again later.
+
+The MTP block's weights (blk.{n_layers}.*, `mtp_weights`) are kept as they were loaded, for engine/mtp_drafts.py.
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ from onepass.engine.projection import Projection, _nbytes
 from onepass.kernels.backend import StepKernels
 from onepass.kernels.errors import ConfigError
 from onepass.kernels.gated_attention import gate_view
+from onepass.kernels.gdn import SpecRows
 from onepass.kernels.rope import rope_cache, rope_inv_freq
 from onepass.kernels.splitk import SplitSums
 
@@ -64,6 +72,9 @@ class FusedQwen35Decoder(FusedBase):
         self.rope = rope_cache(inv, max_pos).to(self.embed.device)  # [max_pos, rotary_dim] = cat(cos, sin)
         self.layers = [self._layer(weights, i, kind, kernels) for i, kind in enumerate(cfg.layer_kinds)]
         self.gdn_index = {i: j for j, i in enumerate(cfg.gdn_layers)}
+        # the MTP block: no trunk layer; built into a draft head only when speculation asks for it
+        self.mtp_weights = {n: t for n, t in weights.items()
+                            if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layers}
 
     @staticmethod
     def _layer(weights, i: int, kind: str, k: StepKernels) -> dict:
@@ -123,15 +134,19 @@ class FusedQwen35Decoder(FusedBase):
         return buf
 
     def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None,
-               seq_len: int = 1, runs: torch.Tensor | None = None) -> torch.Tensor:
+               seq_len: int = 1, runs: torch.Tensor | None = None, spec: SpecRows | None = None) -> torch.Tensor:
         """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm).
         Every position must be < max_len (default: the cache's ctx). seq_len > 1: the rows are slot-major
         runs of seq_len consecutive positions of one slot; runs: ragged runs instead, int32 row offsets (a serving
-        step's decode rows and prompt chunks; see the module docstring)."""
+        step's decode rows and prompt chunks; see the module docstring). spec: speculative verify (module doc), with
+        the pool's draft logs reserved (StatePool.reserve_drafts)."""
         state = getattr(kv, "state", None)
         if state is None:
             raise ConfigError("the hybrid decoder keeps per-slot recurrent state: pass kv=HybridCache(kv_cache, "
                               "StatePool(...)) (engine/state_pool.py)")
+        if spec is not None and state.layers and state.draft[0] is None:
+            raise ConfigError("speculative verify keeps its rows' updates in the state pool's draft logs: call "
+                              "StatePool.reserve_drafts(k + 1) first")
         R = tokens.shape[0]
         if seq_len < 1 or R % seq_len:
             raise ConfigError(f"{R} rows do not split into runs of seq_len={seq_len}")
@@ -152,7 +167,7 @@ class FusedQwen35Decoder(FusedBase):
             if layer["kind"] == LAYER_ATTENTION:
                 x = self._attention(i, layer, h, img, positions, slots, cache, buf, attn_ws, block_table, max_len)
             else:
-                x = self._gdn(self.gdn_index[i], layer, h, img, positions, slots, state, buf, seq_len, runs)
+                x = self._gdn(self.gdn_index[i], layer, h, img, positions, slots, state, buf, seq_len, runs, spec)
             x = self.feed_forward(layer, x, res, h, buf, defer=i + 1 < len(self.layers))   # the last: a tensor
         k.add_residual(x, res)
         return res
@@ -170,7 +185,8 @@ class FusedQwen35Decoder(FusedBase):
         k.sigmoid_gate_mul(buf["attn"], gate_view(qkv, c.n_heads, c.head_dim), out=buf["attn"], image=img)
         return layer["out"](attn, buf["x"], defer=True, x_image=img)
 
-    def _gdn(self, j, layer, h, h_image, positions, slots, state, buf, seq_len: int, runs: torch.Tensor | None = None):
+    def _gdn(self, j, layer, h, h_image, positions, slots, state, buf, seq_len: int, runs: torch.Tensor | None = None,
+             spec: SpecRows | None = None):
         c, k = self.cfg, self.k
         R = h.shape[0]
         C, V, Hv = c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads
@@ -184,14 +200,16 @@ class FusedQwen35Decoder(FusedBase):
         else:
             qkv, z, ba = proj[:, :C], proj[:, C:C + V], proj
         beta, alpha = ba[:, C + V:C + V + Hv], ba[:, C + V + Hv:C + V + 2 * Hv]
+        # speculative verify: a verify run's rows wait in the draft log; kept ones are folded in first
+        drafts = {} if spec is None else {"spec": spec, "draft": state.draft[j]}
         conv = k.conv_ring_update(qkv, state.conv[j], layer["conv"], slots, positions, seq_len, out=buf["conv"],
-                                   runs=runs)
+                                   runs=runs, **drafts)
         kd = c.gdn_key_dim
         q = conv[:, :kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
         kk = conv[:, kd:2 * kd].view(R, c.gdn_k_heads, c.gdn_k_dim)
         v = conv[:, 2 * kd:].view(R, Hv, c.gdn_v_dim)
         o = k.gdn_step(q, kk, v, alpha, beta, layer["A"], layer["dt"], state.ssm[j], slots, positions, seq_len,
-                        out=buf["gdn_o"], runs=runs, log=state.log[j])
+                        out=buf["gdn_o"], runs=runs, log=state.log[j], **drafts)
         # a packed ssm_out in the file's column order reads its input in that order: the norm writes it so
         out_cols = layer.get("out_cols")
         z = z if isinstance(z, SplitSums) else z.unflatten(1, (Hv, c.gdn_v_dim))

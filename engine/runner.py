@@ -79,17 +79,25 @@ class Runner:
         if self.hybrid:
             check_hybrid_serving(model.cfg,
                                  "auto" if scheduler.bm is not None and scheduler.bm.prefix_caching else "off")
-            if scheduler.spec_k:
-                raise ConfigError("speculative decoding on a hybrid (qwen35) model needs its recurrent state rolled "
-                                  "back past rejected drafts, which is not built yet; use speculative=off with qwen35")
+            if scheduler.spec_k:   # a verify run's rows wait in the draft logs until the target has kept some
+                kv.state.reserve_drafts(scheduler.spec_k + 1)
         # hybrid pinned prefix: (the spare state slot holding its snapshot for each write-back phase class, positions)
         self.snapshot: tuple[list[int], int] | None = None
         graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        # a hybrid model's chunked prefill puts several rows of one slot in a step: its GDN layers take them as runs
-        ragged = self.hybrid and scheduler.prefill == "chunked"
+        # a hybrid model's chunked prefill and verify runs put several rows of one slot in a step: its GDN layers take
+        # them as runs
+        spec = self.hybrid and scheduler.spec_k > 0
+        ragged = self.hybrid and (scheduler.prefill == "chunked" or spec)
         self.step = Step(model, kv, scheduler.num_slots, max_rows or scheduler.max_rows, sampling, paged=self.paged,
                          use_graphs=graphs, sample_on_device=sample_on_device, workspace=workspace, max_len=max_len,
-                         ragged=ragged, buckets=buckets, launch=launch, max_samples=scheduler.max_samples)
+                         ragged=ragged, buckets=buckets, launch=launch, max_samples=scheduler.max_samples,
+                         speculative=spec)
+        # a draft source that reads the target's hidden states (the MTP head, engine/mtp_drafts.py) is bound to this
+        # model and these slots, and shown every step's rows once their tokens are known
+        self.watcher = scheduler.drafts if hasattr(scheduler.drafts, "observe") else None
+        if self.watcher is not None:
+            self.watcher.bind(model, kv.num_slots, kv.ctx, scheduler.spec_k, max_len=self.step.max_len)
+        self.fed: list[tuple[Request, int, int]] = []      # the last launch's (request, first row, first position)
         # host sampling reads every step's logits, and drafts need every step's tokens: both keep step with the host
         self.host_steps = not sample_on_device or scheduler.spec_k > 0
         self.lockstep = 1 if self.host_steps else LOCKSTEP_MAX
@@ -130,9 +138,14 @@ class Runner:
         st = self.step
         if self.hybrid:
             slots = list(range(len(spares)))
+            rows = []   # the trunk's hidden rows of the prefix, for a draft head that keeps its own KV of it
             for p in range(n):
                 st.ids(st.launch([tokens[p]] * len(slots), [p] * len(slots), slots, [0] * len(slots), [], [],
                                  tables={s: blocks for s in slots}))
+                if self.watcher is not None:
+                    rows.append(st.last_hidden[0].clone())
+            if self.watcher is not None:
+                self.watcher.pin(tokens[:n], torch.stack(rows))
         else:
             slots = [0]
             for lo in range(0, n, st.rows):
@@ -194,6 +207,8 @@ class Runner:
                 ids = st.ids(prev[1])
                 wait = time.perf_counter() - t_wait
                 done = sched.receive(prev[0], ids)
+                if self.watcher is not None:   # host steps: prev is the step just launched, its rows still in place
+                    self.watcher.observe(self.fed, st.last_hidden)
                 bar.update(len(done))
             if plan is not None:
                 sched.advance(plan)
@@ -220,6 +235,8 @@ class Runner:
                     raise RuntimeError(f"request {req.rid} shares {req.cached} prefix positions; the state snapshot "
                                        f"holds {n}")
                 pool.copy_slot(spares[pool.phase_class(req.slot)], req.slot)
+                if self.watcher is not None:
+                    self.watcher.restore(req)
 
     def _sampling_of(self, req: Request) -> tuple[int, int]:
         """(seed, step) of the request's next sampled token: its own seed, so a request draws the same numbers
@@ -240,11 +257,18 @@ class Runner:
     def _launch(self, plan: Plan):
         """Queue the plan's step; returns its handle and the number of prompt positions among its rows."""
         tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps = [], [], [], [], [], [], [], []
+        kept, verify = [], []
+        spec = self.step.speculative
         prompt_rows = 0
+        self.fed = []
         for s in plan.items:
             req = s.request
             start, n_prompt = req.computed, len(req.prompt)
             prompt_rows += max(0, min(start + s.rows, n_prompt) - start)
+            self.fed.append((req, len(tokens), start))
+            if spec:   # read at the run's first row: the slot's kept verify rows (none at position 0), a verify run
+                kept += [req.kept_rows if start else 0] * s.rows
+                verify += [int(bool(s.drafts))] * s.rows
             if s.drafts:   # the newest token (on the host), then the drafts; every row samples
                 seed, step = self._sampling_of(req)
                 for i, tok in enumerate([req.output[start - n_prompt]] + s.drafts):
@@ -286,7 +310,8 @@ class Runner:
             tables, self.sched.dirty_tables = self.sched.dirty_tables, {}
         greedy = self.sampling.greedy
         handle = self.step.launch(tokens, positions, slots, feed, sample_rows, sample_slots,
-                                  None if greedy else seeds, None if greedy else steps, tables)
+                                  None if greedy else seeds, None if greedy else steps, tables,
+                                  *((kept, verify) if spec else ()))
         return handle, prompt_rows
 
 
@@ -308,6 +333,7 @@ class StaticBatchResult:
     cache: object = None      # the KV cache (and recurrent state) the batch ran in
     drafted: int = 0          # speculation: draft tokens proposed, and kept
     accepted: int = 0
+    logits_finite: bool = True  # every slot's logits at its last step (a NaN or Inf upstream reaches them)
 
     @property
     def generated_tokens(self) -> int:
@@ -376,4 +402,4 @@ def run_static(model, kv, prompts: list[list[int]], max_new_tokens: int, samplin
         prompts, [r.output for r in sorted(res.finished, key=lambda r: r.rid)],
         clock.seconds(marks[0][1], marks[prefill_end][1]), steps,
         clock.seconds(marks[prefill_end][1], marks[-1][1]) if len(marks) > prefill_end + 1 else 0.0, kv,
-        res.drafted, res.accepted)
+        res.drafted, res.accepted, bool(torch.isfinite(runner.step.logits[:B]).all()))

@@ -58,6 +58,9 @@ class Request:
     retired: bool = False  # slot and blocks given back (max-gen reached or stop token seen)
     burst: int = 0  # prompt positions fed as one chunk on its first step (a shared prefix; see the module doc)
     stopped: bool = False  # a stop token arrived: later in-flight tokens are dropped
+    # rows of its last verify step the target kept, which a hybrid model's recurrent state takes in at the request's
+    # next step (kernels/gdn.py: speculative verify); handed to that step, then 0
+    kept_rows: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -268,7 +271,7 @@ class Scheduler:
         self.bm.free(req.rid)
         del self.running[req.slot]
         self.free_slots.append(req.slot)
-        req.slot, req.computed, req.cached = -1, 0, 0
+        req.slot, req.computed, req.cached, req.kept_rows = -1, 0, 0, 0
         req.preemptions += 1
         self.waiting.appendleft(req)
 
@@ -279,6 +282,7 @@ class Scheduler:
         n = plan.repeat
         for s in plan.items:
             req = s.request
+            req.kept_rows = 0    # the step launched with them
             if req.retired:  # a stop token arrived after this step was launched
                 continue
             if s.drafts:   # speculation: how far the positions count as written is known when the tokens arrive
@@ -340,6 +344,7 @@ class Scheduler:
         self.drafted += len(drafts)
         self.accepted += kept
         req.computed += 1 + kept       # the newest token and the kept drafts are in the KV now
+        req.kept_rows = 1 + kept       # and in a hybrid model's recurrent state once its next step folds them in
         for tok in target[:kept + 1]:
             self._append(req, tok)
             if req.stopped:            # retired: its blocks are free already

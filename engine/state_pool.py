@@ -14,6 +14,9 @@ where j indexes the GDN layers in order (`layers[j]` is the trunk layer index).
                                      state and log[j] the (e, k, delta) of the tokens since (kernels/gdn.py's module
                                      doc): the GDN step then writes the whole state on one token in M, the same bits.
                                      The fused decoder reads it; the reference model keeps M = 1.
+  draft[j] DraftLog or None          speculative decoding (`reserve_drafts`): each slot's last verify rows (their
+                                     rank-1 updates and conv inputs), of which the slot's next run folds in those the
+                                     target kept (kernels/gdn.py: speculative verify). Rolling back is that count.
 
 The pool also counts the tokens each slot has absorbed, because a recurrence cannot skip or rewind:
 a forward whose row starts at position 0 begins a new sequence (the slot's state is zeroed first, the
@@ -85,7 +88,33 @@ class StatePool:
                         for _ in self.layers]
         else:
             self.log = [None] * len(self.layers)
+        self.draft = [None] * len(self.layers)
         self.seen = [0] * num_slots  # tokens absorbed per slot (host side: checked once per forward)
+
+    def reserve_drafts(self, rows: int) -> None:
+        """Room for a verify run of `rows` rows a slot (k drafts + the newest token) in every GDN layer's draft log;
+        a log that holds as many already is kept."""
+        if rows < 1:
+            raise ConfigError(f"a verify run feeds at least one row a slot (got {rows})")
+        if self.draft and self.draft[0] is not None and self.draft[0].rows >= rows:
+            return
+        from onepass.kernels.gdn import DraftLog
+
+        cfg, dev = self.cfg, self.ssm[0].device if self.ssm else "cpu"
+        conv_dtype = self.conv[0].dtype if self.conv else torch.float32
+        self.draft = [DraftLog.empty(self.num_slots, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim, cfg.gdn_conv_dim,
+                                     rows, dev, conv_dtype) for _ in self.layers]
+
+    def verify_bytes_per_slot(self, rows: int, kept: int) -> int:
+        """Bytes speculation adds to a step of one slot beyond its decode step's (kernels/gdn.py: speculative verify):
+        `rows` verify rows' updates and conv inputs written to the draft logs, and `kept` of them read back by the
+        slot's next run. The state itself is read and written once a step either way."""
+        from onepass.kernels.gdn import DraftLog
+
+        cfg = self.cfg
+        one = DraftLog.empty(1, cfg.gdn_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim, cfg.gdn_conv_dim, 1, "meta",
+                             self.conv[0].dtype if self.conv else torch.float32)
+        return len(self.layers) * one.row_bytes() * (rows + kept)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -93,7 +122,8 @@ class StatePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.ssm + self.conv) + sum(g.nbytes for g in self.log if g)
+        return (sum(t.numel() * t.element_size() for t in self.ssm + self.conv) + sum(g.nbytes for g in self.log if g)
+                + sum(d.nbytes for d in self.draft if d))
 
     def step_bytes_per_slot(self) -> float:
         """Bytes one decode token of one slot moves through the pool, averaged over the write-back period: the

@@ -25,11 +25,14 @@ import torch
 from onepass.engine.sampler import SamplingParams
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
+from onepass.kernels.gdn import SpecRows
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LOCKSTEP_MAX = 8   # steps of one lockstep run: the host reads ids (and sees stop tokens) this often
-# rows of the staged input block: per step row r (the first four) and per sampling row i (the last four)
-TOKEN, POS, SLOT, FEED, SAMPLE_ROW, SAMPLE_SLOT, SEED, STEP = range(8)
+# rows of the staged input block: per step row r (the first four), per sampling row i (the next four), and per step row
+# a hybrid model's speculation inputs (kernels/gdn.py SpecRows: kept verify rows to fold in, a verify run's rows)
+TOKEN, POS, SLOT, FEED, SAMPLE_ROW, SAMPLE_SLOT, SEED, STEP, KEPT, VERIFY = range(10)
+NIN = 10
 
 
 def bucket_for(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int:
@@ -69,17 +72,21 @@ class Step:
                  use_graphs: bool, sample_on_device: bool = True,
                  workspace: Callable[[int, int], object] | None = None, max_len: int | None = None,
                  ragged: bool = False, buckets: tuple[int, ...] | None = None, launch: pdl.LaunchPolicy | None = None,
-                 max_samples: int | None = None):
+                 max_samples: int | None = None, speculative: bool = False):
         """kv holds the slots 0..num_slots-1 and a scratch slot (the last). `workspace(rows, max_len)` makes the
         decode attention's split buffers; `max_len` bounds every position (default: the cache's ctx). ragged: a
         hybrid model's steps may hold several rows of one slot (chunked prefill): each step also stages its runs
         (engine/fused_qwen35.py). `buckets`: the row buckets whose graphs are captured (default: all up to
         max_rows); the lockstep graph is captured for num_slots' bucket. `launch`: the policy every kernel of this
         step launches under, captured into its graphs (default: the one in force now). `max_samples`: the most rows
-        one step samples (default num_slots; more with speculation)."""
+        one step samples (default num_slots; more with speculation). speculative: a hybrid model's steps carry verify
+        runs (each step passes its KEPT and VERIFY rows to the GDN layers: engine/fused_qwen35.py)."""
         dev, self.model, self.kv, self.sampling = model.device, model, kv, sampling
         self.policy = launch or pdl.current()
         self.device, self.ragged, self.cuda = dev, ragged, dev.type == "cuda"
+        if speculative and not ragged:
+            raise ConfigError("a speculative hybrid step feeds a slot's verify rows as one run: build it ragged=True")
+        self.speculative = speculative
         self.scratch = kv.num_slots - 1
         if num_slots > self.scratch:
             raise ConfigError(f"{num_slots} slots but the KV cache holds {self.scratch} (+ a scratch slot)")
@@ -92,20 +99,21 @@ class Step:
         self.attn_ws = self.make_ws(self.rows, self.max_len)
         self.clock = Clock(dev)
         R = self.rows
-        # staged per step: 8 rows of R ids, the ragged runs' R + 1 row offsets (ragged only), then with paged KV the
+        # staged per step: NIN rows of R ids, the ragged runs' R + 1 row offsets (ragged only), then with paged KV the
         # changed block-table rows as (slot, blocks...) records, one per slot at most
         self.table_rows = kv.block_table.shape[0] if paged else 0
         width = kv.block_table.shape[1] + 1 if paged else 0
         nr = R + 1 if ragged else 0
-        n = 8 * R + nr + self.table_rows * width
+        n = NIN * R + nr + self.table_rows * width
         self.flat = torch.zeros(n, dtype=torch.long, device=dev)
-        self.inp, self.tab = self.flat[:8 * R].view(8, R), self.flat[8 * R + nr:].view(self.table_rows, width)
-        self.run_off = self.flat[8 * R:8 * R + nr]
+        self.inp, self.tab = self.flat[:NIN * R].view(NIN, R), self.flat[NIN * R + nr:].view(self.table_rows, width)
+        self.run_off = self.flat[NIN * R:NIN * R + nr]
         self.runs = torch.zeros(nr, dtype=torch.int32, device=dev)   # what the GDN kernels read
         pin = self.cuda
         self.stage = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self.stage_np = [(s[:8 * R].numpy().reshape(8, R), s[8 * R + nr:].numpy().reshape(self.table_rows, width),
-                          s[8 * R:8 * R + nr].numpy()) for s in self.stage]
+        self.stage_np = [(s[:NIN * R].numpy().reshape(NIN, R),
+                          s[NIN * R + nr:].numpy().reshape(self.table_rows, width),
+                          s[NIN * R:NIN * R + nr].numpy()) for s in self.stage]
         if paged:
             for _, t, _ in self.stage_np:
                 t[:, 0] = self.table_rows - 1  # unused records rewrite the scratch slot's row with zeros
@@ -117,6 +125,7 @@ class Step:
         self.top_k = torch.full((S,), sampling.top_k, dtype=torch.long, device=dev)
         self.top_p = torch.full((S,), sampling.top_p, device=dev)
         self.buf = model.buffers(R)
+        self.last_hidden = self.buf["residual"]   # the last launch's final residual rows (a wide step's own buffer)
         self.gathered = torch.empty(S, model.cfg.dim, device=dev, dtype=model.dtype)
         self.normed = torch.empty_like(self.gathered)
         self.logits = torch.empty(S, model.cfg.vocab_size, device=dev, dtype=model.dtype)
@@ -148,6 +157,8 @@ class Step:
         if self.ragged:
             self.runs[:r + 1].copy_(self.run_off[:r + 1])
             runs = {"runs": self.runs[:r + 1]}
+        if self.speculative:
+            runs["spec"] = SpecRows(inp[KEPT, :r], inp[VERIFY, :r])
         self.model.hidden(self.tokens[:r], inp[POS, :r], inp[SLOT, :r], self.kv, buf, self.attn_ws,
                           block_table=self.kv.block_table if self.paged else None, max_len=self.max_len, **runs)
 
@@ -236,7 +247,7 @@ class Step:
             fn(r)
 
     def _fill(self, a, t, ro, tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables,
-              pad_to: int = 0):
+              pad_to: int = 0, kept=None, verify=None):
         """Write one step's rows into staging buffer (a, t, ro), padded to their bucket or `pad_to` rows; returns
         (rows, padded rows, samples, sample bucket)."""
         nrows, n = len(tokens), len(sample_rows)
@@ -245,6 +256,10 @@ class Step:
             self._stage_tables(tables or {}, t)
         a[TOKEN, :nrows], a[POS, :nrows], a[SLOT, :nrows], a[FEED, :nrows] = tokens, positions, slots, feed
         a[TOKEN:FEED + 1, nrows:r] = 0
+        a[KEPT, :r] = 0
+        a[VERIFY, :r] = 0
+        if kept is not None:
+            a[KEPT, :nrows], a[VERIFY, :nrows] = kept, verify
         a[SLOT, nrows:r] = self.scratch
         if self.ragged:
             self._stage_runs(a[SLOT, :nrows], nrows, r, ro)
@@ -257,21 +272,28 @@ class Step:
         return nrows, r, n, nb
 
     def launch(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds=None, steps=None,
-               tables: dict[int, list[int]] | None = None) -> Launched:
-        """Queue one step: rows (tokens[r] is ignored where feed[r]) and the rows that sample. Returns at once."""
+               tables: dict[int, list[int]] | None = None, kept=None, verify=None) -> Launched:
+        """Queue one step: rows (tokens[r] is ignored where feed[r]) and the rows that sample. Returns at once.
+        kept, verify: per row, a speculative hybrid step's SpecRows (read at each run's first row; default 0)."""
+        if kept is not None and not self.speculative:
+            raise ValueError("kept / verify rows go to a Step built with speculative=True")
         with pdl.applied(self.policy):   # for what runs eagerly; a graph keeps the policy it was captured under
-            return self._launch(tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables)
+            return self._launch(tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables,
+                                kept, verify)
 
-    def _launch(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables) -> Launched:
+    def _launch(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables, kept,
+                verify) -> Launched:
         self.locked = ()   # the lockstep rows staged on the device are overwritten
         if len(tokens) > self.rows:
-            return self._launch_wide(tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables)
+            return self._launch_wide(tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables,
+                                     kept, verify)
         flip = self.flip
         self.flip ^= 1
         nrows, r, n, nb = self._fill(*self.stage_np[flip], tokens, positions, slots, feed, sample_rows, sample_slots,
-                                     seeds, steps, tables)
+                                     seeds, steps, tables, kept=kept, verify=verify)
         self.flat.copy_(self.stage[flip], non_blocking=True)
         self._run(self.layer_graphs, self._layers, r)
+        self.last_hidden = self.buf["residual"]
         if n:
             self._run(self.head_graphs, self._head, nb)
         return self._finish(flip, n)
@@ -285,7 +307,8 @@ class Step:
         self.mark("rows")
         return Launched(n, flip, self.marks[-1][1] if self.cuda else None)
 
-    def _launch_wide(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables):
+    def _launch_wide(self, tokens, positions, slots, feed, sample_rows, sample_slots, seeds, steps, tables, kept=None,
+                     verify=None):
         """A step of more rows than the largest bucket, eagerly on buffers of its size (a batch's whole prompts)."""
         dev, m, n = self.device, self.model, len(sample_rows)
         if n > self.sample_rows:
@@ -304,9 +327,13 @@ class Step:
             ro = np.zeros(len(tokens) + 1, dtype=np.int64)
             self._stage_runs(np.asarray(slots, dtype=np.int64), len(tokens), len(tokens), ro)
             runs = {"runs": torch.as_tensor(ro, dtype=torch.int32, device=dev)}
+        if self.speculative:
+            zeros = [0] * len(tokens)
+            runs["spec"] = SpecRows(t(zeros if kept is None else kept), t(zeros if verify is None else verify))
         hidden = m.hidden(toks, t(positions), slots_t, self.kv, m.buffers(len(tokens)),
                           self.make_ws(len(tokens), self.max_len),
                           block_table=self.kv.block_table if self.paged else None, max_len=self.max_len, **runs)
+        self.last_hidden = hidden
         a = self.inp
         if n:
             a[SAMPLE_ROW, :n], a[SAMPLE_SLOT, :n] = t(sample_rows), t(sample_slots)

@@ -133,13 +133,16 @@ def torch_kernels() -> StepKernels:
         o = attention_ref(q.unsqueeze(1), k_cache[slots, :S], v_cache[slots, :S], positions.view(-1, 1))
         return _into(out, o.squeeze(1))
 
-    def conv(x, ring, w, slots, positions=None, seq_len=1, out=None, runs=None):
+    def conv(x, ring, w, slots, positions=None, seq_len=1, out=None, runs=None, spec=None, draft=None):
         if isinstance(x, SplitSums):     # a GEMM's deferred split-K partials: the reduce's value
             x = x.reduce()
-        return _into(out, conv_ring_update_ref(x, ring, w, slots, positions, seq_len, runs=runs))
+        return _into(out, conv_ring_update_ref(x, ring, w, slots, positions, seq_len, runs=runs, spec=spec,
+                                               draft=draft))
 
-    def gdn(q, k, v, a, b, A, dt, state, slots, positions=None, seq_len=1, out=None, runs=None, log=None):
-        return _into(out, gdn_step_ref(q, k, v, a, b, A, dt, state, slots, positions, seq_len, runs=runs, log=log))
+    def gdn(q, k, v, a, b, A, dt, state, slots, positions=None, seq_len=1, out=None, runs=None, log=None, spec=None,
+            draft=None):
+        return _into(out, gdn_step_ref(q, k, v, a, b, A, dt, state, slots, positions, seq_len, runs=runs, log=log,
+                                       spec=spec, draft=draft))
 
     return StepKernels(
         "torch",

@@ -61,6 +61,19 @@ What it buys is less than the bytes: without the writes the kernel is bound by w
 so long periods lose. With the written-back form's registers capped (GDN_MAXNREG) M = 4 pays, and fp32 pools default
 to it (engine/state_pool.py WRITEBACK; the measurements: kernels/PROBES.md, kernels/gdn.py).
 
+Speculative verify (``spec``: SpecRows, ``draft``: the layer's DraftLog; positions required). A verify run feeds a
+slot its newest token and k draft tokens; how many of them the target keeps is known only after the step. So a verify
+run computes its rows' outputs as any run does but leaves the slot's state, conv ring and UpdateLog as they were: each
+row's update (e, k, delta) and its pre-conv input go to the slot's DraftLog instead. The slot's next run, whatever it
+is, first folds in the `kept` leading entries (spec.kept at its first row: the newest token and the accepted drafts)
+as the tokens at positions p0 - kept .. p0 - 1, with the same fma and rounding the rows made (so the bits are those of
+feeding only the kept rows), writing state and UpdateLog by the usual schedule over them, then runs its own rows. Rows
+the target rejected are never read again: acceptance moves a cursor (kept), nothing is copied back. Bytes a verify
+step adds per slot and GDN layer: T = k + 1 entries written (the 27B, two column blocks a head: Hv (2 Dk + Dv + 2) 4
+= 74 KB each, plus the row's conv input, conv_dim x 2 bytes = 20 KB) and the kept ones read back by the next run,
+against the 3 MiB state read and written either way; keeping one state per row instead would write T x 3 MiB.
+The kept count is read at a run's first row (0 for a run at position 0, which starts afresh).
+
 Built, measured and not kept (kernels/PROBES.md, kernels/gdn.py): the conv and the step in one launch, and the step's
 two reductions over the state in one pass.
 
@@ -143,6 +156,74 @@ class UpdateLog(NamedTuple):
                    torch.zeros(slots, hv, c, period - 1, **f))
 
 
+class DraftLog(NamedTuple):
+    """One GDN layer's verify rows, per slot, until the slot's next run folds in those the target kept (module doc:
+    speculative verify). Entry t is the run's row t. k and e are kept once per column block, as in UpdateLog, so each
+    program reads and writes only its own; x, the rows' pre-conv inputs, in the conv ring's dtype."""
+    k: torch.Tensor       # [slots, Hv, copies, rows, Dk]  the row's l2-normalised k (its value head's key head)
+    delta: torch.Tensor   # [slots, Hv, rows, Dv]          beta (v - (e S)^T k)
+    decay: torch.Tensor   # [slots, Hv, copies, rows]      e = exp(g)
+    x: torch.Tensor       # [slots, rows, conv_dim]        the conv's input
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+    def row_bytes(self) -> int:
+        """Bytes one verify row of one slot writes (and a kept one is read back): its update and its conv input."""
+        return sum(t[0].numel() * t.element_size() for t in self) // self.rows
+
+    @classmethod
+    def empty(cls, slots: int, hv: int, dk: int, dv: int, conv_dim: int, rows: int, device,
+              conv_dtype: torch.dtype = torch.float32, block_v: int | None = None) -> DraftLog:
+        """A zeroed draft log of `rows` rows a slot (k + 1 for k drafts) for the kernel's column blocks."""
+        if rows < 1:
+            raise ValueError(f"a draft log keeps at least one row a slot (got {rows})")
+        c = column_blocks(hv, dv, block_v)[1]
+        f = dict(dtype=torch.float32, device=device)
+        return cls(torch.zeros(slots, hv, c, rows, dk, **f), torch.zeros(slots, hv, rows, dv, **f),
+                   torch.zeros(slots, hv, c, rows, **f), torch.zeros(slots, rows, conv_dim, dtype=conv_dtype,
+                                                                     device=device))
+
+
+class SpecRows(NamedTuple):
+    """A step's speculation inputs, per row and read at a run's first row: `kept`, the rows of the slot's last verify
+    run the target kept (folded in before the run's own rows), and `verify`, nonzero when the run's rows are drafts
+    to verify (kept in the DraftLog, not in the state)."""
+    kept: torch.Tensor    # [R] int
+    verify: torch.Tensor  # [R] int
+
+
+def _check_spec(spec: SpecRows, R: int, positions) -> None:
+    if positions is None:
+        raise ValueError("speculative verify (a DraftLog) needs positions: a kept row is folded in at its position")
+    if spec.kept.shape != (R,) or spec.verify.shape != (R,):
+        raise ValueError(f"spec rows kept {tuple(spec.kept.shape)}, verify {tuple(spec.verify.shape)}: want ({R},)")
+
+
+def _check_draft(draft: DraftLog, state: torch.Tensor, copies: int | None = None) -> None:
+    """The draft log's updates against the state pool (copies: the kernel's column blocks a head)."""
+    n, hv, dk, dv = state.shape
+    d, c = draft.rows, draft.k.shape[2] if copies is None else copies
+    want = ((n, hv, c, d, dk), (n, hv, d, dv), (n, hv, c, d))
+    got = tuple(tuple(t.shape) for t in draft[:3])
+    if got != want or any(t.dtype != torch.float32 or not t.is_contiguous() for t in draft[:3]):
+        raise ValueError(f"draft log shapes {got} (fp32, contiguous) do not fit the state pool {tuple(state.shape)} "
+                         f"with {c} column blocks a head: want {want} (DraftLog.empty with the kernel's block_v)")
+
+
+def _check_draft_inputs(draft: DraftLog, ring: torch.Tensor) -> None:
+    """The draft log's conv inputs against the conv ring [slots, C, K-1]."""
+    want = (ring.shape[0], draft.rows, ring.shape[1])
+    if tuple(draft.x.shape) != want or draft.x.dtype != ring.dtype or not draft.x.is_contiguous():
+        raise ValueError(f"draft log conv inputs {tuple(draft.x.shape)} {draft.x.dtype}: want {want} {ring.dtype}, "
+                         "contiguous")
+
+
 def _check_log(log: UpdateLog, state: torch.Tensor, positions, copies: int | None = None) -> None:
     if positions is None:
         raise ValueError("a state written back every few tokens (an UpdateLog) needs positions: they set each token's "
@@ -190,12 +271,26 @@ def _zero_fresh(pool: torch.Tensor, run_slots: torch.Tensor, live: torch.Tensor,
         pool[ids] = 0
 
 
+def _bounds(R: int, seq_len: int, slots: torch.Tensor, positions, runs) -> list[tuple[int, int]]:
+    """(start, end) of every run: the ragged runs, or runs of seq_len rows (checked)."""
+    if runs is not None:
+        return _run_bounds(runs, R, slots)
+    _runs(R, seq_len, slots, positions)
+    return [(s, s + seq_len) for s in range(0, R, seq_len)]
+
+
 def conv_ring_update_ref(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                          slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1,
-                         runs: torch.Tensor | None = None) -> torch.Tensor:
+                         runs: torch.Tensor | None = None, spec: SpecRows | None = None,
+                         draft: DraftLog | None = None) -> torch.Tensor:
     """Qwen35Model.causal_conv over runs of seq_len rows (or the ragged runs); rows of runs with slot < 0 are skipped
-    (output 0). Runs starting at position 0 start from a zero ring."""
+    (output 0). Runs starting at position 0 start from a zero ring. spec, draft: speculative verify (module doc)."""
     R, C = x.shape
+    if spec is not None:
+        _check_spec(spec, R, positions)
+        _check_draft_inputs(draft, conv_state)
+        return _conv_speculative_ref(x, conv_state, conv_weight, slots, positions,
+                                     _bounds(R, seq_len, slots, positions, runs), spec, draft)
     if runs is not None:
         out = torch.zeros(R, C, dtype=torch.float32, device=x.device)
         for s, e in _run_bounds(runs, R, slots):
@@ -213,13 +308,23 @@ def conv_ring_update_ref(x: torch.Tensor, conv_state: torch.Tensor, conv_weight:
 
 def gdn_step_ref(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                  positions: torch.Tensor | None = None, seq_len: int = 1,
-                 runs: torch.Tensor | None = None, log: UpdateLog | None = None) -> torch.Tensor:
+                 runs: torch.Tensor | None = None, log: UpdateLog | None = None, spec: SpecRows | None = None,
+                 draft: DraftLog | None = None) -> torch.Tensor:
     """Qwen35Model.gated_delta_net's recurrence over runs of seq_len rows, or the ragged runs (see module doc); rows
     of runs with slot < 0 are skipped (output 0); runs starting at position 0 start from a zero state.
-    Returns o [R, Hv, Dv] fp32; `state` is updated in place (with `log`: written back every log.period tokens)."""
+    Returns o [R, Hv, Dv] fp32; `state` is updated in place (with `log`: written back every log.period tokens).
+    spec, draft: speculative verify (module doc)."""
     R, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if log is not None and log.period > 1:
+    written_back = log is not None and log.period > 1
+    if spec is not None:
+        _check_spec(spec, R, positions)
+        _check_draft(draft, state)
+        if written_back:
+            _check_log(log, state, positions)
+        return _speculative_ref(q, k, v, a, b, A, dt_bias, state, log if written_back else None, slots, positions,
+                                _bounds(R, seq_len, slots, positions, runs), spec, draft)
+    if written_back:
         _check_log(log, state, positions)
         if runs is not None:
             bounds = _run_bounds(runs, R, slots)
@@ -286,6 +391,99 @@ def _written_back_ref(q, k, v, a, b, A, dt_bias, state, log: UpdateLog, slots, p
     return out
 
 
+def _conv_speculative_ref(x, ring, w, slots, positions, bounds, spec: SpecRows, draft: DraftLog) -> torch.Tensor:
+    """conv_ring_update_ref with speculative verify (module doc), one run at a time: the definition. The ring a run
+    starts from is the last K-1 inputs of (the ring ++ the kept rows of the slot's last verify run); a verify run
+    leaves the ring there and keeps its rows' inputs in the draft log."""
+    R, C = x.shape
+    K = w.shape[1]
+    out = torch.zeros(R, C, dtype=torch.float32, device=x.device)
+    for s0, s1 in bounds:
+        slot = int(slots[s0])
+        if slot < 0:
+            continue
+        p0 = int(positions[s0])
+        kept = int(spec.kept[s0]) if p0 > 0 else 0
+        old = ring[slot] if p0 > 0 else torch.zeros_like(ring[slot])       # position 0: a new sequence
+        history = torch.cat((old, draft.x[slot, :kept].t().to(ring.dtype)), dim=1)   # [C, K-1 + kept], oldest first
+        committed = history[:, history.shape[1] - (K - 1):].clone()
+        ring[slot] = committed
+        out[s0:s1] = causal_conv(x[None, s0:s1], w, ring, torch.tensor([slot], device=ring.device))[0]
+        if int(spec.verify[s0]):
+            ring[slot] = committed          # the rows are drafts: the ring stays at the kept tokens
+            draft.x[slot, :s1 - s0] = x[s0:s1].to(draft.x.dtype)
+    return out
+
+
+def _speculative_ref(q, k, v, a, b, A, dt_bias, state, log: UpdateLog | None, slots, positions, bounds,
+                     spec: SpecRows, draft: DraftLog) -> torch.Tensor:
+    """The recurrence with speculative verify (module doc), one run at a time: the definition of what a verify run
+    leaves in the draft log and of how a slot's next run folds in the kept rows, the state written back every token
+    (no log) or every log.period tokens as _written_back_ref does."""
+    R, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    M = 1 if log is None else log.period
+    rnd = (lambda t: t.to(state.dtype).float()) if state.dtype != torch.float32 else (lambda t: t)  # noqa: E731
+
+    def inputs(row):
+        """Row's q, k (normalised, per value head), e = exp(g) and beta: computed per row, so its bits do not depend
+        on the other rows of the call (a verify run's rows and the kept rows fed alone meet the same numbers)."""
+        qn = (l2norm(q[row].float()) * dk ** -0.5).repeat_interleave(hv // hk, dim=0)
+        kn = l2norm(k[row].float()).repeat_interleave(hv // hk, dim=0)          # [Hv, Dk]
+        e = (A.float() * F.softplus(a[row].float() + dt_bias.float())).exp()
+        return qn, kn, e, torch.sigmoid(b[row].float())
+
+    out = torch.zeros(R, hv, dv, dtype=torch.float32, device=v.device)
+    for s0, s1 in bounds:
+        slot = int(slots[s0])
+        if slot < 0:
+            continue
+        p0 = int(positions[s0])
+        kept = int(spec.kept[s0]) if p0 > 0 else 0
+        verify = bool(int(spec.verify[s0]))
+        start = p0 - kept                                   # the first token the state does not hold yet
+        S = materialize_state(state, log, slot, start)
+        last = p0 - 1 if verify else p0 + (s1 - s0) - 1     # the last token the state holds after this call
+        last_aligned = last - (last + slot + 1) % M
+
+        def commit(p, S, kk, e, delta):
+            """Token p is in the state: with a log, its base or its log entry by the write-back schedule."""
+            ph = (p + slot) % M
+            if M == 1:
+                return
+            if ph == M - 1:
+                if p == last_aligned:
+                    state[slot] = S.to(state.dtype)
+            elif p > last_aligned:
+                log.k[slot, :, :, ph] = kk[:, None]
+                log.decay[slot, :, :, ph] = e[:, None]
+                log.delta[slot, :, ph] = delta
+
+        for i in range(kept):       # the kept verify rows, as the tokens start .. p0 - 1: the bits they had then
+            e, kk, delta = draft.decay[slot, :, 0, i], draft.k[slot, :, 0, i], draft.delta[slot, :, i]
+            S = rnd(S * e[:, None, None] + kk[:, :, None] * delta[:, None, :])
+            commit(start + i, S, kk, e, delta)
+        if verify and M == 1 and kept:
+            state[slot] = S.to(state.dtype)
+        for row in range(s0, s1):
+            t = row - s0
+            qn, kn, e, beta = inputs(row)
+            S = S * e[:, None, None]
+            recall = (S * kn[:, :, None]).sum(-2)                # S^T k  [Hv, Dv]
+            delta = beta[:, None] * (v[row].float() - recall)
+            S = rnd(S + kn[:, :, None] * delta[:, None, :])
+            out[row] = (S * qn[:, :, None]).sum(-2)
+            if verify:                                           # every column block's copy of k and e alike
+                draft.k[slot, :, :, t] = kn[:, None]
+                draft.decay[slot, :, :, t] = e[:, None]
+                draft.delta[slot, :, t] = delta
+            else:
+                commit(p0 + t, S, kn, e, delta)
+        if M == 1 and not verify:
+            state[slot] = S.to(state.dtype)
+    return out
+
+
 def materialize_state(state: torch.Tensor, log: UpdateLog | None, slot: int, position: int) -> torch.Tensor:
     """Slot `slot`'s state S after token position - 1 as fp32 [Hv, Dk, Dv], rebuilt from a pool written back every
     log.period tokens (the pool's slot itself with no log): what the next token at `position` starts from."""
@@ -331,14 +529,27 @@ def _run(run_ptr, slots_ptr, n, T, RAGGED: tl.constexpr):
 
 
 @triton.jit
-def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_ptr, run_ptr,
-                      C, T, stride_xr, stride_or, stride_xs,
+def _before_run(ring, drow, s, n_keep, old_ok, cm, C, K: tl.constexpr, SPEC: tl.constexpr):
+    """Input s < 0 of a run (the one -s places before its first row) in fp32: from the slot's ring or, with SPEC,
+    from the kept rows of the slot's last verify run, which follow the ring's (module doc: speculative verify)."""
+    hh = (K - 1) + n_keep + s                  # its index in ring ++ kept rows, oldest first
+    v = tl.load(ring + hh, mask=old_ok & (s < 0) & (hh < K - 1), other=0.0).to(tl.float32)
+    if SPEC:
+        d = tl.load(drow + (hh - (K - 1)) * C, mask=cm & (s < 0) & (hh >= K - 1), other=0.0).to(tl.float32)
+        v = tl.where(hh >= K - 1, d, v)
+    return v
+
+
+@triton.jit
+def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_ptr, run_ptr, kept_ptr, verify_ptr,
+                      dx_ptr, C, T, D, stride_xr, stride_or, stride_xs,
                       K: tl.constexpr, BLOCK_C: tl.constexpr, HAS_POS: tl.constexpr, SPLIT: tl.constexpr = 0,
-                      RNE: tl.constexpr = False, RAGGED: tl.constexpr = False, PDL: tl.constexpr = False):
+                      RNE: tl.constexpr = False, RAGGED: tl.constexpr = False, SPEC: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     # One program: BLOCK_C channels of one run, one channel per lane (1-D: no cross-lane selects). Each tap
-    # is loaded where it lives -- the run's x rows or the old ring -- and summed in tap order, as the
-    # reference does. Every ring read comes before the barrier, every ring write after it.
+    # is loaded where it lives -- the run's x rows, the old ring or (SPEC) the kept verify rows -- and summed in tap
+    # order, as the reference does. Every ring and draft-log read comes before the barrier, every write after it.
     n = tl.program_id(0)
     cb = tl.program_id(1)
     r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
@@ -349,25 +560,39 @@ def _conv_ring_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, slots_ptr, pos_ptr, like_
         old_ok = cm
         if HAS_POS:  # a run at position 0 starts a sequence: its old ring counts as zeros, whatever the pool holds
             old_ok = cm & ((tl.zeros([BLOCK_C], tl.int32) + tl.load(pos_ptr + r0)) != 0)
+        n_keep = 0
+        moved = T       # the rows the ring moves past: all of them, none in a verify run
+        drow = dx_ptr
+        verify = 0
+        if SPEC:
+            n_keep = tl.where(tl.load(pos_ptr + r0) != 0, tl.load(kept_ptr + r0), 0).to(tl.int32)
+            verify = (tl.load(verify_ptr + r0) != 0).to(tl.int32)
+            moved = T * (1 - verify)
+            drow = dx_ptr + slot * D * C + c
         for t in range(0, T):
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
             for j in tl.static_range(K):
-                # tap j of token t is input s = t - (K-1) + j of the run: x when s >= 0, else old ring[K-1+s]
+                # tap j of token t is input s = t - (K-1) + j of the run: x when s >= 0, else before the run
                 s = tl.zeros([BLOCK_C], tl.int32) + (t - (K - 1) + j)
                 vx = _load_input(x_ptr + (r0 + s) * stride_xr + c, cm & (s >= 0), stride_xs, like_ptr, SPLIT, RNE)
-                vr = tl.load(ring + (K - 1 + s), mask=old_ok & (s < 0), other=0.0).to(tl.float32)
+                vr = _before_run(ring, drow, s, n_keep, old_ok, cm, C, K, SPEC)
                 w = tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
                 acc += tl.where(s >= 0, vx, vr) * w
             y = acc / (1.0 + tl.exp(-acc))  # SiLU
             tl.store(out_ptr + (r0 + t) * stride_or + c, y, mask=cm)
         tl.debug_barrier()
-        # new ring = the last K-1 inputs of (old ring ++ the run's T inputs), oldest first; column j reads
-        # old column j + T > j, so ascending j never reads a column it has already overwritten
+        # new ring = the last K-1 inputs of (old ring ++ kept rows ++ the run's moved inputs), oldest first; column j
+        # reads old column j + moved + n_keep >= j, so ascending j never reads a column it has already overwritten
         for j in tl.static_range(K - 1):
-            s = tl.zeros([BLOCK_C], tl.int32) + (T - (K - 1) + j)
+            s = tl.zeros([BLOCK_C], tl.int32) + (moved - (K - 1) + j)
             vx = _load_input(x_ptr + (r0 + s) * stride_xr + c, cm & (s >= 0), stride_xs, like_ptr, SPLIT, RNE)
-            vr = tl.load(ring + (K - 1 + s), mask=old_ok & (s < 0), other=0.0).to(tl.float32)
+            vr = _before_run(ring, drow, s, n_keep, old_ok, cm, C, K, SPEC)
             tl.store(ring + j, tl.where(s >= 0, vx, vr).to(ring_ptr.dtype.element_ty), mask=cm)
+        if SPEC:
+            if verify != 0:     # a verify run's inputs wait in the draft log for the target's verdict
+                for t in range(0, T):
+                    vx = _load_input(x_ptr + (r0 + t) * stride_xr + c, cm, stride_xs, like_ptr, SPLIT, RNE)
+                    tl.store(drow + t * C, vx.to(dx_ptr.dtype.element_ty), mask=cm)
 
 
 def _check_run_args(R: int, seq_len: int, runs: torch.Tensor | None) -> int:
@@ -383,10 +608,12 @@ def _check_run_args(R: int, seq_len: int, runs: torch.Tensor | None) -> int:
 def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                             slots: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int = 1,
                             out: torch.Tensor | None = None, block_c: int = CONV_BLOCK_C,
-                            runs: torch.Tensor | None = None) -> torch.Tensor:
+                            runs: torch.Tensor | None = None, spec: SpecRows | None = None,
+                            draft: DraftLog | None = None) -> torch.Tensor:
     """x may be a GEMM's unreduced split-K partials (kernels/splitk.py): summed where loaded, the same bits as
     reducing them first (the ring keeps the rounded inputs). runs: the ragged runs' int32 row offsets (module doc;
-    not checked here: that would read them on the host)."""
+    not checked here: that would read them on the host). spec, draft: speculative verify (module doc); a verify run
+    holds at most draft.rows rows (not checked here either)."""
     sums = x if isinstance(x, SplitSums) else None
     if sums is not None:
         x = sums.ws[0]
@@ -398,6 +625,10 @@ def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tenso
     assert x.stride(1) == 1 and slots.shape == (R,) and slots.is_contiguous()
     assert positions is None or (positions.shape == (R,) and positions.is_contiguous())
     n_runs = _check_run_args(R, seq_len, runs)
+    if spec is not None:
+        _check_spec(spec, R, positions)
+        _check_draft_inputs(draft, conv_state)
+        assert spec.kept.is_contiguous() and spec.verify.is_contiguous()
     if out is None:
         out = torch.empty(R, C, dtype=torch.float32, device=x.device)
     assert out.shape == (R, C) and out.stride(1) == 1
@@ -406,31 +637,52 @@ def conv_ring_update_triton(x: torch.Tensor | SplitSums, conv_state: torch.Tenso
     BLOCK_C = min(block_c, _next_pow2(C))
     grid = (n_runs, triton.cdiv(C, BLOCK_C))
     s_split, split, rne = split_args(sums)
+    kept, verify, dx = (spec.kept, spec.verify, draft.x) if spec is not None else (slots, slots, conv_state)
     _conv_ring_kernel[grid](x, conv_state, conv_weight, out, slots, positions if positions is not None else slots,
                             sums.out if sums is not None else x, runs if runs is not None else slots,
-                            C, seq_len, x.stride(0), out.stride(0), s_split,
+                            kept, verify, dx, C, seq_len, draft.rows if spec is not None else 1,
+                            x.stride(0), out.stride(0), s_split,
                             K=K, BLOCK_C=BLOCK_C, HAS_POS=positions is not None, SPLIT=split, RNE=rne,
-                            RAGGED=runs is not None,
+                            RAGGED=runs is not None, SPEC=spec is not None,
                             num_warps=max(1, min(8, BLOCK_C // 128)),
                             **pdl.triton_opts(x.device))
     return out
 
 
 @triton.jit
-def _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
+def _run_start(pos_ptr, kept_ptr, verify_ptr, r0, slot, HAS_POS: tl.constexpr, SPEC: tl.constexpr):
+    """A run's first position p0, the first position its slot's state does not hold yet (p0 less the kept verify rows
+    it folds in first: SPEC), and whether its rows are drafts to verify (1, SPEC) or tokens (0). An empty run
+    (slot -1) reads nothing."""
+    p0 = r0 * 0
+    if HAS_POS:
+        p0 = tl.load(pos_ptr + r0, mask=slot >= 0, other=0).to(tl.int64)
+    p_start = p0
+    verify = (r0 * 0).to(tl.int32)
+    if SPEC:
+        kept = tl.load(kept_ptr + r0, mask=slot >= 0, other=0).to(tl.int64)
+        p_start = p0 - tl.where(p0 != 0, kept, 0)          # position 0 starts afresh: nothing to fold in
+        verify = (tl.load(verify_ptr + r0, mask=slot >= 0, other=0) != 0).to(tl.int32)
+    return p0, p_start, verify
+
+
+@triton.jit
+def _load_state(s_ptr, p_start, slot, h, vb, HV, DK, DV, BK: tl.constexpr, BV: tl.constexpr,
                 HAS_POS: tl.constexpr, WB: tl.constexpr = 1):
-    """Slot `slot`'s [BK, BV] fp32 tile of head h's state, columns vb * BV on; zeros for a run at position 0 (a new
-    sequence: the pool's old contents are not read) and for an empty run (slot -1). WB > 1 (written back every WB
-    tokens): the base state, zeros before the sequence's first aligned token."""
+    """Slot `slot`'s [BK, BV] fp32 tile of head h's state, columns vb * BV on, as the pool holds it for a run whose
+    state starts at p_start (_run_start); zeros at position 0 (a new sequence: the pool's old contents are not read)
+    and for an empty run (slot -1). WB > 1 (written back every WB tokens): the base state, zeros before the
+    sequence's first aligned token."""
     kk = tl.arange(0, BK)
     vv = vb * BV + tl.arange(0, BV)
-    sm = (kk < DK)[:, None] & (vv < DV)[None, :] & ((tl.zeros([BK, BV], tl.int64) + slot) >= 0)
+    z = tl.zeros([BK, BV], tl.int64)
+    sm = (kk < DK)[:, None] & (vv < DV)[None, :] & ((z + slot) >= 0)
     if HAS_POS:
-        p0 = tl.load(pos_ptr + r0 + tl.zeros([BK, BV], tl.int64), mask=sm, other=0)
+        p = z + p_start
         if WB > 1:
-            sm = sm & (p0 > (p0 + slot) % WB)
+            sm = sm & (p > (p + slot) % WB)
         else:
-            sm = sm & (p0 != 0)
+            sm = sm & (p != 0)
     sp_ptrs = s_ptr + ((tl.maximum(slot, 0) * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
     return tl.load(sp_ptrs, mask=sm, other=0.0, eviction_policy="evict_first").to(tl.float32)   # read once
 
@@ -460,26 +712,46 @@ def _replay_log(S, s_ptr, lk_ptr, ld_ptr, le_ptr, p0, slot, h, vb, kk, km, vv, v
 
 
 @triton.jit
+def _write_back(S, sp_ptrs, sm, lk_ptr, ld_ptr, le_ptr, p, p_last, last_aligned, slot, h, vb, kk, km, vv, vm, k, e,
+                delta, s_ptr, HV, DK, DV, WB: tl.constexpr, NVB: tl.constexpr):
+    """Token p is in the state now (written back every WB > 1 tokens): the run's last aligned token writes the new
+    base, a token after it its log entry; tokens past p_last (a verify run's rows) write nothing."""
+    ph = (p + slot) % WB
+    if ph == WB - 1:
+        if p == last_aligned:
+            tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")
+    elif (p > last_aligned) & (p <= p_last):
+        own = ((slot * HV + h) * NVB + vb) * (WB - 1) + ph
+        tl.store(ld_ptr + ((slot * HV + h) * (WB - 1) + ph) * DV + vv, delta, mask=vm)
+        tl.store(lk_ptr + own * DK + kk, k, mask=km)
+        tl.store(le_ptr + own, e)
+
+
+@triton.jit
 def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_ptr, slots_ptr, pos_ptr, run_ptr,
-                     lk_ptr, ld_ptr, le_ptr,
-                     T, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                     lk_ptr, ld_ptr, le_ptr, kept_ptr, verify_ptr, dk_ptr, dd_ptr, de_ptr,
+                     T, D, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
                      stride_ar, stride_br, stride_or, stride_oh,
                      HV, DK: tl.constexpr, DV: tl.constexpr, scale, eps,
                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SP_THRESH: tl.constexpr,
                      HAS_POS: tl.constexpr, RAGGED: tl.constexpr = False, STATE_EARLY: tl.constexpr = False,
-                     PDL: tl.constexpr = False, NVB: tl.constexpr = 1, WB: tl.constexpr = 1):
+                     PDL: tl.constexpr = False, NVB: tl.constexpr = 1, WB: tl.constexpr = 1,
+                     SPEC: tl.constexpr = False):
     pid = tl.program_id(0)      # column block fastest, then head, then run: a slot's state read as one stretch
     vb = pid % NVB
     h = (pid // NVB) % HV
     n = pid // (NVB * HV)
     # STATE_EARLY: the run, its slot and its slot's state are read before the PDL wait (STATE_BEFORE_WAIT_MAX_RUNS: why
-    # that is safe); the q / k / v / gate inputs, which the kernel before writes, only after it
+    # that is safe; the kept and verify inputs are step inputs like the positions); the q / k / v / gate inputs, which
+    # the kernel before writes, only after it
     if STATE_EARLY:
         r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
-        S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS, WB)
+        p0, p_start, verify = _run_start(pos_ptr, kept_ptr, verify_ptr, r0, slot, HAS_POS, SPEC)
+        S = _load_state(s_ptr, p_start, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS, WB)
     pdl.enter(PDL)  # kernels/pdl.py
     if not STATE_EARLY:
         r0, T, slot = _run(run_ptr, slots_ptr, n, T, RAGGED)
+        p0, p_start, verify = _run_start(pos_ptr, kept_ptr, verify_ptr, r0, slot, HAS_POS, SPEC)
     if slot >= 0:
         hk = h // GROUP
         kk = tl.arange(0, BK)
@@ -491,13 +763,28 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
         dt = tl.load(dt_ptr + h).to(tl.float32)
         sp_ptrs = s_ptr + ((slot * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
         if not STATE_EARLY:
-            S = _load_state(s_ptr, pos_ptr, r0, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS, WB)
+            S = _load_state(s_ptr, p_start, slot, h, vb, HV, DK, DV, BK, BV, HAS_POS, WB)
+        # the last token the state holds after this call: a verify run's rows are not among them
+        p_last = p0 + T - 1 - verify * T
         if WB > 1:      # written back every WB tokens: the base plus the logged tokens since (module doc)
-            p0 = tl.load(pos_ptr + r0)
-            S = _replay_log(S, s_ptr, lk_ptr, ld_ptr, le_ptr, p0, slot, h, vb, kk, km, vv, vm, HV, DK, DV,
+            S = _replay_log(S, s_ptr, lk_ptr, ld_ptr, le_ptr, p_start, slot, h, vb, kk, km, vv, vm, HV, DK, DV,
                             WB, BK, BV, NVB)
-            p_last = p0 + T - 1
             last_aligned = p_last - (p_last + slot + 1) % WB
+        if SPEC:        # the kept rows of the slot's last verify run, as the tokens p_start .. p0 - 1
+            own_d = ((slot * HV + h) * NVB + vb) * D
+            n_keep = (p0 - p_start).to(tl.int32)
+            for i in range(0, n_keep):
+                e = tl.load(de_ptr + own_d + i)
+                kj = tl.load(dk_ptr + (own_d + i) * DK + kk, mask=km, other=0.0)
+                dj = tl.load(dd_ptr + ((slot * HV + h) * D + i) * DV + vv, mask=vm, other=0.0)
+                S = _rank1(S * e, kj, dj, s_ptr, BK, BV)
+                if WB > 1:
+                    _write_back(S, sp_ptrs, sm, lk_ptr, ld_ptr, le_ptr, p_start + i, p_last, last_aligned, slot, h,
+                                vb, kk, km, vv, vm, kj, e, dj, s_ptr, HV, DK, DV, WB, NVB)
+            if WB == 1:     # a verify run keeps its rows out of the state: the state is the kept tokens'
+                keep = (tl.zeros([BK, BV], tl.int32) + verify * n_keep) > 0
+                tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm & keep, cache_modifier=".cs")
+            tl.debug_barrier()      # every draft-log read before this run's rows overwrite it
         for t in range(0, T):
             r = r0 + t
             q = tl.load(q_ptr + r * stride_qr + hk * stride_qh + kk, mask=km, other=0.0).to(tl.float32)
@@ -517,26 +804,29 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_ptr, dt_ptr, s_ptr, o_
             o = tl.sum(S * q[:, None], axis=0)                            # S^T q after the update
             tl.store(o_ptr + r * stride_or + h * stride_oh + vv, o.to(o_ptr.dtype.element_ty), mask=vm)
             if WB > 1:
-                p = p0 + t
-                ph = (p + slot) % WB
-                if ph == WB - 1:
-                    if p == last_aligned:       # the run's last aligned token: its state is the new base
-                        tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")
-                elif p > last_aligned:          # a token after it: its update goes to the log
-                    own = ((slot * HV + h) * NVB + vb) * (WB - 1) + ph
-                    tl.store(ld_ptr + ((slot * HV + h) * (WB - 1) + ph) * DV + vv, delta, mask=vm)
-                    tl.store(lk_ptr + own * DK + kk, k, mask=km)
-                    tl.store(le_ptr + own, e)
+                _write_back(S, sp_ptrs, sm, lk_ptr, ld_ptr, le_ptr, p0 + t, p_last, last_aligned, slot, h, vb, kk,
+                            km, vv, vm, k, e, delta, s_ptr, HV, DK, DV, WB, NVB)
+            if SPEC:
+                if verify != 0:     # a verify run's row: its update waits in the draft log for the target's verdict
+                    tl.store(dd_ptr + ((slot * HV + h) * D + t) * DV + vv, delta, mask=vm)
+                    tl.store(dk_ptr + (own_d + t) * DK + kk, k, mask=km)
+                    tl.store(de_ptr + own_d + t, e)
         if WB == 1:
-            tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")   # written once
+            if SPEC:
+                tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm & ((tl.zeros([BK, BV], tl.int32) + verify)
+                                                                            == 0), cache_modifier=".cs")
+            else:
+                tl.store(sp_ptrs, S.to(s_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")   # written once
 
 
 def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch.Tensor,
                     positions: torch.Tensor | None = None, seq_len: int = 1,
                     out: torch.Tensor | None = None, block_v: int | None = None, num_warps: int | None = None,
                     runs: torch.Tensor | None = None, state_early: bool | None = None,
-                    log: UpdateLog | None = None) -> torch.Tensor:
-    """log: the pool's UpdateLog when it is written back every log.period > 1 tokens (module doc); needs positions."""
+                    log: UpdateLog | None = None, spec: SpecRows | None = None,
+                    draft: DraftLog | None = None) -> torch.Tensor:
+    """log: the pool's UpdateLog when it is written back every log.period > 1 tokens (module doc); needs positions.
+    spec, draft: speculative verify (module doc); a verify run holds at most draft.rows rows (not checked here)."""
     R, hk, dk = q.shape
     _, hv, dv = v.shape
     assert k.shape == q.shape and hv % hk == 0
@@ -557,15 +847,22 @@ def gdn_step_triton(q, k, v, a, b, A, dt_bias, state: torch.Tensor, slots: torch
         state_early = (n_runs <= STATE_BEFORE_WAIT_MAX_RUNS and v.is_cuda and torch.cuda.is_current_stream_capturing())
     if wb > 1:
         _check_log(log, state, positions, copies=nvb)
+    if spec is not None:
+        _check_spec(spec, R, positions)
+        _check_draft(draft, state, copies=nvb)
+        assert spec.kept.is_contiguous() and spec.verify.is_contiguous()
+    drafts = (spec.kept, spec.verify, *draft[:3]) if spec is not None else (slots, slots, state, state, state)
     _gdn_step_kernel[(n_runs * hv * nvb,)](q, k, v, a, b, A, dt_bias, state, out, slots,
                            positions if positions is not None else slots, runs if runs is not None else slots,
-                           *(log if wb > 1 else (state, state, state)), seq_len,
+                           *(log if wb > 1 else (state, state, state)), *drafts, seq_len,
+                           draft.rows if spec is not None else 1,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            a.stride(0), b.stride(0), out.stride(0), out.stride(1),
                            hv, dk, dv, float(dk ** -0.5), L2NORM_EPS,
                            GROUP=hv // hk, BK=_next_pow2(dk), BV=BV, SP_THRESH=SOFTPLUS_THRESHOLD,
                            HAS_POS=positions is not None, RAGGED=runs is not None, STATE_EARLY=bool(state_early),
-                           NVB=nvb, WB=wb, num_warps=num_warps or GDN_WARPS, **_reg_cap(q.device, wb),
+                           NVB=nvb, WB=wb, SPEC=spec is not None, num_warps=num_warps or GDN_WARPS,
+                           **_reg_cap(q.device, wb),
                            **pdl.triton_opts(q.device))
     return out
 

@@ -34,8 +34,9 @@ def _launched_kernels(tree):
 
 
 # the one kernel that reads before its wait (kernels/gdn.py, STATE_BEFORE_WAIT_MAX_RUNS): under which constexpr, and
-# the only calls it may make there (its run's bounds and its slot's state, never an input the kernel before writes)
-PRE_WAIT_READS = {("gdn.py", "_gdn_step_kernel"): ("STATE_EARLY", {"_run", "_load_state"})}
+# the only calls it may make there (its run's bounds, its start position with the kept verify rows: step inputs staged
+# like the positions, and its slot's state; never an input the kernel before writes)
+PRE_WAIT_READS = {("gdn.py", "_gdn_step_kernel"): ("STATE_EARLY", {"_run", "_run_start", "_load_state"})}
 
 
 def _index_arithmetic(stmt) -> bool:

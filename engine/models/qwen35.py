@@ -22,13 +22,27 @@ reference_generate (engine/models/generate.py) drives this model unchanged. A ro
 a new sequence in its slot (its state is zeroed); other rows must continue their slot's sequence. T may
 be anything: the conv and the delta rule run token by token inside the forward, so prefill in chunks
 of any width walks the same recurrence as decode (agreeing to GEMM rounding, not bit for bit).
+
+MTP head (multi-token prediction, blk.{n_layers + j}.*: one gated full-attention block plus nextn.*), a draft model
+for speculative decoding (../shared/notes/qwen35-hybrid.md section 3; vLLM qwen3_5_mtp.py, llama.cpp graph_mtp):
+    e   = rms_norm(embed(t_{p+1})) * enorm        h = rms_norm(h_p) * hnorm
+    x   = eh_proj(cat[e, h])                      the embedding first; h_p the trunk's *final-normed* hidden at p
+    x  += GatedAttn(rms_norm(x) * attn_norm, position p)    over the block's own KV cache
+    x  += SwiGLU(rms_norm(x) * post_attention_norm)
+    out = rms_norm(x) * shared_head_norm ;  draft logits = lm_head(out)     (shared embedding and head)
+The draft for t_{p+2}. Chained for more drafts: the next row is (the draft, out, position p + 1). `mtp_forward` is the
+block; `mtp_reference_drafts` the whole draft from scratch for a known sequence.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from onepass.engine.config import LAYER_ATTENTION, ModelConfig
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.state_pool import HybridCache
 from onepass.kernels.errors import ConfigError
 from onepass.engine.models.base import DecoderBase
 from onepass.kernels.gdn_ref import causal_conv, delta_rule, l2norm
@@ -127,8 +141,9 @@ class Qwen35Model(DecoderBase):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv,
-                last_only: bool = True, state=None) -> torch.Tensor:
-        """tokens, positions: [B, T]; slots: [B]. Returns fp32 logits [B, V] (last token) or [B, T, V]."""
+                last_only: bool = True, state=None, return_hidden: bool = False):
+        """tokens, positions: [B, T]; slots: [B]. Returns fp32 logits [B, V] (last token) or [B, T, V]; with
+        return_hidden also the final-normed hidden states they come from ([B, dim] or [B, T, dim]: the MTP's h_p)."""
         eps = self.cfg.norm_eps
         state = state if state is not None else getattr(kv, "state", None)
         if state is None and self.cfg.gdn_layers:
@@ -154,4 +169,59 @@ class Qwen35Model(DecoderBase):
             state.advance(slots, tokens.shape[1])
         if last_only:
             x = x[:, -1]
-        return F.linear(rms_norm(x, self.out_norm, eps), self.lm_head).float()
+        normed = rms_norm(x, self.out_norm, eps)
+        logits = F.linear(normed, self.lm_head).float()
+        return (logits, normed) if return_hidden else logits
+
+    # --- the MTP head -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def mtp_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    kv, j: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP block j (module doc): tokens [B, T] = t_{p+1}, hidden [B, T, dim] = h_p (the trunk's final-normed
+        hidden state, or when chaining the block's own `out` one position back), positions p [B, T], slots [B]; kv: the
+        block's own KV (mtp_cache), written at p. Returns (fp32 draft logits [B, T, V] for t_{p+2}, out [B, T, dim])."""
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        if not 0 <= j < cfg.mtp_layers:
+            raise ConfigError(f"MTP block {j}: the model has {cfg.mtp_layers}")
+        p = f"blk.{cfg.n_layers + j}."
+        embed = self.w.get(p + "nextn.embed_tokens.weight", self.embed)
+        head = self.w.get(p + "nextn.shared_head_head.weight", self.lm_head)
+        e = rms_norm(embed[tokens], self.w[p + "nextn.enorm.weight"], eps)
+        h = rms_norm(hidden, self.w[p + "nextn.hnorm.weight"], eps)
+        x = F.linear(torch.cat((e, h), dim=-1), self.w[p + "nextn.eh_proj.weight"])   # embedding first
+        layer = self._layer(cfg.n_layers + j, LAYER_ATTENTION)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        span = int(positions.max()) + 1
+        x = x + self.attention(j, layer, rms_norm(x, layer["attn_norm"], eps), positions, slots, kv, cos, sin, span)
+        x = x + self.feed_forward(layer, rms_norm(x, layer["post_attention_norm"], eps))
+        out = rms_norm(x, self.w[p + "nextn.shared_head_norm.weight"], eps)
+        return F.linear(out, head).float(), out
+
+
+def mtp_cache(cfg: ModelConfig, slots: int, ctx: int, dtype: torch.dtype, device) -> ContiguousKVCache:
+    """The MTP blocks' own KV: one attention layer a block, layer j for block j."""
+    return ContiguousKVCache(replace(cfg, n_layers=cfg.mtp_layers, mtp_layers=0, full_attention_interval=1), slots,
+                             ctx, dtype, device)
+
+
+@torch.inference_mode()
+def mtp_reference_drafts(model: Qwen35Model, tokens: list[int], k: int) -> list[int]:
+    """k greedy MTP drafts after `tokens` (the newest last, not fed to the trunk yet), from scratch: the trunk over
+    tokens[:-1] gives h_0 .. h_{L-2}; the block is fed (t_{q+1}, h_q) at q = 0 .. L-2, whose last row drafts t_L; then
+    each draft and the block's own output, one position on, draft the next."""
+    cfg, L = model.cfg, len(tokens)
+    if L < 2 or k < 1:
+        raise ConfigError(f"an MTP draft needs a fed token and the newest one (got {L} tokens) and k >= 1 (got {k})")
+    dev, dt = model.embed.device, model.out_norm.dtype
+    t = lambda x: torch.tensor(x, device=dev)   # noqa: E731
+    slots, pos = t([0]), torch.arange(L - 1, device=dev)[None]
+    _, h = model.forward(t([tokens[:-1]]), pos, slots, HybridCache.create(cfg, 1, L + k, dt, dev), last_only=False,
+                         return_hidden=True)
+    kv = mtp_cache(cfg, 1, L + k, dt, dev)
+    logits, out = model.mtp_forward(t([tokens[1:]]), h, pos, slots, kv)
+    drafts, out = [int(logits[0, -1].argmax())], out[:, -1:]
+    for i in range(1, k):
+        logits, out = model.mtp_forward(t([[drafts[-1]]]), out, t([[L - 2 + i]]), slots, kv)
+        drafts.append(int(logits[0, -1].argmax()))
+    return drafts
