@@ -1,5 +1,6 @@
 # Two entry points, each installing what it needs into .venv first:
-#   make run   - the default experiment (static batching on SmolLM2), logged to ./mlflow.db, report regenerated
+#   make run   - the default experiment (static batching on SmolLM2), logged to ./mlflow.db, its table made in
+#                outputs/reports/ (ignored: the recorded reports/ change only through onepass-report --record)
 #   make test  - ruff, then the test suite (what CI runs)
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from onepass.kernels.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -64,7 +66,15 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     def __post_init__(self) -> None:
-        if self.arch != "qwen35":
+        sizes = ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")
+        problems = [f"{k} {getattr(self, k)} < 1" for k in sizes if getattr(self, k) < 1]
+        problems += [f"{k} {getattr(self, k)} must be finite and > 0" for k in ("norm_eps", "rope_theta")
+                     if not 0 < getattr(self, k) < math.inf]
+        if not problems and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_kv_heads {self.n_kv_heads} does not divide n_heads {self.n_heads}")
+        if problems or self.arch != "qwen35":
+            if problems:
+                raise ConfigError(f"model config {self.name!r}: " + "; ".join(problems))
             return
         problems = [msg for bad, msg in (
             (self.full_attention_interval < 1, f"full_attention_interval {self.full_attention_interval} < 1"),
@@ -79,7 +89,7 @@ class ModelConfig:
             (self.mtp_layers < 0, f"mtp_layers {self.mtp_layers} < 0"),
         ) if bad]
         if problems:
-            raise ValueError(f"qwen35 config {self.name!r}: " + "; ".join(problems))
+            raise ConfigError(f"qwen35 config {self.name!r}: " + "; ".join(problems))
 
     @property
     def rope_dim(self) -> int:

@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 from onepass.engine.config import ModelConfig
-from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.gguf_loader import load_gguf, read_config
 from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.engine.memory import check_fits as check_memory_fits
+from onepass.engine.memory import estimate
 from onepass.engine.runner import ServeResult, StaticBatchResult, check_fits, run_static
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request
@@ -104,6 +106,16 @@ class EngineSpec:
         return dev, dtype, backend
 
 
+def check_memory(spec: EngineSpec, cfg: ModelConfig, weights: int, what: str, rows: int | None = None) -> None:
+    """Refuse, before anything is allocated, a spec whose weights (`weights` bytes still to allocate), batch + 1
+    cache slots of spec.ctx positions and `rows` step rows (default: the batch) exceed the device's free memory."""
+    dev, dtype, backend = spec.resolve()
+    state_dtype = DTYPES[spec.state_dtype]
+    writeback = resolve_writeback(spec.state_writeback, state_dtype) if backend == "triton" else 1
+    need = estimate(cfg, weights, spec.batch, spec.ctx, dtype, rows, state_dtype, writeback)
+    check_memory_fits(need, dev, what)
+
+
 class Engine:
     """A model on a device with its step kernels, built from an EngineSpec."""
 
@@ -135,6 +147,11 @@ class Engine:
         """Load a GGUF file (its tokenizer too) onto the spec's device; `settings` are EngineSpec fields."""
         spec = replace(spec, **settings) if spec is not None else EngineSpec.of(**settings)
         dev, dtype, _ = spec.resolve()
+        path = Path(path)
+        header = read_config(path)
+        # packed weights stay about the file's size; dequantized ones take every parameter at the dtype
+        held = path.stat().st_size if spec.weights == "packed" else header.param_count() * dtype.itemsize
+        check_memory(spec, header, held, f"{path.name} at batch {spec.batch}")
         t0 = time.perf_counter()
         cfg, weights, _ = load_gguf(Path(path), dtype=dtype, device=dev, progress=progress,
                                     keep_quantized=spec.weights == "packed")

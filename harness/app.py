@@ -12,6 +12,7 @@ from hydra.types import RunMode
 
 from onepass.kernels.errors import OnepassError
 from onepass.harness.callbacks import mark_interrupted
+from onepass.harness.logs import log
 from onepass.harness.schema import register
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the checkout's conf/, or the installed onepass/conf
@@ -36,16 +37,33 @@ def main(cfg) -> float:
     except OnepassError as e:
         if hc.mode == RunMode.MULTIRUN:
             raise  # the sweep reports it for this job and runs the others
-        print(f"[error] {e}", file=sys.stderr)
+        log.error(f"[error] {e}")
         sys.exit(2)
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: a job records its run when it ends, so this one has none
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
         mark_interrupted()
-        if hc.mode == RunMode.MULTIRUN:
-            print(f"[interrupted] job {hc.job.num} stopped before it was recorded, and the sweep stops: its parent run "
-                  "is marked KILLED, the jobs that finished keep their runs", file=sys.stderr)
-        else:
-            print("[interrupted] the run stopped before it was recorded: nothing was logged", file=sys.stderr)
+        log.error(interrupted_line(e, hc.job.num if hc.mode == RunMode.MULTIRUN else None))
         sys.exit(128 + (signal.SIGTERM if e.args == ("SIGTERM",) else signal.SIGINT))
+
+
+def interrupted_line(e: KeyboardInterrupt, job: int | None) -> str:
+    """What a stop left behind, said as it is: a stop while a measured run was being logged leaves its whole record
+    in the spool (harness/tracking.py finish sets `spooled`), and maybe a partial run that `onepass-sync` replaces."""
+    sweep = (" and the sweep stops: its parent run is marked KILLED, the jobs that finished keep their runs"
+             if job is not None else "")
+    what = "the run" if job is None else f"job {job}"
+    spooled = getattr(e, "spooled", None)
+    if spooled is not None:
+        return (f"[interrupted] {what} stopped while its measured run was being logged{sweep}; its whole record is "
+                f"kept at {spooled}, and `onepass-sync` logs it (replacing the partly logged run, if the store holds "
+                "one)")
+    killed = getattr(e, "killed_run", None)   # the job's run, opened when it started (harness/job.py)
+    if job is not None:
+        marked = "; its run is marked KILLED" if killed else ""
+        return f"[interrupted] {what} stopped before it was recorded{marked}{sweep}"
+    if killed:
+        return (f"[interrupted] the run stopped before it was recorded: its run {killed} in the store is marked "
+                "KILLED, with nothing measured")
+    return "[interrupted] the run stopped before it was recorded: nothing was logged"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from onepass.engine.config import ModelConfig, RopeScaling
-from onepass.engine.engine import Engine, EngineSpec
+from onepass.engine.engine import Engine, EngineSpec, check_memory
+from onepass.engine.fused_model import tensor_bytes
 from onepass.engine.gguf_loader import read_config
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.state_pool import check_hybrid_serving
@@ -31,7 +32,7 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
                       int4=e.int4, threads=e.threads).resolve()
 
 
-_IN_MEMORY: dict = {}  # the last in-memory synthetic model built, reused by the next job of a sweep
+_LOADED: dict = {}  # the last model built (its config and load settings, its engine), reused by a sweep's next job
 
 
 def _in_memory(cfg) -> bool:
@@ -43,25 +44,30 @@ def build(cfg) -> Engine:
     """The job's engine: its model file (or in-memory synthetic weights) loaded under the job's spec."""
     spec = spec_of(cfg)
     dev, dtype, _ = spec.resolve()
-    # an in-memory model is reused by the next job of a sweep when only run-time settings changed
+    # the model is reused by the next job of a sweep when only run-time settings changed (a B sweep loads it once)
     memo = (OmegaConf.to_yaml(cfg.model), tuple(getattr(spec, f) for f in Engine.LOAD_FIELDS))
-    if _in_memory(cfg) and _IN_MEMORY.get("key") == memo:
-        return _IN_MEMORY["engine"].respec(spec)
-    _IN_MEMORY.clear()  # free the previous model before making another
+    if _LOADED.get("key") == memo:
+        engine = _LOADED["engine"]
+        check_memory(spec, engine.cfg, 0, f"{cfg.model.name} at batch {spec.batch}")   # its weights are in place
+        return engine.respec(spec)
+    _LOADED.clear()  # free the previous model before making another
     gguf_path = None if _in_memory(cfg) else resolve_gguf(cfg.model, progress=cfg.progress)
     # what the job may not do with this model, refused from its header before minutes of loading
     check_hybrid_serving(synthetic_config(cfg.model.name, cfg.model.synthetic) if gguf_path is None
                          else read_config(gguf_path), cfg.kv_cache.prefix)
     if gguf_path is not None:
         engine = Engine.from_gguf(gguf_path, spec, progress=cfg.progress)
+        _LOADED.update(key=memo, engine=engine)
     else:   # random weights made on the device under the loader's contract (harness/synth.py)
         from onepass.harness.synth import synthetic_in_memory
 
         t0 = time.perf_counter()
         mcfg, weights = synthetic_in_memory(cfg.model.name, cfg.model.synthetic, dtype, dev, spec.weights == "packed")
+        held = sum(tensor_bytes(t) for t in weights.values())   # meta stand-ins: nothing made yet
+        check_memory(spec, mcfg, held, f"{cfg.model.name} (in memory) at batch {spec.batch}")
         engine = Engine.from_weights(mcfg, weights, spec, name=f"{cfg.model.name}-in-memory")
         engine.load_s += time.perf_counter() - t0
-        _IN_MEMORY.update(key=memo, engine=engine)
+        _LOADED.update(key=memo, engine=engine)
     if cfg.model.synthetic is not None and cfg.model.synthetic.rope_scaling and not cfg.model.path:
         engine.cfg = _with_scaling(engine.cfg)  # the file keeps only rope_freqs; the peer wants the parameters
     return engine
@@ -81,6 +87,10 @@ def draft_source(cfg, vocab_size: int, futures: dict[int, list[int]] | None = No
         return None, 0
     if s.method == "ngram":
         return PromptLookup(s.ngram_max), s.k
+    if s.method == "mtp":   # the model's own MTP head, bound to the model by the run (engine/mtp_drafts.py)
+        from onepass.engine.mtp_drafts import MTPDrafts
+
+        return MTPDrafts(), s.k
     return ScriptedDrafts(futures or {}, s.acceptance, vocab_size, seed=cfg.workload.seed), s.k
 
 

@@ -33,6 +33,9 @@ def check_decode(cfg, backend: str) -> None:
                           "1..max_new_tokens")
     if w.num_requests < 0:
         raise ConfigError(f"workload.num_requests={w.num_requests}; 0 (a static batch) or a positive request count")
+    if w.synthetic_prompt_len < 1:   # read when the model has no tokenizer (synthetic weights)
+        raise ConfigError(f"workload.synthetic_prompt_len={w.synthetic_prompt_len}; a prompt needs at least one "
+                          "token")
     if sc.mode != "static" and w.num_requests < 1:
         raise ConfigError(f"scheduler.mode={sc.mode} serves a stream of requests, and workload.num_requests=0 gives "
                           "none: pick a serving workload (workload=serve_p_short) or set workload.num_requests=N")
@@ -67,14 +70,11 @@ def check_kv_cache(kvc, backend: str) -> None:
 
 
 def check_speculative(cfg) -> None:
-    """The speculative group, before the model loads: a known method, k drafts that fit the context, a model that
-    can roll back."""
+    """The speculative group, before the model loads: a known method, k drafts that fit the context, an MTP head where
+    the drafts come from one (a synthetic model's shapes tell; a file's header is checked when the engine binds it)."""
     from onepass.engine.drafts import METHODS
 
     s, ctx = cfg.speculative, cfg.kv_cache.ctx
-    if s.method == "mtp":
-        raise ConfigError("speculative=mtp (the qwen35 MTP head as the draft) is not built yet; use speculative=ngram "
-                          "or scripted on llama / qwen3 models")
     if s.method not in METHODS:
         raise ConfigError(f"speculative.method={s.method!r}; choose one of {', '.join(METHODS)}")
     if s.method == "off":
@@ -84,9 +84,11 @@ def check_speculative(cfg) -> None:
         if not 1 <= k < ctx:
             raise ConfigError(f"speculative.k={k}: draft tokens a step, between 1 and kv_cache.ctx - 1 ({ctx - 1})")
     synth = cfg.model.synthetic
-    if synth is not None and not cfg.model.path and not cfg.model.package and synth.arch == "qwen35":
-        raise ConfigError("speculative decoding on qwen35 needs its recurrent state rolled back past rejected drafts "
-                          "(and speculative=mtp its MTP head): not built yet; use speculative=off with this model")
+    if s.method == "mtp" and synth is not None and not cfg.model.path and not cfg.model.package and (
+            synth.arch != "qwen35" or getattr(synth, "mtp_layers", 0) < 1):
+        raise ConfigError(f"speculative=mtp drafts with the model's own MTP head, and model={cfg.model.name} "
+                          f"({synth.arch}, synthetic) has none: give model.path a qwen35 GGUF that keeps its MTP "
+                          "block, or use speculative=ngram")
     if s.method == "scripted" and cfg.scheduler.mode != "static" and cfg.sampling.temperature > 0:
         raise ConfigError("speculative=scripted in a served queue takes its futures from the greedy single stream; "
                           "use sampling=greedy, or speculative=ngram")

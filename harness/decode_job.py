@@ -2,7 +2,6 @@
 the verification, the printed lines and the run record."""
 from __future__ import annotations
 
-import resource
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +16,10 @@ from onepass.engine.verify import verify_greedy, verify_sampled
 from onepass.harness.build import build, draft_source, resolve_engine, sampling_params
 from onepass.harness.checks import check_decode, check_pool
 from onepass.harness.job import RunRecord
+from onepass.harness.logs import log
+from onepass.harness.noise import CpuWindow, guard
+from onepass.harness.spread import check_measure, repeat, spread, spreads
+from onepass.harness.usage import Energy, JobUsage
 from onepass.harness.roofline import copy_bandwidth, decode_floor_bytes, hybrid_floor_bytes, weight_bytes_per_step
 from onepass.harness.serve_job import run_serving
 from onepass.harness.workload import prompt_ids, workload_digest
@@ -43,12 +46,6 @@ def ready_scales_mb(dev: torch.device) -> float:
     return ready_bytes(dev) / 2**20 if dev.type == "cuda" else 0.0
 
 
-def peak_mem_mb(dev: torch.device) -> float:
-    if dev.type == "cuda":
-        return torch.cuda.max_memory_allocated(dev) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB: the process peak RSS
-
-
 def percentile_ms(xs: list[float], q: float) -> float:
     return float(torch.tensor(xs, dtype=torch.float64).quantile(q)) * 1e3 if xs else 0.0
 
@@ -61,16 +58,33 @@ class DecodeJob:
     """A model decoding its workload: one static batch checked against the single stream (scheduler.mode=static),
     or a queue of requests served in waves or continuously, each checked against its prompt's single stream."""
 
+    # the config sections a decode run reads: its params in the store
+    sections = ("model", "batch", "kv_cache", "scheduler", "sampling", "workload", "engine", "speculative", "verify",
+                "peer", "measure", "job", "table")
+
     def __init__(self, name: str = "decode"):
         self.name = name
 
+    def check(self, cfg) -> None:
+        """What the config alone can refuse, before any model loads (harness/preflight.py)."""
+        dev, _, backend = resolve_engine(cfg.engine)
+        check_decode(cfg, backend)
+        check_measure(cfg.measure)
+        sampling_params(cfg)
+        if cfg.peer.enabled and cfg.scheduler.mode == "static" and dev.type != "cuda":
+            raise ConfigError("peer.enabled=true compares against HF transformers on the GPU (its static cache is "
+                              f"compiled for CUDA), and this job runs on {dev.type}; set peer.enabled=false")
+
     def run(self, cfg) -> Iterator[RunRecord]:
-        yield decode_run(cfg)
+        with JobUsage(resolve_engine(cfg.engine)[0]) as usage:
+            record = decode_run(cfg, usage)
+        record.metrics.update(usage.metrics())
+        yield record
 
 
-def decode_run(cfg) -> RunRecord:
+def decode_run(cfg, usage: JobUsage) -> RunRecord:
     w, B = cfg.workload, cfg.batch.size
-    check_decode(cfg, resolve_engine(cfg.engine)[2])
+    DecodeJob().check(cfg)
     sampling = sampling_params(cfg)
     built = build(cfg)
     mcfg, tok, dev, dtype = built.cfg, built.tokenizer, built.device, built.dtype
@@ -78,24 +92,26 @@ def decode_run(cfg) -> RunRecord:
     check_pool(check_fits(len(ids), w.max_new_tokens, cfg.kv_cache.ctx), cfg.kv_cache, B)
     stop_ids = () if w.ignore_eos else (tok.stop_ids if tok else mcfg.eos_ids)
     ctx = cfg.kv_cache.ctx
-    print(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "
-          f"{mcfg.vocab_size}; {built.source.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "
-          f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''}"
-          f"{', PDL' if built.pdl_mode() else ''}; "
-          f"weights {cfg.engine.weights}: {weights_mb(built.weights):,.0f} MiB on the device, file "
-          f"{file_mb(built.source):,.0f} MiB)")
-    print(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
-          f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, prefill={cfg.scheduler.prefill}")
+    log.info(f"[model] {mcfg.name or cfg.model.name}: {mcfg.arch}, {mcfg.n_layers} layers, dim {mcfg.dim}, vocab "
+             f"{mcfg.vocab_size}; {built.source.name} loaded in {built.load_s:.1f}s on {dev} ({str(dtype)[6:]}, "
+             f"{built.backend} kernels{', CUDA graphs' if built.backend == 'triton' and cfg.engine.cuda_graphs else ''}"
+             f"{', PDL' if built.pdl_mode() else ''}; "
+             f"weights {cfg.engine.weights}: {weights_mb(built.weights):,.0f} MiB on the device, file "
+             f"{file_mb(built.source):,.0f} MiB)")
+    log.info(f"[workload] {w.name}: prompt {len(ids)} tokens x {B} slots, {w.max_new_tokens} new tokens, "
+             f"{'greedy' if sampling.greedy else f'temperature {sampling.temperature}'}, "
+             f"prefill={cfg.scheduler.prefill}")
 
     if cfg.scheduler.mode != "static":
-        metrics, artifacts, vline, perf = run_serving(cfg, built, ids, stop_ids, sampling)
-        metrics.update(peak_mem_mb=peak_mem_mb(dev), prompt_len=len(ids), load_s=built.load_s,
-                       ready_scales_mb=ready_scales_mb(dev))
-        print(f"[verify] {vline}")
-        print(perf)
+        with CpuWindow() as window:
+            metrics, artifacts, vline, perf, reason = run_serving(cfg, built, ids, stop_ids, sampling)
+        metrics.update(usage.metrics(), prompt_len=len(ids), load_s=built.load_s, ready_scales_mb=ready_scales_mb(dev))
+        log.info(f"[verify] {vline}")
+        log.info(perf)
         tags = {"workload_hash": workload_digest([ids], w), "model_file": built.source.name, "backend": built.backend,
-                "dtype": str(dtype).removeprefix("torch."), "verify": vline}
-        return RunRecord(f"{cfg.table} {cfg.model.name} B={B} {cfg.scheduler.mode}", dev, metrics, tags, artifacts)
+                "dtype": str(dtype).removeprefix("torch."), "verify": vline, **_reason_tag(reason),
+                **_noise(metrics, window, usage, cfg.measure)}
+        return RunRecord(f"B={B} {cfg.model.name} {cfg.scheduler.mode}", dev, metrics, tags, artifacts)
 
     def run(batch: int, new_tokens: int, progress: bool = False, drafts=None, k: int = 0
             ) -> tuple[StaticBatchResult, object]:
@@ -103,13 +119,16 @@ def decode_run(cfg) -> RunRecord:
                              drafts=drafts, spec_k=k)
         return r, r.cache
 
-    for n in (1, B):  # warm both shapes so neither timed run pays first-call costs
-        run(n, min(4, w.max_new_tokens))
-    # The single-stream run: the greedy reference and the "x single stream" baseline, same process.
-    single, _ = run(1, w.max_new_tokens)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    result, kv = run(B, w.max_new_tokens, cfg.progress)
+    # The single stream (the greedy reference and the "x single stream" baseline, same process), then the batch: each
+    # warmed on its shape (no timed run pays first-call costs), then timed measure.repeats times; the first run of
+    # each is the one verified. CPU contention and the card's energy are read over the timed runs.
+    warm = min(4, w.max_new_tokens)
+    with CpuWindow() as window:
+        singles = repeat(lambda: run(1, w.max_new_tokens)[0], cfg.measure, warm=lambda: run(1, warm))
+        with Energy(usage.gpu) as energy:
+            batches = repeat(lambda: run(B, w.max_new_tokens, cfg.progress)[0], cfg.measure, warm=lambda: run(B, warm))
+    single, result = singles[0], batches[0]
+    kv = result.cache
     spec_metrics, spec_line = {}, ""
     if cfg.speculative.method != "off":   # the same batch again with drafts: token for token the same output
         drafts, k = draft_source(cfg, mcfg.vocab_size, dict(enumerate(result.outputs)))
@@ -121,24 +140,27 @@ def decode_run(cfg) -> RunRecord:
         spec_line = (f"; with {cfg.speculative.method} drafts (k={k}) token for token the run without: "
                      f"{str(same).lower()}")
 
-    verdict = (verify_greedy(result.outputs, single.outputs[0]) if sampling.greedy
+    verdict = (verify_greedy(result.outputs, single.outputs[0], single.logits_finite) if sampling.greedy
                else verify_sampled(result.outputs, sampling.temperature))
     if spec_line:
-        verdict = replace(verdict, ok=verdict.ok and bool(spec_metrics["spec_same_tokens"]),
-                          line=verdict.line + spec_line)
-    tput, single_tput = decode_rate(result), decode_rate(single)
-    metrics = {
-        "throughput_tok_s": tput, "per_stream_tok_s": tput / B,
-        "step_ms_p50": percentile_ms(result.step_s, 0.5), "step_ms_p90": percentile_ms(result.step_s, 0.9),
-        "steps": len(result.step_s), "verify_ok": int(verdict.ok), "peak_mem_mb": peak_mem_mb(dev),
-        "pdl": built.pdl_mode(),
-        "single_stream_tok_s": single_tput, "speedup_vs_single": tput / single_tput if single_tput else 0.0,
-        "prefill_ms": result.prefill_s * 1e3, "generated_tokens": result.generated_tokens,
-        "e2e_tok_s": result.generated_tokens / (result.prefill_s + result.decode_s), "prompt_len": len(ids),
+        same = bool(spec_metrics["spec_same_tokens"])
+        verdict = replace(verdict, ok=verdict.ok and same, line=verdict.line + spec_line,
+                          reason="; ".join(r for r in (verdict.reason, "" if same else "speculation changed the tokens")
+                                           if r))
+    # every timed figure as the median of its repeats with the spread beside it (a speculative batch: its one run)
+    metrics = {**spreads([timed(r, B) for r in (batches if not spec_metrics else [result])]),
+               **spread("single_stream_tok_s", [decode_rate(r) for r in singles])}
+    tput, single_tput = metrics["throughput_tok_s"], metrics["single_stream_tok_s"]
+    metrics.update({
+        "steps": len(result.step_s), "verify_ok": int(verdict.ok), "repeats": len(batches), **usage.metrics(),
+        "pdl": built.pdl_mode(), "speedup_vs_single": tput / single_tput if single_tput else 0.0,
+        "generated_tokens": result.generated_tokens, "prompt_len": len(ids),
         "kv_cache_mb": kv.nbytes / 2**20, "load_s": built.load_s, "weights_mb": weights_mb(built.weights),
         "ready_scales_mb": ready_scales_mb(dev),
         "gguf_mb": file_mb(built.source),
-    }
+    })
+    if energy.joules is not None:   # the card's energy over the timed batches, per token they made
+        metrics["joules_per_token"] = energy.joules / sum(r.generated_tokens for r in batches)
     metrics.update({k: float(v) for k, v in verdict.detail.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
     metrics.update(spec_metrics)
@@ -153,14 +175,17 @@ def decode_run(cfg) -> RunRecord:
             floor_bytes += built.model.weight_bytes() - weight_bytes_per_step(mcfg, dtype.itemsize)
         metrics.update(copy_bw_tbps=bw / 1e12, step_floor_ms=floor_bytes / bw * 1e3,
                        floor_frac=floor_bytes / bw / (metrics["step_ms_p50"] / 1e3))
-    print(f"[verify] {verdict.line}")
-    perf = (f"[perf] B={B}: {tput:,.1f} tok/s aggregate ({tput / B:,.1f} per stream, "
+    log.info(f"[verify] {verdict.line}")
+    perf = (f"[perf] B={B}: {tput:,.1f} tok/s aggregate (p10-p90 {metrics['throughput_tok_s_p10']:,.1f}-"
+            f"{metrics['throughput_tok_s_p90']:,.1f} over {len(batches)} runs; {tput / B:,.1f} per stream, "
             f"{metrics['speedup_vs_single']:.2f}x single stream at {single_tput:,.1f} tok/s); "
             f"step p50 {metrics['step_ms_p50']:.3f} ms, p90 {metrics['step_ms_p90']:.3f} ms "
             f"over {metrics['steps']} steps; "
             f"prefill {metrics['prefill_ms']:.1f} ms; peak mem {metrics['peak_mem_mb']:.0f} MB"
             + (f" (ready Q4_K scale words {metrics['ready_scales_mb']:,.0f} MB of it)"
                if metrics["ready_scales_mb"] else ""))
+    if "joules_per_token" in metrics:
+        perf += f"; {metrics['joules_per_token']:.3f} J/token"
     if "floor_frac" in metrics:
         perf += f"; floor {metrics['step_floor_ms']:.3f} ms/step ({metrics['floor_frac']:.0%} reached)"
     if spec_metrics:
@@ -168,17 +193,37 @@ def decode_run(cfg) -> RunRecord:
         perf += (f"; drafts k={m['spec_k']:.0f}: {m['tokens_per_step']:.2f} tokens a slot a step, "
                  f"{m['acceptance_rate']:.0%} of drafts kept, {m['speedup_vs_nonspec']:.2f}x the batch without "
                  f"drafts ({m['nonspec_tok_s']:,.1f} tok/s)")
-    print(perf)
+    log.info(perf)
     if cfg.peer.enabled and (not cfg.peer.batches or B in cfg.peer.batches):
         metrics.update(_peer(built, ids, B, w.max_new_tokens, tput))
 
     artifacts = {
         "samples.txt": _samples(tok, ids, single.outputs[0], result.outputs, cfg.verify.sample_streams),
-        "step_times.json": {"decode_step_ms": [s * 1e3 for s in result.step_s], "prefill_ms": result.prefill_s * 1e3},
+        "step_times.json": {"decode_step_ms": [s * 1e3 for s in result.step_s], "prefill_ms": result.prefill_s * 1e3,
+                            "repeats_step_ms": [[s * 1e3 for s in r.step_s] for r in batches]},
     }
     tags = {"workload_hash": workload_digest([ids], w), "model_file": built.source.name, "backend": built.backend,
-            "dtype": str(dtype).removeprefix("torch."), "verify": verdict.line}
-    return RunRecord(f"{cfg.table} {cfg.model.name} B={B}", dev, metrics, tags, artifacts)
+            "dtype": str(dtype).removeprefix("torch."), "verify": verdict.line, **_reason_tag(verdict.reason),
+            **_noise(metrics, window, usage, cfg.measure)}
+    return RunRecord(f"B={B} {cfg.model.name} static", dev, metrics, tags, artifacts)
+
+
+def timed(r: StaticBatchResult, B: int) -> dict[str, float]:
+    """One timed static batch's figures (the repeats' spread is taken of these)."""
+    tput = decode_rate(r)
+    return {"throughput_tok_s": tput, "per_stream_tok_s": tput / B, "step_ms_p50": percentile_ms(r.step_s, 0.5),
+            "step_ms_p90": percentile_ms(r.step_s, 0.9), "prefill_ms": r.prefill_s * 1e3,
+            "e2e_tok_s": r.generated_tokens / (r.prefill_s + r.decode_s)}
+
+
+def _noise(metrics: dict, window: CpuWindow, usage: JobUsage, m) -> dict[str, str]:
+    """The noise guard's tags for a decode run: the throughputs' spread, CPU contention, what NVML saw."""
+    return guard(metrics, window.result, sorted(usage.gpu_events), m)
+
+
+def _reason_tag(reason: str) -> dict[str, str]:
+    """The verdict's reason as the run's `verify_reason` tag, when it failed."""
+    return {"verify_reason": reason} if reason else {}
 
 
 def speculation_metrics(spec: StaticBatchResult, plain: StaticBatchResult, B: int, k: int) -> dict[str, float]:
@@ -230,8 +275,8 @@ def _peer(built: Engine, ids: list[int], batch: int, new_tokens: int, ours: floa
     r = hf_static_generate_rate(model, ids, batch, new_tokens)
     del model
     torch.cuda.empty_cache()
-    print(f"[peer] HF transformers generate(static cache, compiled) B={batch}: {r['peer_tok_s']:,.1f} tok/s "
-          f"({r['peer_step_ms']:.2f} ms/step); onepass is {ours / r['peer_tok_s']:.2f}x")
+    log.info(f"[peer] HF transformers generate(static cache, compiled) B={batch}: {r['peer_tok_s']:,.1f} tok/s "
+             f"({r['peer_step_ms']:.2f} ms/step); onepass is {ours / r['peer_tok_s']:.2f}x")
     return {"peer_tok_s": r["peer_tok_s"], "peer_step_ms": r["peer_step_ms"], "peer_warmup_s": r["peer_warmup_s"],
             "speedup_vs_peer": ours / r["peer_tok_s"]}
 

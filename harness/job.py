@@ -2,17 +2,17 @@
 record every run the job yields, each as soon as it is measured."""
 from __future__ import annotations
 
-import dataclasses
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from onepass.harness.record import record_run
+from onepass.harness import tracking
+from onepass.harness.preflight import check_job
+from onepass.harness.record import record_run, run_name, sweep_tags
 from onepass.kernels.errors import ConfigError
 
 
@@ -29,37 +29,40 @@ class RunRecord:
 
 
 class Job(Protocol):
+    """A job: `run` yields its measured runs. It may also have `check(cfg)` (what the config alone can refuse, run
+    before any model loads) and `sections` (the config sections it reads, logged as its runs' params)."""
+
     def run(self, cfg) -> Iterator[RunRecord]: ...
 
 
-def unknown_keys(node, prefix: str = "") -> list[str]:
-    """Keys of a schema-backed config node that its dataclass does not declare (`+batch.sise=4` adds one: Hydra
-    accepts a `+` key where the schema would refuse the same key without it)."""
-    kind = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(kind):
-        return []
-    declared = {f.name for f in dataclasses.fields(kind)}
-    out = []
-    for key in node.keys():
-        if key not in declared:
-            out.append(f"{prefix}{key}")
-        elif isinstance(node._get_node(key), DictConfig):
-            out += unknown_keys(node._get_node(key), f"{prefix}{key}.")
-    return out
-
-
 def run_job(cfg, out_dir: Path) -> float:
-    """Run the job `cfg.job` names and record its runs; returns the last run's throughput (the sweep's value)."""
-    if unknown := unknown_keys(cfg):
-        raise ConfigError(f"unknown setting {', '.join(unknown)}: no such key in the config schema "
-                          "(harness/schema.py); check its spelling (a `+` before a key adds it without that check)")
-    try:
-        OmegaConf.to_object(cfg)     # every value resolved and typed before anything loads
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"the config does not resolve: {e}".splitlines()[0]) from None
-    job: Job = instantiate(cfg.job)
+    """Run the job `cfg.job` names and record its runs; returns the last run's throughput (the sweep's value). The
+    config is checked whole first (harness/preflight.py); the job's run in the store opens when the job starts."""
+    start_ms = int(time.time() * 1000)
+    job = check_job(cfg)
+    if cfg.progress and not sys.stderr.isatty():   # a progress bar in a log file is noise
+        cfg.progress = False
+    live = tracking.LiveRun.open(cfg.tracking, run_name(cfg, cfg.table), sweep_tags(cfg), start_ms)
     last = 0.0
-    for r in job.run(cfg):
-        record_run(r.cfg if r.cfg is not None else cfg, r.name, r.device, r.metrics, r.tags, r.artifacts, out_dir)
-        last = float(r.metrics.get("throughput_tok_s", last))
+    try:
+        for r in job.run(cfg):
+            record_run(r.cfg if r.cfg is not None else cfg, r.name, r.device, r.metrics, r.tags, r.artifacts, out_dir,
+                       live, getattr(job, "sections", None) if r.cfg is None else None)
+            live = None   # a job's later runs are logged as runs of their own
+            last = float(r.metrics.get("throughput_tok_s", last))
+    except KeyboardInterrupt as e:
+        if live is not None:
+            live.close("KILLED")
+            e.killed_run = live.run_id
+        raise
+    except ConfigError:   # bad input found once the job was under way (a prompt longer than ctx): not a run
+        if live is not None:
+            live.discard()
+        raise
+    except BaseException:
+        if live is not None:
+            live.close("FAILED")
+        raise
+    if live is not None:   # the job measured nothing
+        live.close("FAILED")
     return last

@@ -7,6 +7,7 @@ slot's output bit-exact with the same slot computed alone.
 """
 from __future__ import annotations
 
+import statistics
 from typing import Iterator
 
 import torch
@@ -14,14 +15,19 @@ import torch
 from onepass.harness.build import resolve_engine
 from onepass.harness.checks import check_micro
 from onepass.harness.job import RunRecord
+from onepass.harness.logs import log
+from onepass.harness.noise import CpuWindow, guard
+from onepass.harness.spread import spread
+from onepass.harness.usage import JobUsage
 from onepass.kernels.errors import ConfigError
 
 
-def _bench_graph(fn, reps: int = 20) -> float:
-    """Median seconds per call of `fn`, replayed inside a CUDA graph (launch gaps excluded)."""
+def _bench_graph(fn, reps: int = 20) -> list[float]:
+    """Seconds per call of `fn` in each of triton's timed replays of a CUDA graph of it (launch gaps excluded; triton
+    warms it up, then times ten replays of many calls each): the repeats whose median and spread are logged."""
     import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=reps) / 1e3
+    return [t / 1e3 for t in triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="all")]
 
 
 def projection_crossover(m, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[dict, str]:
@@ -35,13 +41,15 @@ def projection_crossover(m, batch: int, device: torch.device, dtype: torch.dtype
     out = torch.empty(batch, m.n, device=device, dtype=dtype)
     one = torch.empty(1, m.n, device=device, dtype=dtype)
     rows = [x[i:i + 1] for i in range(batch)]
-    t_gemm = _bench_graph(lambda: linear(x, w, out=out))
-    t_gemv = _bench_graph(lambda: linear(rows[0], w, out=one))
-    t_cublas = _bench_graph(lambda: torch.matmul(x, w.t(), out=out))
+    s_gemm = _bench_graph(lambda: linear(x, w, out=out))
+    t_gemm = statistics.median(s_gemm)
+    t_gemv = statistics.median(_bench_graph(lambda: linear(rows[0], w, out=one)))
+    t_cublas = statistics.median(_bench_graph(lambda: torch.matmul(x, w.t(), out=out)))
     flops, wbytes = 2 * batch * m.n * m.k, m.n * m.k * dtype.itemsize
     metrics = {"gemm_us": t_gemm * 1e6, "gemv_us": t_gemv * 1e6, "cublas_us": t_cublas * 1e6,
                "speedup_vs_separate": batch * t_gemv / t_gemm, "tflops": flops / t_gemm / 1e12,
                "weight_tbps": wbytes / t_gemm / 1e12, "throughput_tok_s": batch / t_gemm, "verify_ok": 1}
+    metrics.update(spread("gemm_us", [t * 1e6 for t in s_gemm]))
     # every row of the batched GEMM is bit-exact with that row alone (batch invariance)
     linear(x, w, out=out)
     alone = torch.cat([linear(r, w) for r in rows[: min(batch, 16)]])
@@ -68,8 +76,10 @@ def decode_attention_bench(m, batch: int, device: torch.device, dtype: torch.dty
     pos = torch.full((batch,), L - 1, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     ws, out = make_workspace(batch, H, D, L, sms, device, kv_heads=KVH), torch.empty_like(q)
-    t = _bench_graph(lambda: decode_attention(q, k, v, slots, pos, out=out, workspace=ws, num_sms=sms, max_len=L))
-    t1 = _bench_graph(lambda: decode_attention(q[:1], k, v, slots[:1], pos[:1], workspace=ws, num_sms=sms, max_len=L))
+    s_attn = _bench_graph(lambda: decode_attention(q, k, v, slots, pos, out=out, workspace=ws, num_sms=sms, max_len=L))
+    t = statistics.median(s_attn)
+    t1 = statistics.median(_bench_graph(lambda: decode_attention(q[:1], k, v, slots[:1], pos[:1], workspace=ws,
+                                                                 num_sms=sms, max_len=L)))
     kv_bytes = 2 * batch * L * KVH * D * dtype.itemsize
     decode_attention(q, k, v, slots, pos, out=out, workspace=ws, num_sms=sms, max_len=L)
     alone = torch.cat([decode_attention(q[i:i + 1], k, v, slots[i:i + 1], pos[i:i + 1], num_sms=sms, max_len=L)
@@ -79,7 +89,7 @@ def decode_attention_bench(m, batch: int, device: torch.device, dtype: torch.dty
     ok = torch.equal(out[: alone.shape[0]], alone) and err < 2e-2
     metrics = {"attn_us": t * 1e6, "attn_one_slot_us": t1 * 1e6, "kv_tbps": kv_bytes / t / 1e12,
                "speedup_vs_one_slot": batch * t1 / t, "max_abs_err": err, "verify_ok": int(ok),
-               "throughput_tok_s": batch / t}
+               "throughput_tok_s": batch / t, **spread("attn_us", [s * 1e6 for s in s_attn])}
     line = (f"decode attention {H}/{KVH} heads x {D}, ctx {L}, B={batch}: {metrics['attn_us']:.1f} us "
             f"({metrics['kv_tbps']:.2f} TB/s of KV) vs one slot {metrics['attn_one_slot_us']:.1f} us: "
             f"{metrics['speedup_vs_one_slot']:.1f}x aggregate; bit-exact per slot and |err| {err:.1e} vs reference: "
@@ -102,15 +112,27 @@ MICRO["gdn_step"] = _gdn_step  # the fused GDN decode step vs flash-linear-atten
 class MicroJob:
     """One micro-benchmark on synthetic dimensions (`micro`), no model load: `name` is one of MICRO."""
 
+    # the config a micro-benchmark reads: its params
+    sections = ("micro", "batch", "engine", "measure", "job", "table")
+
     def __init__(self, name: str):
         if name not in MICRO:
             raise ConfigError(f"job={name!r}: a micro-benchmark is one of {', '.join(sorted(MICRO))}")
         self.name = name
 
+    def check(self, cfg) -> None:
+        check_micro(cfg)   # sizes first: a CPU machine sees the refusal the GPU would
+        if resolve_engine(cfg.engine)[0].type != "cuda":
+            raise ConfigError(f"{self.name} times GPU kernels; it needs a CUDA device (engine.device=cuda)")
+
     def run(self, cfg) -> Iterator[RunRecord]:
         check_micro(cfg)
         dev, dtype, _ = resolve_engine(cfg.engine)
-        metrics, line = MICRO[self.name](cfg.micro, cfg.batch.size, dev, dtype)
-        print(f"[verify] {self.name}: {bool(metrics['verify_ok'])}".lower())
-        print(f"[perf] {line}")
-        yield RunRecord(f"{cfg.table} B={cfg.batch.size}", dev, metrics, {"dtype": str(dtype).removeprefix("torch.")})
+        with CpuWindow() as window, JobUsage(dev) as usage:
+            metrics, line = MICRO[self.name](cfg.micro, cfg.batch.size, dev, dtype)
+        metrics.update(usage.metrics())
+        log.info(f"[verify] {self.name}: {bool(metrics['verify_ok'])}".lower())
+        log.info(f"[perf] {line}")
+        tags = {"dtype": str(dtype).removeprefix("torch."),
+                **guard(metrics, window.result, sorted(usage.gpu_events), cfg.measure, ("gemm_us", "attn_us"))}
+        yield RunRecord(f"B={cfg.batch.size} {cfg.table}", dev, metrics, tags)

@@ -12,6 +12,7 @@ the targets stand (tables with targets), then "Every recorded row", the full tab
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import sys
@@ -23,6 +24,9 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 REPORTS = ROOT / "reports"
+# where reports of a user's own runs go (under the working folder; ignored by git): the committed reports/ change only
+# when a recorded runs.csv does (--record), or when asked (--out reports)
+LOCAL_REPORTS = Path("outputs") / "reports"
 TABLES: dict[str, Callable[[pd.DataFrame], tuple[str, object | None]]] = {}
 # one sentence per table on what it measures (the results book's first line of each section)
 ABOUT: dict[str, str] = {}
@@ -38,19 +42,22 @@ def table(name: str, about: str = ""):
     return deco
 
 
-def runs_from_store(name: str, uri: str, newest: bool = True) -> pd.DataFrame:
+def runs_from_store(name: str, uri: str, newest: bool = True, sweep_id: str | None = None) -> pd.DataFrame:
     """The newest sweep (or, without sweeps, every finished run) tagged with this table; where several
-    experiment files record into one table, the newest sweep of each. newest=False: every finished run."""
+    experiment files record into one table, the newest sweep of each. newest=False: every finished run; sweep_id:
+    that sweep's finished runs."""
     import mlflow
 
-    from onepass.harness.tracking import check_reachable
+    from onepass.harness.tracking import check_reachable, sqlite_file, store_lock
 
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+    if (db := sqlite_file(uri)) is not None and not db.is_file():
         return pd.DataFrame()   # no file, no runs: reading must not leave an empty store behind
-    check_reachable(uri)
-    mlflow.set_tracking_uri(uri)
-    df = mlflow.search_runs(search_all_experiments=True,
-                            filter_string=f"tags.table = '{name}' and attributes.status = 'FINISHED'")
+    with store_lock(uri):       # a store being created by a sweep is read once it is whole
+        check_reachable(uri)    # an empty file is refused, never given a schema
+        mlflow.set_tracking_uri(uri)
+        df = mlflow.search_runs(search_all_experiments=True,
+                                filter_string=f"tags.table = '{name}' and attributes.status = 'FINISHED'"
+                                + (f" and tags.sweep_id = '{sweep_id}'" if sweep_id else ""))
     if df.empty:
         return df
     if "tags.onepass.kind" in df:
@@ -63,9 +70,55 @@ def runs_from_store(name: str, uri: str, newest: bool = True) -> pd.DataFrame:
     return df.reset_index(drop=True)
 
 
+class RunsFileError(ValueError):
+    """A recorded runs.csv that cannot be read as a table of runs: said with the file and how to mend it."""
+
+
 def runs_from_csv(name: str) -> pd.DataFrame:
+    """experiments/<name>/runs.csv as a frame of text cells (empty where there is no file); RunsFileError where the
+    file is empty, binary, not a CSV table, or has a row that is not a run."""
     path = EXPERIMENTS / name / "runs.csv"
-    return pd.read_csv(path, dtype=str) if path.is_file() else pd.DataFrame()
+    if not path.is_file():
+        return pd.DataFrame()
+    where = _shown(path)
+    fix = f"restore it (git checkout -- {where}) or record it again (onepass-report {name} --record --replace)"
+    data = path.read_bytes()
+    if not data.strip():
+        raise RunsFileError(f"{where} is empty; {fix}")
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RunsFileError(f"{where} is binary, not a CSV table of runs; {fix}") from None
+    try:
+        df = pd.read_csv(io.StringIO(text), dtype=str)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+        raise RunsFileError(f"{where} is not a CSV table of runs ({str(e).strip().splitlines()[0]}); {fix}") from None
+    if "run_id" not in df:
+        raise RunsFileError(f"{where} has no run_id column (its header: {', '.join(map(str, df.columns[:4]))}, ...), "
+                            f"so it is not a table of recorded runs; {fix}")
+    # a cell each row must hold: a run id, a time, numbers for metrics (empty where a run did not log one)
+    bad = {"run_id": df["run_id"].fillna("").str.strip() == ""}
+    if "start_time" in df:
+        bad["start_time"] = pd.to_datetime(df["start_time"], errors="coerce", format="mixed").isna()
+    for c in (c for c in df.columns if c.startswith("metrics.")):
+        bad[c] = df[c].notna() & pd.to_numeric(df[c], errors="coerce").isna()
+    for c, rows in bad.items():
+        if rows.any():
+            i = int(rows.to_numpy().nonzero()[0][0])   # file line = row + 2 (the header is line 1)
+            raise RunsFileError(f"{where} line {i + 2} is not a recorded run ({c}={df[c].iloc[i]!r} is not "
+                                f"{'a number' if c.startswith('metrics.') else 'given' if c == 'run_id' else 'a time'})"
+                                f": delete or correct that line, or {fix}")
+    return df
+
+
+def _shown(path: Path) -> str:
+    """path relative to the checkout where it lies inside it (as a user would type it there)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 # The columns that name one row of a table, for `--record --merge`: a rerun's row replaces the recorded row with the
@@ -287,6 +340,37 @@ def _report(headline: str, rows: str, note: str = "", standing: str = "") -> str
 NEWEST_NOTE = "Each cell: the newest recorded row of its configuration at that B (✗: that row did not verify)."
 
 
+# a speed-up over the single stream above B by more than this reads as a measurement fault, not as batching
+SPEEDUP_MARGIN = 0.05
+FLAGS_NOTE = ("Spread: the 10th-90th percentile of the timed repeats (— for runs recorded before repeats). Flags: "
+              "noisy (the noise guard saw contention or a spread above its threshold while the run measured; the "
+              "reason is the run's tag noise_reason), and a speed-up above B x the single-stream rate, which batching "
+              f"cannot give (more than {SPEEDUP_MARGIN:.0%} above B: a disturbed measurement).")
+
+
+def spread_cell(df: pd.DataFrame, metric: str, fmt: str = ",.1f") -> pd.Series:
+    """Each run's p10-p90 of a metric over its repeats as text ("—" where the run has no repeats)."""
+    lo, hi = _opt(df, f"metrics.{metric}_p10"), _opt(df, f"metrics.{metric}_p90")
+    return pd.Series([f"{a:{fmt}}-{b:{fmt}}" if pd.notna(a) and pd.notna(b) else "—" for a, b in zip(lo, hi)],
+                     index=df.index)
+
+
+def flags(df: pd.DataFrame) -> pd.Series:
+    """What a reader must know before trusting a row: noisy (with the guard's first reason), or a speed-up above
+    B x the single-stream rate."""
+    noisy = _tag(df, "tags.noisy") == "true"
+    reason = _tag(df, "tags.noise_reason").str.split("; ").str[0]
+    B, speedup = num(df, "params.batch.size"), _opt(df, "metrics.speedup_vs_single")
+    above = speedup > B * (1 + SPEEDUP_MARGIN)
+    out = []
+    for i in df.index:
+        f = [f"noisy: {reason[i]}" if reason[i] != "—" else "noisy"] if noisy[i] else []
+        if above[i]:
+            f.append(f"speed-up {speedup[i]:.2f}x above B = {B[i]:.0f}")
+        out.append("; ".join(f) or "—")
+    return pd.Series(out, index=df.index)
+
+
 @table("static_batching", "Aggregate decode throughput of B copies of one prompt decoded in lockstep by the CPU "
                           "reference engine (SmolLM2-135M), against the single stream, every stream checked "
                           "against it.")
@@ -294,14 +378,20 @@ def static_batching(df: pd.DataFrame):
     d = pd.DataFrame({
         "B": num(df, "params.batch.size").astype(int),
         "aggregate tok/s": num(df, "metrics.throughput_tok_s"),
+        "p10-p90": spread_cell(df, "throughput_tok_s"),
         "vs single-stream": num(df, "metrics.speedup_vs_single"),
         "per-stream tok/s": num(df, "metrics.per_stream_tok_s"),
         "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
         "verified": check(num(df, "metrics.verify_ok")),
+        "flags": flags(df),
     }).sort_values("B")
-    md = d.to_markdown(index=False, floatfmt=(".0f", ",.1f", ".2f", ",.1f", ".2f", ""))
-    # six columns: the headline is the whole table
-    return _report(md, md), _plot(d["B"], d["aggregate tok/s"], "B (slots)", "aggregate tok/s", "Static batching")
+    md = _md(d, {"B": ".0f", "aggregate tok/s": ",.1f", "vs single-stream": ".2f", "per-stream tok/s": ",.1f",
+                 "per-step latency (ms, p50)": ".2f"})
+    # eight columns: the headline is the whole table
+    order = d.index
+    band = (d["B"], _opt(df, "metrics.throughput_tok_s_p10")[order], _opt(df, "metrics.throughput_tok_s_p90")[order])
+    return _report(md, md, note=FLAGS_NOTE), _plot(d["B"], d["aggregate tok/s"], "B (slots)", "aggregate tok/s",
+                                                   "Static batching", band=band)
 
 
 @table("divergent_streams", "Whether B slots sampled at temperature 0.7, each with its own seeded generator, give B "
@@ -338,8 +428,11 @@ def static_scaling(df: pd.DataFrame):
         "HF static tok/s": _opt(df, "metrics.peer_tok_s"),
         "vs HF": _opt(df, "metrics.speedup_vs_peer"),
         "verified": check(num(df, "metrics.verify_ok")),
+        "p10-p90": spread_cell(df, "throughput_tok_s", ",.0f"),
+        "J/token": _opt(df, "metrics.joules_per_token"),   # NVML's energy counter over the timed batches
+        "flags": flags(df),
     }).sort_values(["card", "B"], key=lambda c: c.map(_card_order) if c.name == "card" else c)
-    md = _md(d, ("", ".0f", ",.0f", ".1f", ".3f", ".3f", ".0%", ",.0f", ".2f", ""))
+    md = _md(d, ("", ".0f", ",.0f", ".1f", ".3f", ".3f", ".0%", ",.0f", ".2f", "", "", ".4f", ""))
     head = _newest(d.assign(_start=_start(df)), ["card", "B"]).sort_values(
         ["card", "B"], key=lambda c: c.map(_card_order) if c.name == "card" else c)
     head = head[["card", "B", "aggregate tok/s", "vs single-stream", "per-step latency (ms, p50)", "floor reached",
@@ -372,8 +465,10 @@ def across_models(df: pd.DataFrame):
         "per-step latency (ms, p50)": num(df, "metrics.step_ms_p50"),
         "floor reached": _opt(df, "metrics.floor_frac"),
         "verified": check(num(df, "metrics.verify_ok")),
+        "J/token": _opt(df, "metrics.joules_per_token"),
+        "flags": flags(df),
     }).sort_values(["model", "B"])
-    md = _md(d, ("", ".0f", ",.0f", ".1f", ".3f", ".0%", ""))
+    md = _md(d, ("", ".0f", ",.0f", ".1f", ".3f", ".0%", "", ".4f", ""))
     n = _newest(d.assign(_start=_start(df)), ["model", "B"])
     rows = []
     for model, g in n.groupby("model", sort=True):
@@ -988,15 +1083,16 @@ def spec_decode(df: pd.DataFrame):
     return _report(headline, md, note=note), fig
 
 
-def _plot(x, y, xlabel: str, ylabel: str, title: str):
-    return _curves({"": (x, y)}, xlabel, ylabel, title)
+def _plot(x, y, xlabel: str, ylabel: str, title: str, band: tuple | None = None):
+    return _curves({"": (x, y)}, xlabel, ylabel, title, bands={"": band} if band is not None else None)
 
 
 def _curves(curves: dict, xlabel: str, ylabel: str, title: str, logy: bool = False, styles: dict | None = None,
-            points: dict | None = None, hline: tuple[float, str] | None = None):
+            points: dict | None = None, hline: tuple[float, str] | None = None, bands: dict | None = None):
     """y against B on a log-2 x axis: one line per entry of curves (label -> (x, y); label "" for a single unlabelled
     curve), line styles by label (a matplotlib linestyle, or a dict of plot keywords), markers without a line
-    (points: label -> (x, y)), a dashed reference level. None where no curve has a point to draw."""
+    (points: label -> (x, y)), a dashed reference level, a shaded spread under a curve (bands: label -> (x, low,
+    high), the repeats' p10-p90). None where no curve has a point to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1016,6 +1112,13 @@ def _curves(curves: dict, xlabel: str, ylabel: str, title: str, logy: bool = Fal
         style = (styles or {}).get(label, {})
         ax.plot(list(x), list(y), marker="o", markersize=3.5, label=label or None,
                 **({"linestyle": style} if isinstance(style, str) else style))
+    banded = False
+    for label, (x, lo, hi) in (bands or {}).items():
+        ok = [(a, b, c) for a, b, c in zip(x, lo, hi) if pd.notna(b) and pd.notna(c)]
+        if ok:
+            ax.fill_between([a for a, _, _ in ok], [b for _, b, _ in ok], [c for _, _, c in ok], alpha=0.25,
+                            label="p10-p90 of the repeats")
+            banded = True
     for label, (x, y) in (points or {}).items():
         ax.plot(list(x), list(y), "k*", markersize=11, label=label)
     if hline:
@@ -1029,7 +1132,7 @@ def _curves(curves: dict, xlabel: str, ylabel: str, title: str, logy: bool = Fal
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    if legend:
+    if legend or banded:
         if len(curves) > 4:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, handlelength=3.5)
         else:
@@ -1310,7 +1413,13 @@ def write_report(name: str, df: pd.DataFrame, source: str, out: Path) -> Path:
     <name>.png), where the targets stand, every recorded row, the provenance."""
     import matplotlib.pyplot as plt
 
-    md, fig = TABLES[name](df)
+    try:
+        md, fig = TABLES[name](df)
+    except (KeyError, ValueError, TypeError) as e:   # a column the table reads is missing or holds no number
+        what = f"column {e.args[0]!r} is missing" if isinstance(e, KeyError) else str(e).strip().splitlines()[0]
+        fix = (f"restore it (git checkout -- experiments/{name}/runs.csv) or record it again" if "runs.csv" in source
+               else f"rerun the experiment with this checkout (onepass -m experiment={name})")
+        raise RunsFileError(f"table {name} cannot be made from {source}: {what}; {fix}") from None
     out.mkdir(parents=True, exist_ok=True)
     headline, sep, rest = md.partition("\n### ")
     if fig is not None:
@@ -1320,6 +1429,23 @@ def write_report(name: str, df: pd.DataFrame, source: str, out: Path) -> Path:
     body = [f"<!-- Generated by `onepass-report` from {source}; do not edit by hand. -->", f"# {_title(name)}", "",
             recorded_on(df), "", headline + sep + rest, "", provenance(df), ""]
     return atomic_write(out / f"{name}.md", lambda tmp: tmp.write_text("\n".join(body)))
+
+
+def out_folder(args, recorded: bool) -> Path:
+    """Where a report goes: --out when given; reports/ for a table just recorded; else the local folder."""
+    return Path(args.out) if args.out else REPORTS if recorded else LOCAL_REPORTS
+
+
+def noisy_refusal(name: str, df: pd.DataFrame) -> str:
+    """Why the runs of a table may not be recorded as they are ("" where none is noisy)."""
+    noisy = df[df["tags.noisy"].fillna("") == "true"] if "tags.noisy" in df else df.iloc[:0]
+    if noisy.empty:
+        return ""
+    first = noisy.iloc[0]
+    label = f"B={first['params.batch.size']}: " if "params.batch.size" in noisy else ""
+    why = first.get("tags.noise_reason") or "no reason recorded"
+    return (f"{name}: {len(noisy)} of the {len(df)} runs are noisy (first, {label}{why}); rerun the sweep on a quiet "
+            "machine, or add --allow-noisy to record them anyway (the report flags them)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1337,9 +1463,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replace", action="store_true",
                     help="with --record: let the store's runs replace every recorded row, dropping those they do not "
                          "re-measure (without it, a record that would drop rows is refused)")
+    ap.add_argument("--allow-noisy", action="store_true",
+                    help="with --record: record runs the noise guard marked noisy (refused without it)")
     ap.add_argument("--all-sweeps", action="store_true",
                     help="take every finished run in the store, not only the newest sweep of each experiment file")
-    ap.add_argument("--out", default=str(REPORTS))
+    ap.add_argument("--out", default=None,
+                    help=f"folder for the reports (default: {LOCAL_REPORTS}/ for your own runs; with --record, "
+                         "reports/, regenerated from the runs.csv just recorded)")
     args = ap.parse_args(argv)
     if args.all and args.names:
         ap.error("--all means every table: give it no table names")
@@ -1352,47 +1482,76 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[report] no table named {name!r}; known: {sorted(TABLES)}", file=sys.stderr)
             status = 1
             continue
-        df, source = pd.DataFrame(), ""
+        df, source, recorded = pd.DataFrame(), "", False
         if args.source in ("auto", "store"):
             try:
                 df = runs_from_store(name, args.uri, newest=not args.all_sweeps)
                 source = f"the tracking store {args.uri}"
             except Exception as e:
-                print(f"[report] {name}: tracking store unavailable ({e})", file=sys.stderr)
+                if args.source == "store":
+                    print(f"[error] {name}: the tracking store cannot be read: {e}", file=sys.stderr)
+                    status = 2
+                    continue
+                print(f"[report] {name}: tracking store unavailable ({e}); reading experiments/{name}/runs.csv",
+                      file=sys.stderr)
         if df.empty and args.source in ("auto", "csv"):
-            df, source = runs_from_csv(name), f"experiments/{name}/runs.csv"
+            try:
+                df, source = runs_from_csv(name), f"experiments/{name}/runs.csv"
+            except RunsFileError as e:
+                print(f"[error] {e}", file=sys.stderr)
+                status = 2
+                continue
         if df.empty:
             print(f"[report] {name}: no recorded runs (run `onepass -m experiment={name}` first)", file=sys.stderr)
-            status = 1
+            status = max(status, 1)
             continue
         if args.record and source.startswith("the tracking store"):
             if args.merge:
                 try:
                     df = merge_runs(name, runs_from_csv(name), df)
+                except RunsFileError as e:
+                    print(f"[error] {e}", file=sys.stderr)
+                    status = 2
+                    continue
                 except ValueError as e:
                     print(f"[report] {e}", file=sys.stderr)
-                    status = 1
+                    status = max(status, 1)
                     continue
                 source += f" merged into experiments/{name}/runs.csv"
         try:
             check_one_device(name, df)
         except ValueError as e:
             print(f"[report] {e}", file=sys.stderr)
-            status = 1
+            status = max(status, 1)
             continue
         if args.record and source.startswith("the tracking store"):
+            if (why := noisy_refusal(name, df)) and not args.allow_noisy:
+                print(f"[report] {why}", file=sys.stderr)
+                status = max(status, 1)
+                continue
             try:
                 print(f"[report] {name}: recorded {len(df)} runs to {record_csv(name, df, args.replace)}")
+                # the committed report is made from what is recorded, and from nothing else
+                df, source, recorded = runs_from_csv(name), f"experiments/{name}/runs.csv", True
+            except RunsFileError as e:
+                print(f"[error] {e}", file=sys.stderr)
+                status = 2
+                continue
             except ValueError as e:
                 print(f"[report] {e}", file=sys.stderr)
-                status = 1
+                status = max(status, 1)
                 continue
-        path = write_report(name, df, source, Path(args.out))
+        try:
+            path = write_report(name, df, source, out_folder(args, recorded))
+        except RunsFileError as e:
+            print(f"[error] {e}", file=sys.stderr)
+            status = 2
+            continue
         done[name] = (df, source)
         print(f"[report] {name}: {path} ({len(df)} runs from {source})")
         print(path.read_text())
     if every:
-        print(f"[report] results book: {write_book(done, Path(args.out))}")
+        print(f"[report] results book: {write_book(done, out_folder(args, False))}")
     return status
 
 

@@ -136,6 +136,19 @@ class TrackingCfg:
 
 
 @dataclass
+class MeasureCfg:
+    """How each timed measurement is repeated, and when its run is marked noisy (harness/spread.py, noise.py)."""
+
+    warmup: int = 1  # untimed runs before the timed ones (the first call's one-off costs stay out of the timing)
+    repeats: int = 3  # timed runs at least; the metrics are their median, with _p10 / _p90 / _cv beside
+    min_s: float = 0.0  # and more timed runs until they add up to this many seconds (at most max_repeats)
+    max_repeats: int = 20
+    max_cv: float = 0.10  # throughput's spread over the repeats (std / mean) above which the run is noisy
+    # other processes' CPU use during the timed runs, in cores, above which the run is noisy (CPU contention)
+    max_other_cpu: float = 0.5
+
+
+@dataclass
 class VerifyCfg:
     enabled: bool = True
     sample_streams: int = 2  # decoded sample outputs logged as an artifact
@@ -203,12 +216,13 @@ class RunCfg:
     engine: EngineCfg = field(default_factory=EngineCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     verify: VerifyCfg = field(default_factory=VerifyCfg)
+    measure: MeasureCfg = field(default_factory=MeasureCfg)
     peer: PeerCfg = field(default_factory=PeerCfg)
     micro: MicroCfg = field(default_factory=MicroCfg)
     speculative: SpeculativeCfg = field(default_factory=SpeculativeCfg)
     job: JobCfg = field(default_factory=JobCfg)  # conf/job: decode | int4_gemm | projection_crossover | ...
     table: str = "adhoc"  # the experiments/<table> this run belongs to
-    progress: bool = True
+    progress: bool = True  # progress bars, where the output is a terminal
 
 
 def register() -> None:
@@ -216,7 +230,6 @@ def register() -> None:
     OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunCfg)
-    for group, node in [("model", ModelCfg), ("batch", BatchCfg), ("kv_cache", KVCacheCfg), ("scheduler", SchedulerCfg),
-                        ("sampling", SamplingCfg), ("workload", WorkloadCfg), ("engine", EngineCfg),
-                        ("tracking", TrackingCfg), ("job", JobCfg), ("speculative", SpeculativeCfg)]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    # the one group whose files name their schema in their defaults; every other group is typed by RunCfg's field,
+    # and a schema stored in its group would only be one more option in `onepass --help` and shell completion
+    cs.store(group="speculative", name="speculative_schema", node=SpeculativeCfg)

@@ -8,6 +8,7 @@ from typing import Iterator
 from omegaconf import OmegaConf
 
 from onepass.engine.drafts import PromptLookup, ScriptedDrafts
+from onepass.engine.mtp_drafts import MTPDrafts
 from onepass.engine.verify import verify_greedy
 from onepass.harness.build import build, resolve_engine, sampling_params
 from onepass.harness.checks import check_decode
@@ -26,8 +27,8 @@ class SpecDecodeJob:
     def run(self, cfg) -> Iterator[RunRecord]:
         s, w, B = cfg.speculative, cfg.workload, cfg.batch.size
         if s.method == "off":
-            raise ConfigError("job=spec_decode measures drafts against none: choose speculative=ngram or "
-                              "speculative=scripted")
+            raise ConfigError("job=spec_decode measures drafts against none: choose speculative=ngram, "
+                              "speculative=scripted or speculative=mtp")
         if cfg.scheduler.mode != "static":
             raise ConfigError("job=spec_decode times static batches; use scheduler=static (a served queue takes "
                               "speculative=... in job=decode)")
@@ -50,11 +51,14 @@ class SpecDecodeJob:
               f"{percentile_ms(plain.step_s, 0.5):.3f} ms")
         grid = [(k, a) for k in s.ks for a in (s.acceptances if s.method == "scripted" else [None])]
         for k, acc in grid:
-            drafts = (PromptLookup(s.ngram_max) if s.method == "ngram"
+            drafts = (PromptLookup(s.ngram_max) if s.method == "ngram" else MTPDrafts() if s.method == "mtp"
                       else ScriptedDrafts(futures, acc, mcfg.vocab_size, seed=w.seed))
             spec = run(B, drafts, k)
             same = spec.outputs == plain.outputs
-            greedy = verify_greedy(spec.outputs, single.outputs[0]).ok if sampling.greedy else True
+            verdict = verify_greedy(spec.outputs, single.outputs[0], single.logits_finite) if sampling.greedy else None
+            greedy = verdict.ok if verdict else True
+            reason = "; ".join(r for r in (verdict.reason if verdict else "",
+                                           "" if same else "speculation changed the tokens") if r)
             m = speculation_metrics(spec, plain, B, k)
             m.update(throughput_tok_s=decode_rate(spec), per_stream_tok_s=decode_rate(spec) / B,
                      step_ms_p50=percentile_ms(spec.step_s, 0.5), steps=float(len(spec.step_s)),
@@ -74,5 +78,5 @@ class SpecDecodeJob:
                 c.speculative.acceptance = float(acc)
             tags = {"workload_hash": workload_digest([ids], w), "model_file": built.source.name,
                     "backend": built.backend, "dtype": str(built.dtype).removeprefix("torch."),
-                    "speculative": s.method}
+                    "speculative": s.method, **({"verify_reason": reason} if reason else {})}
             yield RunRecord(f"spec_decode {cfg.model.name} B={B} {label}", built.device, m, tags, {}, cfg=c)

@@ -47,12 +47,12 @@ def synthetic_config(name: str, shape) -> ModelConfig:
 
 def synthetic_gguf(name: str, shape, progress: bool = True) -> Path:
     """Write (once) a GGUF with the given shapes and seeded random weights; return its path."""
-    from onepass.engine.gguf_writer import random_weights, write_gguf
+    from onepass.engine.gguf_writer import WEIGHTS_VERSION, random_weights, write_gguf
 
     spec = dict(OmegaConf.to_container(shape, resolve=True) if OmegaConf.is_config(shape) else shape)
     if spec.get("embed_type") is None:      # files written before the key existed keep their names
         spec.pop("embed_type", None)
-    spec = json.dumps(spec, sort_keys=True)
+    spec = json.dumps(spec, sort_keys=True) + f"/weights-v{WEIGHTS_VERSION}"
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
     path = cache_dir() / "synth" / f"{name}-{shape.weight_type}-{digest}.gguf"
     if path.is_file():

@@ -7,6 +7,9 @@ import hashlib
 import torch
 
 from onepass.engine.tokenizer import Tokenizer
+from onepass.kernels.errors import ConfigError
+
+FIRST_ID = 3   # synthetic prompts skip ids 0-2, where a vocabulary keeps its special tokens
 
 
 def prompt_ids(workload, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
@@ -15,9 +18,13 @@ def prompt_ids(workload, tokenizer: Tokenizer | None, vocab_size: int) -> list[i
             return tokenizer.encode_chat(workload.prompt)
         return tokenizer.encode(workload.prompt)
     # No tokenizer (synthetic weights): ids seeded by the prompt text, so every run of a workload agrees.
+    if vocab_size <= FIRST_ID:
+        raise ConfigError(f"a synthetic prompt draws ids {FIRST_ID}..vocab_size-1 (below {FIRST_ID}: the special "
+                          f"tokens), but the model's vocab_size is {vocab_size}: give the model more than "
+                          f"{FIRST_ID} tokens")
     seed = int(hashlib.sha256(workload.prompt.encode()).hexdigest()[:8], 16)
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab_size, (workload.synthetic_prompt_len,), generator=g).tolist()
+    return torch.randint(FIRST_ID, vocab_size, (workload.synthetic_prompt_len,), generator=g).tolist()
 
 
 def workload_digest(prompts: list[list[int]], workload) -> str:

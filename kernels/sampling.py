@@ -85,8 +85,9 @@ def num_chunks(vocab: int) -> int:
 # references (torch; any device)
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
-    """[R, V] -> int64 [R]; ties -> the lowest index (spelled out rather than relying on torch.argmax)."""
-    x = logits.float()
+    """[R, V] -> int64 [R]; ties -> the lowest index (spelled out rather than relying on torch.argmax). NaN ranks as
+    -inf, so a row of NaN (a model whose arithmetic broke down) still gives a valid id, 0, not one past the end."""
+    x = logits.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     idx = torch.arange(x.shape[-1], device=x.device).expand_as(x)
     best = x.max(dim=-1, keepdim=True).values
     return torch.where(x == best, idx, x.shape[-1]).min(dim=-1).values
@@ -451,6 +452,7 @@ def _race_kernel(x_ptr, s_x, V, temp_ptr, thr_ptr, cmax_ptr, seed_ptr, step_ptr,
             score = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
     else:
         score = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    score = tl.where(score == score, score, float("-inf"))   # NaN ranks as -inf (argmax_ref)
     best = tl.max(tl.max(score, axis=1), axis=0)
     first = tl.min(tl.min(tl.where(score == best, offs, 2147483647), axis=1), axis=0)
     tl.store(val_ptr + r * s_ws + c, best)

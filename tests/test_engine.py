@@ -98,10 +98,20 @@ def test_static_greedy_verifies(model, fused, B):
 def test_verify_greedy_detects_a_wrong_stream():
     v = verify_greedy([[1, 2, 3], [1, 2, 4]], [1, 2, 3])
     assert not v.ok and "first divergence at token 2" in v.line
-    assert "warning" not in v.line and v.detail["reference_distinct_tokens"] == 3
-    # a reference of one token repeated agrees with any stream that repeats it: the line says so
+    assert "degenerate" not in v.line and v.detail["reference_distinct_tokens"] == 3
+    assert v.reason == "1 streams differ from the reference; first divergence at token 2"
+
+
+def test_a_degenerate_reference_fails_the_verdict():
+    # one token repeated agrees with any stream that repeats it, so agreeing with it proves nothing
     v = verify_greedy([[7, 7, 7], [7, 7, 7]], [7, 7, 7])
-    assert v.ok and "token 7 repeated" in v.line and v.detail["reference_distinct_tokens"] == 1
+    assert not v.ok and v.line.endswith("false (degenerate reference: the reference is token 7 repeated, so "
+                                        "agreement with it proves nothing)")
+    assert "token 7 repeated" in v.reason and v.detail["reference_distinct_tokens"] == 1
+    # streams that agree with a varied reference computed from non-finite logits prove nothing either
+    v = verify_greedy([[1, 2, 3]], [1, 2, 3], logits_finite=False)
+    assert not v.ok and v.reason == "the reference run produced non-finite logits"
+    assert verify_greedy([[1, 2, 3]], [1, 2, 3]).ok and verify_greedy([[5]], [5]).ok
 
 
 @pytest.mark.parametrize("run", ["reference", "engine"])

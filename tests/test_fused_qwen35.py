@@ -128,7 +128,7 @@ def test_logits_match_reference_model(ggufs, name):
 @pytest.mark.parametrize("prefill", ["batched", "token"])
 def test_greedy_matches_reference_model(ggufs, name, prefill):
     cfg, w, _ = load(ggufs[name])
-    p = prompt(5, 9)
+    p = prompt(7, 9)   # on the tied equal-heads model, prompt(5, 9)'s greedy stream is one token repeated
     want = reference_generate(build_model(cfg, w), hybrid(cfg, 1), [p], 12, SamplingParams()).outputs[0]
     st, _ = stepper(fused(cfg, w), 3)  # 3 slots in the 4-row bucket: one padded row on the scratch slot
     got = st([p] * 3, 12, prefill=prefill)

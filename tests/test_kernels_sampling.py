@@ -216,7 +216,7 @@ def test_uniforms_match_torch_mirror():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax(dtype, small_chunks):
     g = _gen(20)
-    R, V = 6, 700
+    R, V = 8, 700
     x = _logits(g, R, V, dtype)
     # ties: row 1's max copied to a later chunk and an earlier one; row 2 all equal; row 3 -inf except one
     m = x[1].max()
@@ -226,8 +226,12 @@ def test_argmax(dtype, small_chunks):
     x[3] = float("-inf")
     x[3, 333] = 0.0
     x[4, :] = float("-inf")
+    # NaN ranks as -inf: a row of NaN gives id 0, a NaN beside finite values is passed over (never an id past V)
+    x[6] = float("nan")
+    x[7, ::3] = float("nan")
     want = argmax_ref(x)
-    assert torch.equal(want, x.float().argmax(dim=-1)), "reference vs torch.argmax"
+    assert torch.equal(want[:6], x[:6].float().argmax(dim=-1)), "reference vs torch.argmax"
+    assert want[6] == 0 and want[7] == x[7].float().nan_to_num(nan=float("-inf")).argmax()
     out = torch.empty(R, dtype=torch.int64, device=DEV)
     assert argmax_triton(x, out=out) is out
     assert torch.equal(out, want), _msg(f"argmax {out.tolist()} != {want.tolist()}")

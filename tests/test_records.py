@@ -52,3 +52,23 @@ def test_record_command_refuses_and_keeps_the_csv(experiments, tmp_path, monkeyp
     before = experiments.read_text()
     assert report.main(["t", "--record", "--out", str(tmp_path / "out")]) == 1
     assert "would drop 2" in capsys.readouterr().err and experiments.read_text() == before
+
+
+def test_record_refuses_noisy_runs_unless_asked(experiments, tmp_path, monkeypatch, capsys):
+    """Runs the noise guard marked noisy are not recorded without --allow-noisy; the report regenerated from a record
+    is made from the runs.csv just written, into the committed reports folder."""
+    store = runs("a", "b", "c", "d").assign(**{"params.batch.size": "1", "tags.device": "cpu",
+                                               "tags.noisy": ["false", "true", "false", "false"],
+                                               "tags.noise_reason": ["", "other processes used 1.2 of 2 CPU cores",
+                                                                     "", ""]})
+    monkeypatch.setattr(report, "runs_from_store", lambda name, uri, newest=True: store)
+    monkeypatch.setitem(report.TABLES, "t", lambda df: ("### Headline\n\n| B |\n|---|\n| 1 |\n", None))
+    monkeypatch.setattr(report, "REPORTS", tmp_path / "committed")
+    before = experiments.read_text()
+    assert report.main(["t", "--record"]) == 1
+    err = capsys.readouterr().err
+    assert "1 of the 4 runs are noisy (first, B=1: other processes used 1.2 of 2 CPU cores)" in err
+    assert "--allow-noisy" in err and experiments.read_text() == before
+    assert report.main(["t", "--record", "--allow-noisy"]) == 0
+    assert list(pd.read_csv(experiments)["run_id"]) == ["a", "b", "c", "d"]
+    assert "experiments/t/runs.csv" in (tmp_path / "committed" / "t.md").read_text()

@@ -189,3 +189,30 @@ def test_int4_headline_one_row_per_shape_and_format():
     pairs = {(r[0], r[1]) for r in rows}
     assert len(rows) == len(pairs) == len(df.groupby(["params.micro.n", "params.micro.k", "params.micro.fmt"]))
     assert rows[0][:2] == ["5120x17408", "Q4_0"]                  # the targets' shapes first
+
+
+def test_static_batching_shows_spread_and_flags_noisy_and_impossible_rows():
+    """The report shows each row's spread over its repeats, and flags a noisy run and a speed-up above B x the single
+    stream (the B = 1 "11.05x single stream" a loaded machine once recorded, ticked)."""
+    def row(B, tok, speedup, noisy="false", reason=""):
+        return {"params.batch.size": str(B), "metrics.throughput_tok_s": tok, "metrics.throughput_tok_s_p10": tok * 0.9,
+                "metrics.throughput_tok_s_p90": tok * 1.1, "metrics.speedup_vs_single": speedup,
+                "metrics.per_stream_tok_s": tok / B, "metrics.step_ms_p50": 1e3 * B / tok, "metrics.verify_ok": 1.0,
+                "tags.noisy": noisy, "tags.noise_reason": reason}
+    df = pd.DataFrame([row(1, 290.0, 11.05), row(8, 134.7, 5.48),
+                       row(32, 13.1, 0.5, "true", "other processes used 1.9 of 2 CPU cores; load average 9.1")])
+    md, fig = report.TABLES["static_batching"](df)
+    head, *rows = tables_of(sections(md)["Headline"])[0]
+    assert head[2] == "p10-p90" and head[-1] == "flags", head
+    cells = {r[0]: dict(zip(head, r)) for r in rows}
+    assert cells["1"]["flags"] == "speed-up 11.05x above B = 1" and cells["1"]["p10-p90"] == "261.0-319.0"
+    assert cells["8"]["flags"] == "—"
+    assert cells["32"]["flags"] == "noisy: other processes used 1.9 of 2 CPU cores"
+    assert fig is not None
+
+
+def test_gpu_tables_show_energy_per_token_beside_throughput():
+    df = report.runs_from_csv("static_scaling").assign(**{"metrics.joules_per_token": 0.01234})
+    rows = sections(report.TABLES["static_scaling"](df)[0])["Every recorded row"]
+    head, *body = tables_of(rows)[0]
+    assert "J/token" in head and all(r[head.index("J/token")] == "0.0123" for r in body)
