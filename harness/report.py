@@ -74,6 +74,15 @@ class RunsFileError(ValueError):
     """A recorded runs.csv that cannot be read as a table of runs: said with the file and how to mend it."""
 
 
+def refused(e: ValueError) -> int:
+    """Say why a report was not made; its exit status: 2 for a damaged runs.csv (bad input), else 1."""
+    if isinstance(e, RunsFileError):
+        print(f"[error] {e}", file=sys.stderr)
+        return 2
+    print(f"[report] {e}", file=sys.stderr)
+    return 1
+
+
 def runs_from_csv(name: str) -> pd.DataFrame:
     """experiments/<name>/runs.csv as a frame of text cells (empty where there is no file); RunsFileError where the
     file is empty, binary, not a CSV table, or has a row that is not a run."""
@@ -1498,8 +1507,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 df, source = runs_from_csv(name), f"experiments/{name}/runs.csv"
             except RunsFileError as e:
-                print(f"[error] {e}", file=sys.stderr)
-                status = 2
+                status = max(status, refused(e))
                 continue
         if df.empty:
             print(f"[report] {name}: no recorded runs (run `onepass -m experiment={name}` first)", file=sys.stderr)
@@ -1509,20 +1517,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.merge:
                 try:
                     df = merge_runs(name, runs_from_csv(name), df)
-                except RunsFileError as e:
-                    print(f"[error] {e}", file=sys.stderr)
-                    status = 2
-                    continue
                 except ValueError as e:
-                    print(f"[report] {e}", file=sys.stderr)
-                    status = max(status, 1)
+                    status = max(status, refused(e))
                     continue
                 source += f" merged into experiments/{name}/runs.csv"
         try:
             check_one_device(name, df)
         except ValueError as e:
-            print(f"[report] {e}", file=sys.stderr)
-            status = max(status, 1)
+            status = max(status, refused(e))
             continue
         if args.record and source.startswith("the tracking store"):
             if (why := noisy_refusal(name, df)) and not args.allow_noisy:
@@ -1533,19 +1535,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[report] {name}: recorded {len(df)} runs to {record_csv(name, df, args.replace)}")
                 # the committed report is made from what is recorded, and from nothing else
                 df, source, recorded = runs_from_csv(name), f"experiments/{name}/runs.csv", True
-            except RunsFileError as e:
-                print(f"[error] {e}", file=sys.stderr)
-                status = 2
-                continue
             except ValueError as e:
-                print(f"[report] {e}", file=sys.stderr)
-                status = max(status, 1)
+                status = max(status, refused(e))
                 continue
         try:
             path = write_report(name, df, source, out_folder(args, recorded))
         except RunsFileError as e:
-            print(f"[error] {e}", file=sys.stderr)
-            status = 2
+            status = max(status, refused(e))
             continue
         done[name] = (df, source)
         print(f"[report] {name}: {path} ({len(df)} runs from {source})")

@@ -3,6 +3,7 @@ names the problem before a model is built from it; none may load as a model that
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -25,8 +26,9 @@ def clean(tmp_path_factory):
 
 
 def mutant(clean, tmp_path, edit) -> str:
-    """A copy of the clean file with edit(reader) applied in place through gguf-py's writable memmap."""
-    path = tmp_path / "mutant.gguf"
+    """A copy of the clean file with edit(reader) applied in place through gguf-py's writable memmap: the field parts
+    are views of the file's bytes, so a count or length is rewritten where it lies."""
+    path = tmp_path / f"mutant-{Path(clean).name}"
     shutil.copy(clean, path)
     reader = gguf.GGUFReader(path, "r+")
     edit(reader)

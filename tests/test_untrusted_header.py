@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from onepass.engine.gguf_meta import check_header, open_reader, read_metadata
 from onepass.engine.gguf_writer import random_weights, write_gguf
 from onepass.engine.tokenizer import Tokenizer, spm_merges
 from onepass.kernels.errors import ConfigError, GGUFError
+from tests.test_untrusted_gguf import mutant
 
 FAST = 1.0   # seconds: every refusal below is milliseconds of work; the unbounded versions took seconds to hours
 
@@ -53,18 +53,6 @@ def clean(tmp_path_factory):
         write_gguf(out[cfg.arch], cfg, random_weights(cfg, seed=3), weight_type="f32",
                    tokenizer_meta=TOKENIZER if cfg.arch == "llama" else None)
     return out
-
-
-def mutant(src, tmp_path, edit) -> str:
-    """A copy of src with edit(reader) applied in place through gguf-py's writable memmap: the field parts are views
-    of the file's bytes, so a count or length is rewritten where it lies."""
-    path = tmp_path / f"mutant-{src.name}"
-    shutil.copy(src, path)
-    reader = gguf.GGUFReader(path, "r+")
-    edit(reader)
-    reader.data.flush()
-    del reader
-    return str(path)
 
 
 def parts(reader, key):
