@@ -18,7 +18,8 @@ import random
 from onepass.engine.scheduler import Request
 from onepass.kernels.errors import ConfigError
 
-METHODS = ("off", "ngram", "scripted", "mtp")   # mtp: the qwen35 MTP head, engine/mtp_drafts.py
+# mtp: the qwen35 MTP head (engine/mtp_drafts.py); mtp_scripted: that head run for its cost, its tokens scripted
+METHODS = ("off", "ngram", "scripted", "mtp", "mtp_scripted")
 
 
 class PromptLookup:

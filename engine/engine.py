@@ -106,13 +106,15 @@ class EngineSpec:
         return dev, dtype, backend
 
 
-def check_memory(spec: EngineSpec, cfg: ModelConfig, weights: int, what: str, rows: int | None = None) -> None:
+def check_memory(spec: EngineSpec, cfg: ModelConfig, weights: int, what: str, rows: int | None = None,
+                 spec_k: int = 0, mtp: bool = False) -> None:
     """Refuse, before anything is allocated, a spec whose weights (`weights` bytes still to allocate), batch + 1
-    cache slots of spec.ctx positions and `rows` step rows (default: the batch) exceed the device's free memory."""
+    cache slots of spec.ctx positions and `rows` step rows (default: the batch) exceed the device's free memory;
+    speculation (spec_k drafts a step, the MTP head's KV) counted in."""
     dev, dtype, backend = spec.resolve()
     state_dtype = DTYPES[spec.state_dtype]
     writeback = resolve_writeback(spec.state_writeback, state_dtype) if backend == "triton" else 1
-    need = estimate(cfg, weights, spec.batch, spec.ctx, dtype, rows, state_dtype, writeback)
+    need = estimate(cfg, weights, spec.batch, spec.ctx, dtype, rows, state_dtype, writeback, spec_k, mtp)
     check_memory_fits(need, dev, what)
 
 
@@ -143,15 +145,17 @@ class Engine:
     # --- building ---------------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | Path, spec: EngineSpec | None = None, progress: bool = False, **settings) -> Engine:
-        """Load a GGUF file (its tokenizer too) onto the spec's device; `settings` are EngineSpec fields."""
+    def from_gguf(cls, path: str | Path, spec: EngineSpec | None = None, progress: bool = False,
+                  speculation: dict | None = None, **settings) -> Engine:
+        """Load a GGUF file (its tokenizer too) onto the spec's device; `settings` are EngineSpec fields;
+        `speculation` (spec_k, mtp) the memory speculation will take (check_memory)."""
         spec = replace(spec, **settings) if spec is not None else EngineSpec.of(**settings)
         dev, dtype, _ = spec.resolve()
         path = Path(path)
         header = read_config(path)
         # packed weights stay about the file's size; dequantized ones take every parameter at the dtype
         held = path.stat().st_size if spec.weights == "packed" else header.param_count() * dtype.itemsize
-        check_memory(spec, header, held, f"{path.name} at batch {spec.batch}")
+        check_memory(spec, header, held, f"{path.name} at batch {spec.batch}", **(speculation or {}))
         t0 = time.perf_counter()
         cfg, weights, _ = load_gguf(Path(path), dtype=dtype, device=dev, progress=progress,
                                     keep_quantized=spec.weights == "packed")
@@ -297,11 +301,13 @@ class Engine:
               layout: str = "paged", block_size: int = 16, num_blocks: int = 0, prefix: str = "off",
               token_budget: int = 512, prefix_burst: bool = True, sampling: SamplingParams | None = None,
               sample_on_device: bool = True, stop_ids: tuple[int, ...] | None = None, pool_vs_peak: float = 0.0,
-              drafts=None, spec_k: int = 0, progress: bool = False) -> ServeResult:
+              drafts=None, spec_k: int = 0, progress: bool = False, arrivals=None) -> ServeResult:
         """Serve a queue of requests with `spec.batch` slots: `mode` continuous (a finished request's slot is
         refilled at once) or wave (a new wave when all have finished); KV contiguous or paged (a pool of
         `num_blocks`, 0: enough for every slot's ctx); `prefix` off, pinned (the first request's prompt shared
-        by all) or auto (hash-chain prefix caching)."""
+        by all) or auto (hash-chain prefix caching). `arrivals` (engine/arrivals.py): requests that join while the
+        loop runs (open-loop serving); `requests` are then the ones queued at the start, and sizing a pool by its peak
+        demand (pool_vs_peak) or pinning a prefix reads only those."""
         from onepass.engine.serving_setup import ServingSetup
 
         setup = ServingSetup(self, mode=mode, prefill=prefill, layout=layout, block_size=block_size,
@@ -309,7 +315,7 @@ class Engine:
                              prefix_burst=prefix_burst, pool_vs_peak=pool_vs_peak, drafts=drafts, spec_k=spec_k)
         stops = self.stop_ids() if stop_ids is None else stop_ids
         serving, pinned = setup.build(requests, sampling or SamplingParams(), sample_on_device, stops)
-        result = serving.run(requests, progress=progress)
+        result = serving.run(requests, progress=progress, arrivals=arrivals)
         result.pinned_prefix = pinned
         return result
 

@@ -73,7 +73,8 @@ class FusedQwen35Decoder(FusedBase):
         self.layers = [self._layer(weights, i, kind, kernels) for i, kind in enumerate(cfg.layer_kinds)]
         self.gdn_index = {i: j for j, i in enumerate(cfg.gdn_layers)}
         # the MTP block: no trunk layer; built into a draft head only when speculation asks for it
-        self.mtp_weights = {n: t for n, t in weights.items()
+        # (by name: weights made on access, harness/synth.py LazyWeights, are then made for these only)
+        self.mtp_weights = {n: weights[n] for n in weights
                             if n.startswith("blk.") and int(n.split(".")[1]) >= cfg.n_layers}
 
     @staticmethod

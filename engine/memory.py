@@ -25,13 +25,18 @@ def free_bytes(device: torch.device) -> int:
 
 
 def cache_bytes(cfg: ModelConfig, slots: int, ctx: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
-                writeback: int = 1) -> int:
-    """Bytes of a contiguous KV cache of `slots` slots x `ctx` positions, plus a hybrid model's state pool."""
+                writeback: int = 1, spec_k: int = 0, mtp: bool = False) -> int:
+    """Bytes of a contiguous KV cache of `slots` slots x `ctx` positions, plus a hybrid model's state pool; with
+    speculation (spec_k drafts a step) its draft logs of k + 1 rows, and (mtp) the MTP head's own KV."""
     meta = torch.device("meta")
     if cfg.arch == "qwen35":
         from onepass.engine.state_pool import HybridCache
 
-        return HybridCache.create(cfg, slots, ctx, dtype, meta, state_dtype, writeback=writeback).nbytes
+        cache = HybridCache.create(cfg, slots, ctx, dtype, meta, state_dtype, writeback=writeback)
+        if spec_k:
+            cache.state.reserve_drafts(spec_k + 1)
+        head = 2 * slots * ctx * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize if mtp else 0
+        return cache.nbytes + head
     from onepass.engine.kv_cache import ContiguousKVCache
 
     return ContiguousKVCache(cfg, slots, ctx, dtype, meta).nbytes
@@ -63,8 +68,10 @@ class MemoryNeed:
         return self.weights + self.slots * self.slot + self.rows * self.row
 
     def largest_batch(self, available: int) -> int:
-        """The largest batch B (B + 1 slots, B rows) whose run fits in `available` bytes."""
-        return max(int((available - self.weights - self.slot) // (self.slot + self.row)), 0)
+        """The largest batch B (B + 1 slots, B rows a step, or as many per sequence as this need has) whose run
+        fits in `available` bytes."""
+        per = self.rows // max(self.slots - 1, 1)
+        return max(int((available - self.weights - self.slot) // (self.slot + per * self.row)), 0)
 
     def describe(self) -> str:
         return (f"weights {self.weights / MIB:,.0f} MiB + {self.slots} cache slots x {self.slot / MIB:,.2f} MiB + "
@@ -72,11 +79,12 @@ class MemoryNeed:
 
 
 def estimate(cfg: ModelConfig, weights: int, batch: int, ctx: int, dtype: torch.dtype, rows: int | None = None,
-             state_dtype: torch.dtype = torch.float32, writeback: int = 1) -> MemoryNeed:
+             state_dtype: torch.dtype = torch.float32, writeback: int = 1, spec_k: int = 0,
+             mtp: bool = False) -> MemoryNeed:
     """The need of a batch of `batch` sequences of `ctx` positions (plus the scratch slot), `rows` rows a step
-    (default: one per sequence), over `weights` bytes of weights."""
-    one = cache_bytes(cfg, 1, ctx, dtype, state_dtype, writeback)
-    return MemoryNeed(weights, one, row_bytes(cfg, dtype), batch + 1, batch if rows is None else rows)
+    (default: one per sequence, k + 1 with spec_k drafts a step), over `weights` bytes of weights."""
+    one = cache_bytes(cfg, 1, ctx, dtype, state_dtype, writeback, spec_k, mtp)
+    return MemoryNeed(weights, one, row_bytes(cfg, dtype), batch + 1, batch * (1 + spec_k) if rows is None else rows)
 
 
 def check_fits(need: MemoryNeed, device: torch.device, what: str) -> None:

@@ -211,3 +211,19 @@ class MTPDrafts:
     def forget(self, rid: int) -> None:
         self.ready.pop(rid, None)
         self.carry.pop(rid, None)
+
+
+class ScriptedMTPDrafts(MTPDrafts):
+    """Controlled acceptance at the MTP head's cost (speculative=mtp_scripted): the head runs exactly as for
+    speculative=mtp (fed every kept row, chained k times), and where it drafts n tokens, n scripted tokens
+    (engine/drafts.py ScriptedDrafts: the target's own future, each wrong with probability 1 - acceptance) are fed
+    instead. On random weights the head's own drafts are almost never right; this sets the acceptance and keeps
+    every cost: the head, the k + 1-row verify and the rollback."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script = script
+
+    def __call__(self, req: Request, k: int) -> list[int]:
+        n = len(super().__call__(req, k))
+        return self.script(req, n) if n else []

@@ -159,17 +159,23 @@ class Runner:
             self.snapshot = (spares, n)
         return n
 
-    def run(self, requests: list[Request], progress: bool = False) -> ServeResult:
+    def run(self, requests: list[Request], progress: bool = False, arrivals=None,
+            pause_gc: bool = True) -> ServeResult:
+        """Serve `requests` (queued at the start) and, with an arrival source (engine/arrivals.py), the requests it
+        hands over while the loop runs, until the source is exhausted and every request has finished. pause_gc=False
+        leaves the garbage collector on: a server's loop runs for hours beside threads that do make cycles."""
+        if not pause_gc:
+            return self._run(requests, progress, arrivals)
         # the cyclic garbage collector stalls the loop for milliseconds at random steps, long against a decode
         # step (why: harness/PROBES.md, "the serving loop: gc"); the run allocates no long-lived cycles, so it is off
         gc.collect()
         gc.disable()
         try:
-            return self._run(requests, progress)
+            return self._run(requests, progress, arrivals)
         finally:
             gc.enable()
 
-    def _run(self, requests: list[Request], progress: bool) -> ServeResult:
+    def _run(self, requests: list[Request], progress: bool, arrivals) -> ServeResult:
         sched, st = self.sched, self.step
         for r in requests:
             sched.add(r)
@@ -180,11 +186,18 @@ class Runner:
         first_mark = len(st.marks)
         st.mark("start")
         t_start = time.perf_counter()
-        while not sched.done or prev is not None:
+        while not sched.done or prev is not None or (arrivals is not None and not arrivals.exhausted):
             t0, wait = time.perf_counter(), 0.0
             plan = handle = None
+            if arrivals is not None:
+                self._arrive(arrivals, t0, bar)
+                if sched.done and prev is None:   # nothing to run: sleep until a request is due
+                    arrivals.wait()
+                    continue
             if not sched.done:
-                plan = sched.schedule(self.lockstep)
+                # a lockstep run would keep requests that arrive during it waiting: one step a turn until the last
+                lockstep = self.lockstep if arrivals is None or arrivals.exhausted else 1
+                plan = sched.schedule(lockstep)
                 if self.snapshot is not None:
                     self._restore(plan.admitted)
                 if not plan.items:
@@ -209,6 +222,8 @@ class Runner:
                 done = sched.receive(prev[0], ids)
                 if self.watcher is not None:   # host steps: prev is the step just launched, its rows still in place
                     self.watcher.observe(self.fed, st.last_hidden)
+                if arrivals is not None:
+                    arrivals.emit(stamp(prev[0], time.perf_counter()), done)
                 bar.update(len(done))
             if plan is not None:
                 sched.advance(plan)
@@ -222,6 +237,22 @@ class Runner:
         res.step_s = step_spans(st.clock, self.marks)
         bar.close()
         return res
+
+    def _arrive(self, arrivals, now: float, bar) -> None:
+        """The requests that arrived since the last turn join the queue (a request that cannot fit is rejected and
+        handed back finished); those whose client went away leave it."""
+        sched = self.sched
+        for req in arrivals.poll(now):
+            rejected = len(sched.rejected)
+            sched.add(req)
+            bar.total += 1
+            if len(sched.rejected) > rejected:
+                arrivals.emit([], [req])
+        gone = [r for r in arrivals.cancelled() if not r.retired]
+        for req in gone:
+            sched.cancel(req)
+        if gone:
+            arrivals.emit([], [r for r in gone if r.finished_step >= 0])
 
     def _restore(self, admitted: list[Request]) -> None:
         """Give each admitted request that shares the pinned prefix the prefix's recurrent state: its rows start
@@ -313,6 +344,17 @@ class Runner:
                                   None if greedy else seeds, None if greedy else steps, tables,
                                   *((kept, verify) if spec else ()))
         return handle, prompt_rows
+
+
+def stamp(plan: Plan, now: float) -> list[Request]:
+    """Time-stamp the output tokens the plan's requests just received; returns the requests that got some."""
+    grown = []
+    for s in plan.items:
+        req = s.request
+        if len(req.token_s) < len(req.output):
+            req.token_s += [now] * (len(req.output) - len(req.token_s))
+            grown.append(req)
+    return grown
 
 
 def step_spans(clock, marks: list[tuple[str, object]]) -> list[float]:

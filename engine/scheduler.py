@@ -61,6 +61,13 @@ class Request:
     # rows of its last verify step the target kept, which a hybrid model's recurrent state takes in at the request's
     # next step (kernels/gdn.py: speculative verify); handed to that step, then 0
     kept_rows: int = 0
+    # open-loop serving (engine/arrivals.py): when it arrived and when each output token reached the host
+    # (time.perf_counter seconds); a cancelled request's client went away
+    arrival_s: float = 0.0
+    token_s: list[float] = field(default_factory=list)
+    cancelled: bool = False
+    rejection: str = ""   # why the scheduler refused it ("" when it did not)
+    ignore_eos: bool = False   # runs to max_new_tokens: the scheduler's stop ids do not end it (a benchmark's request)
 
     @property
     def tokens(self) -> list[int]:
@@ -145,8 +152,20 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
+    def cancel(self, req: Request) -> None:
+        """The request's client went away: its slot and blocks are given back now, as a stop token would (a token
+        still in flight for it is dropped when it arrives, and then it counts as finished)."""
+        if req.retired or req.finished_step >= 0 or any(r is req for r, _ in self.rejected):
+            return
+        req.cancelled = req.stopped = True
+        self._retire(req)
+        if not req.inflight:
+            req.finished_step = self.step
+            self.finished.append(req)
+
     def _reject(self, req: Request, why: str) -> None:
-        self.rejected.append((req, f"request {req.rid} rejected: {why}"))
+        req.rejection = f"request {req.rid} rejected: {why}"
+        self.rejected.append((req, req.rejection))
 
     @property
     def max_rows(self) -> int:
@@ -328,7 +347,7 @@ class Scheduler:
         if req.stopped:   # a token computed after the stop token: dropped
             return
         req.output.append(tok)
-        if tok in self.stop_ids:
+        if tok in self.stop_ids and not req.ignore_eos:
             req.stopped = True
             if not req.retired:
                 self._retire(req)

@@ -117,7 +117,7 @@ class ServingSetup:
                              StatePool(e.cfg, slots, e.device, e.state_dtype, conv_dtype=e.dtype, writeback=M))
         sched = self.scheduler(bm, stop_ids)
         # every position stays below the longest request's length: the attention grid is sized for it
-        longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=1)
+        longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=kv.ctx)
         max_len = min(kv.ctx, longest)
         serving = Runner(e.model, kv, sched, sampling, sample_on_device,
                          use_graphs=e.spec.cuda_graphs and e.device.type == "cuda", workspace=e.workspace(),

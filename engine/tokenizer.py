@@ -553,7 +553,11 @@ class Tokenizer:
 
     def encode_chat(self, user_text: str, system: str | None = None) -> list[int]:
         messages = [{"role": "system", "content": system}] if system is not None else []
-        text = self.apply_chat_template(messages + [{"role": "user", "content": user_text}])
+        return self.encode_messages(messages + [{"role": "user", "content": user_text}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A conversation through the chat template, ready for the assistant's turn."""
+        text = self.apply_chat_template(messages)
         # Templates that write the BOS text themselves must not get a second BOS id.
         has_bos = self._bos_text is not None and text.startswith(self._bos_text)
         return self.encode(text, add_bos=False if has_bos else None)

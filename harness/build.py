@@ -14,6 +14,8 @@ from onepass.engine.fused_model import tensor_bytes
 from onepass.engine.gguf_loader import read_config
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.state_pool import check_hybrid_serving
+from onepass.harness.logs import log
+from onepass.harness.record import device_name
 from onepass.harness.synth import resolve_gguf, synthetic_config
 
 
@@ -35,6 +37,16 @@ def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
 _LOADED: dict = {}  # the last model built (its config and load settings, its engine), reused by a sweep's next job
 
 
+def speculation_need(cfg) -> dict:
+    """The check_memory arguments of the job's speculation: the most drafts a step it runs, and whether the MTP head
+    keeps its own KV."""
+    s = cfg.speculative
+    if s.method == "off":
+        return {}
+    k = max(s.ks) if cfg.job.name == "spec_decode" else s.k
+    return {"spec_k": int(k), "mtp": s.method in ("mtp", "mtp_scripted")}
+
+
 def _in_memory(cfg) -> bool:
     return cfg.model.synthetic is not None and not cfg.model.path and not cfg.model.package \
         and cfg.model.synthetic.materialize == "memory"
@@ -48,7 +60,8 @@ def build(cfg) -> Engine:
     memo = (OmegaConf.to_yaml(cfg.model), tuple(getattr(spec, f) for f in Engine.LOAD_FIELDS))
     if _LOADED.get("key") == memo:
         engine = _LOADED["engine"]
-        check_memory(spec, engine.cfg, 0, f"{cfg.model.name} at batch {spec.batch}")   # its weights are in place
+        # its weights are in place
+        check_memory(spec, engine.cfg, 0, f"{cfg.model.name} at batch {spec.batch}", **speculation_need(cfg))
         return engine.respec(spec)
     _LOADED.clear()  # free the previous model before making another
     gguf_path = None if _in_memory(cfg) else resolve_gguf(cfg.model, progress=cfg.progress)
@@ -56,7 +69,7 @@ def build(cfg) -> Engine:
     check_hybrid_serving(synthetic_config(cfg.model.name, cfg.model.synthetic) if gguf_path is None
                          else read_config(gguf_path), cfg.kv_cache.prefix)
     if gguf_path is not None:
-        engine = Engine.from_gguf(gguf_path, spec, progress=cfg.progress)
+        engine = Engine.from_gguf(gguf_path, spec, progress=cfg.progress, speculation=speculation_need(cfg))
         _LOADED.update(key=memo, engine=engine)
     else:   # random weights made on the device under the loader's contract (harness/synth.py)
         from onepass.harness.synth import synthetic_in_memory
@@ -64,7 +77,7 @@ def build(cfg) -> Engine:
         t0 = time.perf_counter()
         mcfg, weights = synthetic_in_memory(cfg.model.name, cfg.model.synthetic, dtype, dev, spec.weights == "packed")
         held = sum(tensor_bytes(t) for t in weights.values())   # meta stand-ins: nothing made yet
-        check_memory(spec, mcfg, held, f"{cfg.model.name} (in memory) at batch {spec.batch}")
+        check_memory(spec, mcfg, held, f"{cfg.model.name} (in memory) at batch {spec.batch}", **speculation_need(cfg))
         engine = Engine.from_weights(mcfg, weights, spec, name=f"{cfg.model.name}-in-memory")
         engine.load_s += time.perf_counter() - t0
         _LOADED.update(key=memo, engine=engine)
@@ -85,13 +98,26 @@ def draft_source(cfg, vocab_size: int, futures: dict[int, list[int]] | None = No
     s = cfg.speculative
     if s.method == "off":
         return None, 0
+    k = s.k
+    if s.k_pick == "measured":
+        from onepass.harness.spec_pick import measured_k
+
+        k, why = measured_k(cfg.model.name, s.method, cfg.batch.size, device_name(resolve_engine(cfg.engine)[0]))
+        log.info(f"[speculative] speculative.k_pick=measured: {why}")
+        if k == 0:
+            return None, 0
     if s.method == "ngram":
-        return PromptLookup(s.ngram_max), s.k
+        return PromptLookup(s.ngram_max), k
     if s.method == "mtp":   # the model's own MTP head, bound to the model by the run (engine/mtp_drafts.py)
         from onepass.engine.mtp_drafts import MTPDrafts
 
-        return MTPDrafts(), s.k
-    return ScriptedDrafts(futures or {}, s.acceptance, vocab_size, seed=cfg.workload.seed), s.k
+        return MTPDrafts(), k
+    script = ScriptedDrafts(futures or {}, s.acceptance, vocab_size, seed=cfg.workload.seed)
+    if s.method == "mtp_scripted":
+        from onepass.engine.mtp_drafts import ScriptedMTPDrafts
+
+        return ScriptedMTPDrafts(script), k
+    return script, k
 
 
 def sampling_params(cfg) -> SamplingParams:

@@ -79,17 +79,23 @@ def check_speculative(cfg) -> None:
         raise ConfigError(f"speculative.method={s.method!r}; choose one of {', '.join(METHODS)}")
     if s.method == "off":
         return
+    if s.k_pick not in ("fixed", "measured"):
+        raise ConfigError(f"speculative.k_pick={s.k_pick!r}; choose fixed (speculative.k as set) or measured (the k "
+                          "the recorded spec_decode table picks at this batch size)")
+    if s.k_pick == "measured" and cfg.job.name == "spec_decode":
+        raise ConfigError("job=spec_decode measures every k of speculative.ks: speculative.k_pick=measured is for "
+                          "the jobs that use one k (job=decode)")
     ks = list(s.ks) if cfg.job.name == "spec_decode" else [s.k]
     for k in ks:
         if not 1 <= k < ctx:
             raise ConfigError(f"speculative.k={k}: draft tokens a step, between 1 and kv_cache.ctx - 1 ({ctx - 1})")
     synth = cfg.model.synthetic
-    if s.method == "mtp" and synth is not None and not cfg.model.path and not cfg.model.package and (
+    if s.method in ("mtp", "mtp_scripted") and synth is not None and not cfg.model.path and not cfg.model.package and (
             synth.arch != "qwen35" or getattr(synth, "mtp_layers", 0) < 1):
-        raise ConfigError(f"speculative=mtp drafts with the model's own MTP head, and model={cfg.model.name} "
+        raise ConfigError(f"speculative={s.method} drafts with the model's own MTP head, and model={cfg.model.name} "
                           f"({synth.arch}, synthetic) has none: give model.path a qwen35 GGUF that keeps its MTP "
-                          "block, or use speculative=ngram")
-    if s.method == "scripted" and cfg.scheduler.mode != "static" and cfg.sampling.temperature > 0:
+                          "block, set model.synthetic.mtp_layers=1 on qwen35 shapes, or use speculative=ngram")
+    if s.method in ("scripted", "mtp_scripted") and cfg.scheduler.mode != "static" and cfg.sampling.temperature > 0:
         raise ConfigError("speculative=scripted in a served queue takes its futures from the greedy single stream; "
                           "use sampling=greedy, or speculative=ngram")
     if not 0.0 <= s.acceptance <= 1.0 or any(not 0.0 <= a <= 1.0 for a in s.acceptances):

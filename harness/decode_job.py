@@ -130,8 +130,9 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
     single, result = singles[0], batches[0]
     kv = result.cache
     spec_metrics, spec_line = {}, ""
-    if cfg.speculative.method != "off":   # the same batch again with drafts: token for token the same output
-        drafts, k = draft_source(cfg, mcfg.vocab_size, dict(enumerate(result.outputs)))
+    drafts, k = (draft_source(cfg, mcfg.vocab_size, dict(enumerate(result.outputs)))
+                 if cfg.speculative.method != "off" else (None, 0))
+    if drafts is not None:   # the same batch again with drafts: token for token the same output
         plain = result
         result, kv = run(B, w.max_new_tokens, cfg.progress, drafts, k)
         spec_metrics = speculation_metrics(result, plain, B, k)

@@ -22,9 +22,11 @@ def _own() -> list[psutil.Process]:
 
 
 def _cpu_s(p: psutil.Process) -> float:
+    """CPU seconds of p, and of its children that ended and were waited for (a job's own helper process, such as
+    the HTTP benchmark's driver, is the job's work, not contention)."""
     try:
         t = p.cpu_times()
-        return t.user + t.system
+        return t.user + t.system + t.children_user + t.children_system
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return 0.0
 

@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from onepass.harness import gpu_pool
 from onepass.kernels.errors import ConfigError
 
 
@@ -96,6 +97,27 @@ def sweep_jobs(config) -> tuple[list[list[str]], list[str]] | None:
     overrides = parser.parse_overrides(sweep_overrides(config))
     swept = [o.get_key_element() for o in overrides if o.is_sweep_override()]
     return [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch], swept
+
+
+def check_launch(config, jobs: int) -> None:
+    """launch.gpus well formed, the pool's lock folder writable, and a joblib sweep of `jobs` that runs no more of them
+    at once than the GPU pool has devices, unless they may share: a worker keeps the device its first job took
+    (harness/gpu_pool.py), so one that found every device held would wait while the others ran the whole sweep.
+    (submitit_local's jobs are processes of one job each: one waits for a device and gets it when another job ends.)"""
+    devices = gpu_pool.pool(config.launch.gpus)
+    launcher = config.hydra.launcher
+    target = str(launcher.get("_target_", ""))
+    if config.engine.device == "cpu" or not devices or not target.endswith(("JoblibLauncher", "LocalLauncher")):
+        return
+    check_folder(gpu_pool.LOCK_ENV, gpu_pool.lock_dir())
+    if config.launch.share_gpus or not target.endswith("JoblibLauncher"):
+        return
+    n = 1 if launcher.get("n_jobs") is None else int(launcher.n_jobs)
+    at_once = min(jobs, n if n > 0 else max(1, (os.cpu_count() or 1) + 1 + n))   # joblib's -1: every CPU
+    if at_once > len(devices):
+        raise ConfigError(f"hydra.launcher.n_jobs={n} runs {at_once} jobs at once on {len(devices)} GPU(s) "
+                          f"({','.join(devices)}), and jobs do not share one: give hydra.launcher.n_jobs="
+                          f"{len(devices)}, or launch.share_gpus=true to let jobs share a GPU")
 
 
 def check_sweep(config, jobs: list[list[str]]) -> None:

@@ -4,6 +4,9 @@ Runs come from the MLflow store (`mlflow.search_runs` -> pandas) or from the cop
 `experiments/<name>/runs.csv` (the same frame: params.*, metrics.*, tags.* columns), so the reports
 regenerate on any machine. Tables land in reports/<name>.md (and a plot where one reads better); regenerating
 every table (`onepass-report` without names, or `--all`) also writes the results book, reports/README.md.
+`--all` rewrites the committed reports/ from the recorded runs.csv files, `--all --check` fails where a committed
+report differs from what they regenerate (CI runs it), and `onepass-report compare A B` sets two runs, commits or
+runs.csv files side by side (harness/compare.py).
 
 Each report reads top down: its title, one line naming the card(s) and commit(s) of its rows, a headline table of
 at most HEADLINE_MAX_COLUMNS columns (one row per configuration that matters), the plot where there is one, where
@@ -12,12 +15,17 @@ the targets stand (tables with targets), then "Every recorded row", the full tab
 from __future__ import annotations
 
 import argparse
+import difflib
+import hashlib
 import io
+import json
 import math
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
+
+import numpy as np
 
 import pandas as pd
 
@@ -90,7 +98,14 @@ def runs_from_csv(name: str) -> pd.DataFrame:
     if not path.is_file():
         return pd.DataFrame()
     where = _shown(path)
-    fix = f"restore it (git checkout -- {where}) or record it again (onepass-report {name} --record --replace)"
+    return read_runs(path, f"restore it (git checkout -- {where}) or record it again "
+                           f"(onepass-report {name} --record --replace)")
+
+
+def read_runs(path: Path, fix: str) -> pd.DataFrame:
+    """A runs.csv as a frame of text cells; RunsFileError (ending with `fix`) where the file is empty, binary, not a
+    CSV table, or has a row that is not a run."""
+    where = _shown(path)
     data = path.read_bytes()
     if not data.strip():
         raise RunsFileError(f"{where} is empty; {fix}")
@@ -166,13 +181,10 @@ def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataF
     cols = (*ROW_KEYS[name], DEVICE_KEY)
 
     def keys(df: pd.DataFrame) -> pd.Series:
-        df = df.assign(**{c: df[c].fillna(v) if c in df else v for c, v in ROW_KEY_DEFAULTS.items() if c in cols})
-        missing = [c for c in cols if c not in df]
+        missing = [c for c in cols if c not in df and c not in ROW_KEY_DEFAULTS]
         if missing:
             raise ValueError(f"--merge: runs of {name!r} lack the row-key columns {missing}")
-        # the store gives numbers where the CSV gives their text ("64.0" and "64" are one key)
-        parts = [df[c].astype(str).str.replace(r"\.0$", "", regex=True) for c in cols]
-        return pd.Series(list(zip(*parts)), index=df.index)
+        return row_keys(df, cols)
 
     new = new.assign(start_time=new["start_time"].astype(str)).sort_values("start_time")
     new = new[~keys(new).duplicated(keep="last")]
@@ -180,6 +192,17 @@ def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataF
         return new.reset_index(drop=True)
     kept = recorded[~keys(recorded).isin(set(keys(new)))]
     return pd.concat([kept, new], ignore_index=True)
+
+
+def row_keys(df: pd.DataFrame, cols: Sequence[str]) -> pd.Series:
+    """Each run's key: its values of cols as a tuple of text, a column's ROW_KEY_DEFAULTS value where a run recorded
+    before the column existed lacks it ("—" where a column has no default)."""
+    df = df.assign(**{c: df[c].fillna(ROW_KEY_DEFAULTS[c]) if c in df else ROW_KEY_DEFAULTS[c]
+                      for c in cols if c in ROW_KEY_DEFAULTS})
+    # the store gives numbers where the CSV gives their text ("64.0" and "64" are one key)
+    parts = [df[c].astype(str).str.replace(r"\.0$", "", regex=True) if c in df else pd.Series("—", index=df.index)
+             for c in cols]
+    return pd.Series(list(zip(*parts)), index=df.index)
 
 
 def check_one_device(name: str, df: pd.DataFrame) -> None:
@@ -1045,7 +1068,7 @@ def serving_qwen3(df: pd.DataFrame):
 def spec_decode(df: pd.DataFrame):
     method = (df["params.speculative.method"] if "params.speculative.method" in df
               else pd.Series("?", index=df.index))
-    acc = num(df, "params.speculative.acceptance").where(method == "scripted")
+    acc = num(df, "params.speculative.acceptance").where(method.isin(["scripted", "mtp_scripted"]))
     d = pd.DataFrame({
         "card": device_label(df),
         "model": df["params.model.name"],
@@ -1072,18 +1095,22 @@ def spec_decode(df: pd.DataFrame):
     h = h.assign(_acc=h["acceptance set"].map(lambda a: "measured" if pd.isna(a) else f"{a:g}"),
                  _cell=[_cell(v, ".2f", ok == "✓") for v, ok in zip(h["x no drafts"], h["verified"])])
     accs = [a for a in ("measured", "0", "0.5", "0.7", "1") if a in set(h["_acc"])][:4]   # 0.9: the appendix
-    head = h.set_index(["card", "drafts", "B", "k", "_acc"])["_cell"].unstack("_acc").reindex(columns=accs)
+    h = h.assign(**{"model, drafts": h["model"] + ", " + h["drafts"]})
+    head = h.set_index(["card", "model, drafts", "B", "k", "_acc"])["_cell"].unstack("_acc").reindex(columns=accs)
     head.columns = [f"x, acc. {a}" if a != "measured" else "x, measured acc." for a in accs]
-    head = head.reset_index().sort_values(["card", "drafts", "B", "k"],
+    head = head.reset_index().sort_values(["card", "model, drafts", "B", "k"],
                                           key=lambda c: c.map(_card_order) if c.name == "card" else c)
     headline = _grid(head.astype({"B": str, "k": str}), left=4)
+    # the plot: the first card's rows, one line per (model and drafts, k, acceptance)
     first = h[h["card"] == h["card"].iloc[0]] if len(h) else h
+    several = first[["model", "drafts"]].drop_duplicates().shape[0] > 1
     curves = {}
-    for (k, a), g in first.groupby(["k", "acceptance set"], dropna=False, sort=True):
+    for (model, drafts, k, a), g in first.groupby(["model", "drafts", "k", "acceptance set"], dropna=False, sort=True):
         if pd.isna(a) or a in (0.5, 0.7, 1.0):
-            curves[f"k = {k}" + ("" if pd.isna(a) else f", acceptance {a:g}")] = (g["B"], g["x no drafts"])
-    fig = _curves(curves, "B (slots)", "x the batch without drafts",
-                  f"Speculative decoding, {first['model'].iloc[0] if len(first) else ''}",
+            label = (f"{model} {drafts}, " if several else "") + f"k = {k}" + ("" if pd.isna(a) else f", acc. {a:g}")
+            curves[label] = (g["B"], g["x no drafts"])
+    title = "Speculative decoding" + ("" if several or not len(first) else f", {first['model'].iloc[0]}")
+    fig = _curves(curves, "B (slots)", "x the batch without drafts", title,
                   hline=(1.0, "no drafts")) if curves else None
     note = ("Each cell: gen tok/s with up to k drafts a slot a step over the same batch without drafts, at the "
             "acceptance set for scripted drafts (the newest row; ✗: it did not verify). Verified: token for token "
@@ -1115,6 +1142,8 @@ def _curves(curves: dict, xlabel: str, ylabel: str, title: str, logy: bool = Fal
     curves = {k: xy for k, xy in curves.items() if xy[0]}
     if not curves:
         return None        # nothing recorded to draw (a figure of no points cannot take a log axis)
+    digest = plot_digest(curves=curves, xlabel=xlabel, ylabel=ylabel, title=title, logy=logy, styles=styles,
+                         points=points, hline=hline, bands=bands)
     legend = any(curves) or points or hline
     fig, ax = plt.subplots(figsize=(8.5, 4.2) if len(curves) > 4 else (5.6, 3.6))
     for label, (x, y) in curves.items():
@@ -1147,7 +1176,28 @@ def _curves(curves: dict, xlabel: str, ylabel: str, title: str, logy: bool = Fal
         else:
             ax.legend(fontsize=8)
     fig.tight_layout()
+    fig.plot_digest = digest   # write_report puts it in the report and in the PNG's own text
     return fig
+
+
+def _plain(v):
+    """v as JSON-ready values in a fixed order: mappings as [key, value] pairs in their own order (a legend's order
+    is part of the plot), sequences as lists, every number as a float."""
+    if isinstance(v, dict):
+        return [[str(k), _plain(x)] for k, x in v.items()]
+    if isinstance(v, (list, tuple, pd.Series, pd.Index, np.ndarray)):
+        return [_plain(x) for x in v]
+    if isinstance(v, str) or v is None:
+        return v
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    return None if pd.isna(v) else float(v)
+
+
+def plot_digest(**drawn) -> str:
+    """The first 12 hex digits of the sha256 of what a plot draws (its points, labels, styles and axes). A PNG's bytes
+    change with the matplotlib version and its fonts; this does not, so `--check` compares it instead."""
+    return hashlib.sha256(json.dumps(_plain(drawn)).encode()).hexdigest()[:12]
 
 
 # ---- the seeds' published figures, beside ours in the results book ----
@@ -1354,7 +1404,7 @@ def _headline_of(report: str) -> tuple[list[str], str]:
     section = report.split(HEADLINE, 1)[-1].split("\n### ", 1)[0]
     lines = section.strip().splitlines()
     table_lines = [line for line in lines if line.startswith("|")]
-    note = " ".join(line for line in lines if line and not line.startswith(("|", "!["))).strip()
+    note = " ".join(line for line in lines if line and not line.startswith(("|", "![", "<!--"))).strip()
     return table_lines, note
 
 
@@ -1367,9 +1417,16 @@ def excerpt(report: str, rows: int = 8) -> str:
 
 
 def write_book(done: dict[str, tuple[pd.DataFrame, str]], out: Path) -> Path:
-    """reports/README.md, the results book: per documented table (TABLES order) what it measures, where its rows
-    were recorded, its headline numbers (the top of the headline table), the seed's published figures beside ours,
-    and links to the full report and the experiment's README."""
+    """out/README.md, the results book, made from the reports written in out."""
+    book = render_book(done, {name: (out / f"{name}.md").read_text() for name in done}, out)
+    return atomic_write(out / "README.md", lambda tmp: tmp.write_text(book))
+
+
+def render_book(done: dict[str, tuple[pd.DataFrame, str]], reports: dict[str, str], out: Path) -> str:
+    """The results book (reports/README.md) as text: per documented table (TABLES order) what it measures, where its
+    rows were recorded, its headline numbers (the top of the headline table in `reports`, each table's report text),
+    the seed's published figures beside ours, and links to the full report and the experiment's README, relative to
+    out, the folder the book lies in."""
     names = [n for n in TABLES if (EXPERIMENTS / n).is_dir()]
     sources = sorted({s.split(" merged")[0] for _, s in done.values()})
     kinds = ("the tracking store" if any(s.startswith("the tracking store") for s in sources) else "",
@@ -1391,7 +1448,7 @@ def write_book(done: dict[str, tuple[pd.DataFrame, str]], out: Path) -> Path:
                          f"[Experiment README]({link})", ""]
             continue
         df, _ = done[name]
-        report = (out / f"{name}.md").read_text()
+        report = reports[name]
         cards = ", ".join(f"{d}" for d in device_label(df).value_counts().index)
         index.append({"table": f"[{title}](#{name})", "recorded on": cards, "rows": str(len(df)),
                       "seed figures": str(n_seed) if n_seed else "none published"})
@@ -1409,7 +1466,7 @@ def write_book(done: dict[str, tuple[pd.DataFrame, str]], out: Path) -> Path:
             f"experiment's README. Seeds (shared/seeds/): {seeds}. Seed 000's figures are from {SEED_000_SETUP}; "
             "ours name their card.", "",
             _grid(pd.DataFrame(index), left=2), ""]
-    return atomic_write(out / "README.md", lambda tmp: tmp.write_text("\n".join(head + sections)))
+    return "\n".join(head + sections)
 
 
 def _title(name: str) -> str:
@@ -1418,10 +1475,26 @@ def _title(name: str) -> str:
 
 
 def write_report(name: str, df: pd.DataFrame, source: str, out: Path) -> Path:
-    """reports/<name>.md: the title, the card / commit line, the headline (and the plot beside it, written as
-    <name>.png), where the targets stand, every recorded row, the provenance."""
+    """out/<name>.md (render_report), and its plot as out/<name>.png with the plot's data digest in the PNG's text."""
     import matplotlib.pyplot as plt
 
+    text, fig = render_report(name, df, source)
+    out.mkdir(parents=True, exist_ok=True)
+    if fig is not None:
+        meta = {"Description": PNG_DIGEST.format(fig.plot_digest)}
+        atomic_write(out / f"{name}.png", lambda tmp: fig.savefig(tmp, dpi=120, format="png", metadata=meta))
+        plt.close(fig)
+    return atomic_write(out / f"{name}.md", lambda tmp: tmp.write_text(text))
+
+
+# what a report's PNG carries in its text (a tEXt chunk, "Description"): the digest of the data it draws
+PNG_DIGEST = "onepass plot data {}"
+
+
+def render_report(name: str, df: pd.DataFrame, source: str):
+    """A table's report as text, and its plot (None where it has none): the title, the card / commit line, the
+    headline (with the plot beside it, linked as <name>.png, and the digest of what it draws), where the targets
+    stand, every recorded row, the provenance."""
     try:
         md, fig = TABLES[name](df)
     except (KeyError, ValueError, TypeError) as e:   # a column the table reads is missing or holds no number
@@ -1429,20 +1502,105 @@ def write_report(name: str, df: pd.DataFrame, source: str, out: Path) -> Path:
         fix = (f"restore it (git checkout -- experiments/{name}/runs.csv) or record it again" if "runs.csv" in source
                else f"rerun the experiment with this checkout (onepass -m experiment={name})")
         raise RunsFileError(f"table {name} cannot be made from {source}: {what}; {fix}") from None
-    out.mkdir(parents=True, exist_ok=True)
     headline, sep, rest = md.partition("\n### ")
     if fig is not None:
-        atomic_write(out / f"{name}.png", lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-        plt.close(fig)
-        headline = headline.rstrip("\n") + f"\n\n![{name}]({name}.png)\n"
+        # the image's bytes differ across matplotlib versions; the digest of what it draws does not (--check)
+        headline = (headline.rstrip("\n") + f"\n\n![{name}]({name}.png)\n"
+                    + f"<!-- plot data {fig.plot_digest}: --check compares this, not the PNG's bytes -->\n")
     body = [f"<!-- Generated by `onepass-report` from {source}; do not edit by hand. -->", f"# {_title(name)}", "",
             recorded_on(df), "", headline + sep + rest, "", provenance(df), ""]
-    return atomic_write(out / f"{name}.md", lambda tmp: tmp.write_text("\n".join(body)))
+    return "\n".join(body), fig
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """A PNG's text chunks (tEXt, and uncompressed iTXt) by keyword; {} for a file that is not a PNG."""
+    data = path.read_bytes()
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return {}
+    out, i = {}, 8
+    while i + 8 <= len(data) and data[i + 4:i + 8] != b"IEND":
+        size, kind = int.from_bytes(data[i:i + 4], "big"), data[i + 4:i + 8]
+        body = data[i + 8:i + 8 + size]
+        key, _, value = body.partition(b"\0")
+        if kind == b"tEXt":
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"iTXt" and value[:1] == b"\0":   # flag 0: not compressed; then method, language, keyword
+            out[key.decode("latin-1")] = value[2:].split(b"\0", 2)[-1].decode("utf-8", "replace")
+        i += 12 + size   # length, type, data, CRC
+    return out
+
+
+# how much of each differing report --check prints: the first lines of a unified diff, each cut to a screen's width
+CHECK_DIFF_LINES, CHECK_LINE_CHARS = 12, 160
+
+
+def check_reports(folder: Path = REPORTS) -> int:
+    """Regenerate every report and the results book from experiments/*/runs.csv in memory and compare them with the
+    files in folder. 0 where all match; 1 naming each file that differs (with the first lines of a unified diff), is
+    missing, or that no table makes; 2 where a runs.csv cannot be read. Reports compare as text; a plot by the digest
+    of what it draws (in its report's text and in the PNG's own), never by its bytes, which change with matplotlib."""
+    import matplotlib.pyplot as plt
+
+    texts: dict[str, str] = {}
+    digests: dict[str, str] = {}
+    done: dict[str, tuple[pd.DataFrame, str]] = {}
+    status = 0
+    for name in sorted(n for n in TABLES if (EXPERIMENTS / n).is_dir()):
+        source = f"experiments/{name}/runs.csv"
+        try:
+            df = runs_from_csv(name)
+            if df.empty:
+                continue
+            check_one_device(name, df)
+            texts[f"{name}.md"], fig = render_report(name, df, source)
+        except ValueError as e:
+            status = max(status, refused(e))
+            continue
+        if fig is not None:
+            digests[f"{name}.png"] = fig.plot_digest
+            plt.close(fig)
+        done[name] = (df, source)
+    texts["README.md"] = render_book(done, {n: texts[f"{n}.md"] for n in done}, folder)
+    wrong = []
+    for file, text in texts.items():
+        path, shown = folder / file, _shown(folder / file)
+        if not path.is_file():
+            wrong.append(f"{shown} is missing")
+            continue
+        diff = list(difflib.unified_diff(path.read_text().splitlines(), text.splitlines(), f"{shown} (committed)",
+                                         f"{shown} (regenerated)", lineterm="", n=0))
+        if diff:
+            more = len(diff) - CHECK_DIFF_LINES
+            wrong.append(f"{shown} differs from what its runs regenerate:\n" + "\n".join(
+                "    " + (line if len(line) <= CHECK_LINE_CHARS else line[:CHECK_LINE_CHARS] + " …")
+                for line in diff[:CHECK_DIFF_LINES]) + (f"\n    … {more} more diff lines" if more > 0 else ""))
+    for file, digest in digests.items():
+        path, shown = folder / file, _shown(folder / file)
+        if not path.is_file():
+            wrong.append(f"{shown} is missing")
+        elif (held := png_text(path).get("Description", "")) != PNG_DIGEST.format(digest):
+            wrong.append(f"{shown} was drawn from other data: it holds {held!r}, the runs now draw "
+                         f"{PNG_DIGEST.format(digest)!r}" if held else
+                         f"{shown} carries no plot-data digest (not drawn by this onepass-report)")
+    made = set(texts) | set(digests)
+    wrong += [f"{_shown(p)}: no table makes it (a table removed or renamed?); delete it"
+              for p in sorted(folder.glob("*")) if p.suffix in (".md", ".png") and p.name not in made]
+    for line in wrong:
+        print(f"[check] {line}", file=sys.stderr)
+    if wrong:
+        print(f"[check] {len(wrong)} file(s) under {_shown(folder)}/ do not match what experiments/*/runs.csv "
+              "regenerate: regenerate them with `onepass-report --all` (never by hand) and commit them with the "
+              "runs.csv they come from", file=sys.stderr)
+        return max(status, 1)
+    print(f"[check] {len(texts) - 1} reports, {len(digests)} plots and the results book under {_shown(folder)}/ match "
+          "what experiments/*/runs.csv regenerate")
+    return status
 
 
 def out_folder(args, recorded: bool) -> Path:
-    """Where a report goes: --out when given; reports/ for a table just recorded; else the local folder."""
-    return Path(args.out) if args.out else REPORTS if recorded else LOCAL_REPORTS
+    """Where a report goes: --out when given; reports/ for a table just recorded and under --all; else the local
+    folder."""
+    return Path(args.out) if args.out else REPORTS if recorded or args.all else LOCAL_REPORTS
 
 
 def noisy_refusal(name: str, df: pd.DataFrame) -> str:
@@ -1458,12 +1616,29 @@ def noisy_refusal(name: str, df: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Regenerate the results tables under reports/ from recorded runs.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:
+        from onepass.harness import compare
+
+        return compare.main(argv[1:])
+    ap = argparse.ArgumentParser(
+        description="Regenerate the results tables under reports/ from recorded runs.",
+        epilog="onepass-report compare A B [--threshold 0.05] [--fail-on-regression]: each experiment's headline "
+               "figures of A and B side by side (a run id, a commit of the recorded runs, or a runs.csv; "
+               "onepass-report compare -h says more).")
     ap.add_argument("names", nargs="*", help="experiments to report (default: every one with a table)")
     ap.add_argument("--all", action="store_true",
-                    help="every table (as with no names), and the results book reports/README.md")
-    ap.add_argument("--source", choices=("auto", "store", "csv"), default="auto",
-                    help="auto: the tracking store when it has runs for the table, else experiments/<name>/runs.csv")
+                    help="every committed report and the results book, rewritten in reports/ (or --out) from "
+                         "experiments/*/runs.csv, the recorded runs and nothing else")
+    ap.add_argument("--check", action="store_true",
+                    help="with --all: write nothing; regenerate every report and the results book in memory and exit 1 "
+                         "naming each file under reports/ (or --out) that differs (with the first lines of a diff), is "
+                         "missing or that no table makes. Plots are not compared byte for byte (a PNG changes with the "
+                         "matplotlib version): each report holds the digest of the data its plot draws, and so does "
+                         "the PNG's own text; --check compares those digests, and that the PNG exists")
+    ap.add_argument("--source", choices=("auto", "store", "csv"), default=None,
+                    help="auto (the default without --all): the tracking store when it has runs for the table, else "
+                         "experiments/<name>/runs.csv; --all reads csv only")
     ap.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
     ap.add_argument("--record", action="store_true", help="also write the store's runs to experiments/<name>/runs.csv")
     ap.add_argument("--merge", action="store_true",
@@ -1482,9 +1657,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.all and args.names:
         ap.error("--all means every table: give it no table names")
+    if args.check:
+        if not args.all or args.record or args.source not in (None, "csv"):
+            ap.error("--check compares every committed report with what experiments/*/runs.csv regenerate: "
+                     "onepass-report --all --check [--out FOLDER]")
+        return check_reports(Path(args.out) if args.out else REPORTS)
+    if args.all and args.source not in (None, "csv") and not args.out:
+        ap.error("--all rewrites the committed reports/ from experiments/*/runs.csv only; to make every table from "
+                 "the tracking store, run onepass-report without --all (it writes to outputs/reports/)")
+    if args.all and args.record:
+        ap.error("--all rewrites reports from what is recorded; --record records one table: "
+                 "onepass-report NAME --record")
+    args.source = args.source or ("csv" if args.all else "auto")
     every = args.all or not args.names
     names = sorted(n for n in TABLES if (EXPERIMENTS / n).is_dir()) if every else args.names
-    status = 0
+    status, book_stale = 0, False
     done: dict[str, tuple[pd.DataFrame, str]] = {}
     for name in names:
         if name not in TABLES:
@@ -1511,7 +1698,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         if df.empty:
             print(f"[report] {name}: no recorded runs (run `onepass -m experiment={name}` first)", file=sys.stderr)
-            status = max(status, 1)
+            if not every:   # asked for by name; among every table, one not yet run is no failure (the book says so)
+                status = max(status, 1)
             continue
         if args.record and source.startswith("the tracking store"):
             if args.merge:
@@ -1544,12 +1732,30 @@ def main(argv: list[str] | None = None) -> int:
             status = max(status, refused(e))
             continue
         done[name] = (df, source)
+        book_stale |= recorded and path.parent.resolve() == REPORTS.resolve()
         print(f"[report] {name}: {path} ({len(df)} runs from {source})")
         print(path.read_text())
     if every:
         print(f"[report] results book: {write_book(done, out_folder(args, False))}")
+    elif book_stale:
+        # the results book quotes every table's headline: a table recorded anew changes its section
+        try:
+            book = {}
+            for n in (n for n in sorted(TABLES) if (EXPERIMENTS / n).is_dir() and (REPORTS / f"{n}.md").is_file()):
+                if not (runs := runs_from_csv(n)).empty:
+                    book[n] = (runs, f"experiments/{n}/runs.csv")
+            print(f"[report] results book: {write_book(book, REPORTS)}")
+        except RunsFileError as e:
+            status = max(status, refused(e))
     return status
 
 
+from onepass.harness import latency_report  # noqa: E402, F401  (registers its table here)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as a script this file is `__main__`, a second copy of the module: the tables that register themselves on
+    # onepass.harness.report (latency_report) are in that one, so its main runs
+    from onepass.harness.report import main as registered_main
+
+    sys.exit(registered_main())

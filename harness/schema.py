@@ -1,6 +1,7 @@
 """Structured-config schema: a misspelled key or a wrong type fails at composition, naming the key."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,6 +44,7 @@ class SynthShape:
     gdn_k_dim: int = 0
     gdn_v_dim: int = 0
     gdn_conv_kernel: int = 0
+    mtp_layers: int = 0   # qwen35: MTP blocks after the trunk (GGUF nextn_predict_layers), for speculative=mtp
 
 
 @dataclass
@@ -92,6 +94,26 @@ class SamplingCfg:
 
 
 @dataclass
+class LengthCfg:
+    """A trace's prompt or output length in tokens (harness/traces.py): fixed (median), uniform in [low, high], or
+    lognormal (the median, and sigma of its log) clipped to [low, high]."""
+
+    dist: str = "fixed"
+    median: int = 16
+    sigma: float = 0.0
+    low: int = 1
+    high: int = 0
+
+
+@dataclass
+class SloCfg:
+    """Service-level objectives of a served request (job=serving_latency): its goodput, a sweep's saturation point."""
+
+    ttft_ms: float = 1000.0  # time to first token
+    tpot_ms: float = 100.0  # time per output token after the first
+
+
+@dataclass
 class WorkloadCfg:
     name: str = MISSING
     prompt: str = MISSING
@@ -102,6 +124,21 @@ class WorkloadCfg:
     seed: int = 0
     max_new_tokens: int = 64
     ignore_eos: bool = True  # fixed output length, as throughput benchmarks use
+    # request traces (conf/workload/trace_*.yaml, harness/traces.py; job=serving_latency), which leave prompt,
+    # synthetic_prompt_len and the *_new_tokens above unread: when each request arrives, how long it is, where it goes
+    arrival: str = "poisson"  # all (at once) | poisson (at rate) | gamma (at rate, shape burstiness) | file (its times)
+    rate: float = math.inf  # requests/s on average; inf: all at once (vllm bench serve's --request-rate)
+    burstiness: float = 1.0  # gamma's shape (vllm bench serve's --burstiness): 1 is Poisson, below 1 burstier
+    prompt_len: LengthCfg = field(default_factory=LengthCfg)
+    output_len: LengthCfg = field(default_factory=LengthCfg)
+    shared_prefix: float = 0.0  # the part of each prompt (0..1) taken from one prefix every request shares
+    # requests from a file: JSON lines of t (arrival s), prompt (text) | prompt_ids | prompt_len, output_len (what a
+    # line leaves out comes from the distributions), or a .txt of prompts, one a line
+    trace_file: Optional[str] = None
+    # inprocess (the engine's own loop) | http (onepass's server, started in the job on its engine) | hf (HF
+    # transformers continuous batching, same weights) | a URL: any OpenAI-compatible server (vLLM, SGLang, llama.cpp)
+    target: str = "inprocess"
+    served_model: Optional[str] = None  # the model name a URL target is asked for (default: model.name)
 
 
 @dataclass
@@ -133,6 +170,15 @@ class TrackingCfg:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "onepass"
     spool_dir: str = ".onepass/spool"  # records that could not be logged wait here for onepass-sync
+
+
+@dataclass
+class LaunchCfg:
+    """How a sweep's jobs that run side by side get their GPUs (hydra/launcher=joblib | submitit_local;
+    harness/gpu_pool.py)."""
+
+    gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES entries to hand out; empty: the visible GPUs
+    share_gpus: bool = False  # let a job take a device another job holds, when there are more jobs than devices
 
 
 @dataclass
@@ -187,13 +233,19 @@ class SpeculativeCfg:
     """Speculative decoding (engine/drafts.py): each decoding request feeds up to k draft tokens after its newest
     token and keeps those the target agrees with."""
 
-    method: str = "off"  # off | ngram (prompt lookup in the request's own tokens) | scripted (controlled acceptance)
+    # off | ngram (prompt lookup in the request's own tokens) | scripted (controlled acceptance) | mtp (the qwen35 MTP
+    # head) | mtp_scripted (the MTP head runs as for mtp, its tokens replaced by scripted ones: its cost, a set
+    # acceptance)
+    method: str = "off"
     k: int = 0  # draft tokens a step
     ngram_max: int = 3  # ngram: the longest suffix looked up
     # scripted: the target's own future tokens (from the run without speculation), each right with this probability
     acceptance: float = 0.7
     # job=spec_decode: the (k, acceptance) pairs one job sweeps against its run without speculation
     ks: list[int] = field(default_factory=lambda: [1, 2, 3])
+    # fixed: k as set; measured: the k the recorded spec_decode table picks for this model at batch.size (0: no drafts
+    # at that batch; harness/spec_pick.py)
+    k_pick: str = "fixed"
     acceptances: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.7, 0.9, 1.0])
 
 
@@ -215,9 +267,11 @@ class RunCfg:
     workload: WorkloadCfg = field(default_factory=WorkloadCfg)
     engine: EngineCfg = field(default_factory=EngineCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
+    launch: LaunchCfg = field(default_factory=LaunchCfg)
     verify: VerifyCfg = field(default_factory=VerifyCfg)
     measure: MeasureCfg = field(default_factory=MeasureCfg)
     peer: PeerCfg = field(default_factory=PeerCfg)
+    slo: SloCfg = field(default_factory=SloCfg)
     micro: MicroCfg = field(default_factory=MicroCfg)
     speculative: SpeculativeCfg = field(default_factory=SpeculativeCfg)
     job: JobCfg = field(default_factory=JobCfg)  # conf/job: decode | int4_gemm | projection_crossover | ...

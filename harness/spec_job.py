@@ -8,14 +8,22 @@ from typing import Iterator
 from omegaconf import OmegaConf
 
 from onepass.engine.drafts import PromptLookup, ScriptedDrafts
-from onepass.engine.mtp_drafts import MTPDrafts
+from onepass.engine.mtp_drafts import MTPDrafts, ScriptedMTPDrafts
 from onepass.engine.verify import verify_greedy
 from onepass.harness.build import build, resolve_engine, sampling_params
 from onepass.harness.checks import check_decode
 from onepass.harness.decode_job import decode_rate, percentile_ms, speculation_metrics
 from onepass.harness.job import RunRecord
+from onepass.harness.spread import repeat, spread
 from onepass.harness.workload import prompt_ids, workload_digest
 from onepass.kernels.errors import ConfigError
+
+
+def _fresh_drafts(method: str, ngram_max: int, futures, acc, vocab: int, seed: int):
+    """A new draft source of the method (one keeps per-request state across a run)."""
+    script = ScriptedDrafts(futures, acc, vocab, seed=seed) if method in ("scripted", "mtp_scripted") else None
+    return (PromptLookup(ngram_max) if method == "ngram" else MTPDrafts() if method == "mtp"
+            else ScriptedMTPDrafts(script) if method == "mtp_scripted" else script)
 
 
 class SpecDecodeJob:
@@ -28,7 +36,7 @@ class SpecDecodeJob:
         s, w, B = cfg.speculative, cfg.workload, cfg.batch.size
         if s.method == "off":
             raise ConfigError("job=spec_decode measures drafts against none: choose speculative=ngram, "
-                              "speculative=scripted or speculative=mtp")
+                              "speculative=scripted, speculative=mtp or speculative=mtp_scripted")
         if cfg.scheduler.mode != "static":
             raise ConfigError("job=spec_decode times static batches; use scheduler=static (a served queue takes "
                               "speculative=... in job=decode)")
@@ -45,22 +53,31 @@ class SpecDecodeJob:
 
         built.run_static([ids] * B, 4, sampling, stop_ids, prefill)   # compile outside the timing
         single = run(1)
-        plain = run(B)
+        # each batch (without drafts, and with them at each (k, acceptance)): measure.warmup untimed runs, then
+        # measure.repeats timed ones; rates are their median with the spread beside, the first timed run is verified
+        plains = repeat(lambda: run(B), cfg.measure)
+        plain, base = plains[0], spread("nonspec_tok_s", [decode_rate(r) for r in plains])
         futures = dict(enumerate(plain.outputs))
-        print(f"[perf] spec_decode B={B} without drafts: {decode_rate(plain):,.1f} tok/s, step p50 "
+        print(f"[perf] spec_decode B={B} without drafts: {base['nonspec_tok_s']:,.1f} tok/s "
+              f"(p10-p90 {base['nonspec_tok_s_p10']:,.1f}-{base['nonspec_tok_s_p90']:,.1f}), step p50 "
               f"{percentile_ms(plain.step_s, 0.5):.3f} ms")
-        grid = [(k, a) for k in s.ks for a in (s.acceptances if s.method == "scripted" else [None])]
+        scripted = s.method in ("scripted", "mtp_scripted")
+        grid = [(k, a) for k in s.ks for a in (s.acceptances if scripted else [None])]
         for k, acc in grid:
-            drafts = (PromptLookup(s.ngram_max) if s.method == "ngram" else MTPDrafts() if s.method == "mtp"
-                      else ScriptedDrafts(futures, acc, mcfg.vocab_size, seed=w.seed))
-            spec = run(B, drafts, k)
+            # a draft source keeps state per request, so each run gets its own; the untimed warm-ups compile the
+            # kernels met only with drafts (the MTP head's, eager, at each row count it meets)
+            specs = repeat(lambda: run(B, _fresh_drafts(s.method, s.ngram_max, futures, acc, mcfg.vocab_size, w.seed),
+                                       k), cfg.measure)
+            spec = specs[0]
             same = spec.outputs == plain.outputs
             verdict = verify_greedy(spec.outputs, single.outputs[0], single.logits_finite) if sampling.greedy else None
             greedy = verdict.ok if verdict else True
             reason = "; ".join(r for r in (verdict.reason if verdict else "",
                                            "" if same else "speculation changed the tokens") if r)
             m = speculation_metrics(spec, plain, B, k)
-            m.update(throughput_tok_s=decode_rate(spec), per_stream_tok_s=decode_rate(spec) / B,
+            m.update(spread("throughput_tok_s", [decode_rate(r) for r in specs]), **base, repeats=float(len(specs)))
+            m.update(speedup_vs_nonspec=m["throughput_tok_s"] / m["nonspec_tok_s"],
+                     per_stream_tok_s=m["throughput_tok_s"] / B,
                      step_ms_p50=percentile_ms(spec.step_s, 0.5), steps=float(len(spec.step_s)),
                      verify_ok=int(same and greedy), spec_same_tokens=int(same),
                      single_stream_tok_s=decode_rate(single))

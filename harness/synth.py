@@ -36,7 +36,7 @@ def synthetic_config(name: str, shape) -> ModelConfig:
         hybrid = dict(full_attention_interval=shape.full_attention_interval, rotary_dim=shape.rotary_dim,
                       attn_output_gate=shape.attn_output_gate, gdn_k_heads=shape.gdn_k_heads,
                       gdn_v_heads=shape.gdn_v_heads, gdn_k_dim=shape.gdn_k_dim, gdn_v_dim=shape.gdn_v_dim,
-                      gdn_conv_kernel=shape.gdn_conv_kernel)
+                      gdn_conv_kernel=shape.gdn_conv_kernel, mtp_layers=getattr(shape, "mtp_layers", 0))
     return ModelConfig(
         arch=shape.arch, n_layers=shape.n_layers, dim=shape.dim, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
         head_dim=shape.head_dim, ffn_dim=shape.ffn_dim, vocab_size=shape.vocab_size, norm_eps=shape.norm_eps,

@@ -196,8 +196,10 @@ class LiveRun:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
         from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+        from onepass.harness.environment import lock_hash
+
         uri, record_id = absolute_uri(tracking_cfg.uri), uuid.uuid4().hex
-        tags = {**standard_tags(), "onepass.record_id": record_id, **tags}
+        tags = {**standard_tags(), "onepass.record_id": record_id, "lock_hash": lock_hash(), **tags}
         if os.environ.get(PARENT_ENV):
             tags[MLFLOW_PARENT_RUN_ID] = os.environ[PARENT_ENV]
         try:
@@ -237,6 +239,18 @@ class LiveRun:
             mlflow.MlflowClient(tracking_uri=self.uri).set_terminated(self.run_id, status=status)
         except Exception as e:   # the store went away: the run stays RUNNING there, nothing measured is lost
             log.warning(f"[tracking] could not mark run {self.run_id} {status} ({e})")
+
+
+def with_environment(record: dict) -> dict:
+    """The record with what it was made with: every package's version (environment.txt), the lock file's hash, and
+    the GPU its process was given where a sweep's launcher gave it one (harness/gpu_pool.py)."""
+    from onepass.harness.environment import lock_hash, package_versions
+
+    record["tags"].setdefault("lock_hash", lock_hash())
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        record["tags"].setdefault("cuda_visible_devices", os.environ["CUDA_VISIBLE_DEVICES"])
+    record["artifacts"].setdefault("environment.txt", package_versions())
+    return record
 
 
 def save_record(record: dict, path: Path) -> None:
@@ -309,6 +323,7 @@ def finish(record: dict, tracking_cfg, out_dir: Path, live: LiveRun | None = Non
     if live is not None:   # its system metrics end with the job
         live.stop_monitor()
     record.setdefault("end_time_ms", int(time.time() * 1000))
+    with_environment(record)
     spooled = None
     try:
         save_record(record, out_dir / "run_record.json")

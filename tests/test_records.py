@@ -72,3 +72,5 @@ def test_record_refuses_noisy_runs_unless_asked(experiments, tmp_path, monkeypat
     assert report.main(["t", "--record", "--allow-noisy"]) == 0
     assert list(pd.read_csv(experiments)["run_id"]) == ["a", "b", "c", "d"]
     assert "experiments/t/runs.csv" in (tmp_path / "committed" / "t.md").read_text()
+    # the results book quotes every committed report's headline: recording a table rewrites it too
+    assert "[Full report](t.md)" in (tmp_path / "committed" / "README.md").read_text()

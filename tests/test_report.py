@@ -90,7 +90,9 @@ def test_results_book_lists_every_table(tmp_path):
     assert set(RECORDED) <= set(documented)
     for name in documented:
         assert f"(#{name})" in book and f'<a id="{name}"></a>' in book, name
-        assert f"[Full report]({name}.md)" in book and f"experiments/{name}/README.md)" in book, name
+        assert f"experiments/{name}/README.md)" in book, name
+        # a table not yet run (an experiments/<name>/ without a runs.csv) has a section, and no report to link
+        assert (f"[Full report]({name}.md)" in book) == (name in RECORDED), name
     # each section: what it measures, its headline excerpt, the seed's figures beside ours or "no published figure"
     parts = re.split(r'^## <a id="(\w+)"></a>', book, flags=re.M)
     by_name = dict(zip(parts[1::2], parts[2::2]))
@@ -216,3 +218,82 @@ def test_gpu_tables_show_energy_per_token_beside_throughput():
     rows = sections(report.TABLES["static_scaling"](df)[0])["Every recorded row"]
     head, *body = tables_of(rows)[0]
     assert "J/token" in head and all(r[head.index("J/token")] == "0.0123" for r in body)
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_header_says_when_rows_come_from_several_commits_or_cards(name):
+    """The line under a report's title names every commit and card of its rows, and says plainly when there is more
+    than one of either."""
+    df = report.runs_from_csv(name)
+    text, fig = report.render_report(name, df, f"experiments/{name}/runs.csv")
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    line = text.splitlines()[3]
+    commits = df["tags.git_commit"].fillna("unrecorded").str[:7].unique() if "tags.git_commit" in df else []
+    cards = df[report.DEVICE_KEY].fillna("an unrecorded card").unique() if report.DEVICE_KEY in df else []
+    assert all(c in line for c in commits) and all(c in line for c in cards), line
+    assert ("more than one commit" in line) == (len(commits) > 1), line
+    several_cards = len(cards) > 1
+    assert (f"**{len(cards)} cards**" in line) == several_cards and ("more than one card" in line) == several_cards
+
+
+def test_check_names_each_report_that_drifted(tmp_path, capsys):
+    """--check regenerates every report in memory: a report whose figures differ, a missing one, one that no table
+    makes and a plot drawn from other data each fail it, named; a plot's bytes do not matter, only what it draws."""
+    out = run_all(tmp_path, "--all")
+    assert report.main(["--all", "--check", "--out", str(out)]) == 0
+    assert "match what experiments/*/runs.csv regenerate" in capsys.readouterr().out
+    # the same plot drawn at another size (as another matplotlib version would draw it) still passes
+    _, fig = report.TABLES["static_batching"](report.runs_from_csv("static_batching"))
+    meta = {"Description": report.PNG_DIGEST.format(fig.plot_digest)}
+    fig.savefig(out / "static_batching.png", dpi=40, metadata=meta)
+    assert report.main(["--all", "--check", "--out", str(out)]) == 0
+    capsys.readouterr()
+
+    scaling = (out / "static_scaling.md").read_text()
+    row = next(line for line in scaling.splitlines() if line.startswith("| H200"))
+    edited = row.replace("| H200", "| H100")
+    (out / "static_scaling.md").write_text(scaling.replace(row, edited, 1))
+    (out / "int4_gemm.md").unlink()
+    (out / "retired_table.md").write_text("# a table no longer made\n")
+    (out / "static_batching.png").write_bytes((out / "hybrid_27b.png").read_bytes())
+    assert report.main(["--all", "--check", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "static_scaling.md differs from what its runs regenerate" in err
+    assert f"    -{edited[:100]}" in err and f"    +{row[:100]}" in err      # the committed line, then the true one
+    assert "int4_gemm.md is missing" in err and "retired_table.md: no table makes it" in err
+    assert "static_batching.png was drawn from other data" in err
+    assert "4 file(s)" in err and "onepass-report --all" in err
+    # --all rewrites them: the check passes again but for the file no table makes
+    run_all(tmp_path, "--all")
+    assert report.main(["--all", "--check", "--out", str(out)]) == 1
+    assert "1 file(s)" in capsys.readouterr().err
+
+
+def test_plot_digest_follows_what_is_drawn():
+    df = report.runs_from_csv("static_batching")
+    digest = [report.TABLES["static_batching"](d)[1].plot_digest for d in (df, df.copy())]
+    assert digest[0] == digest[1] and re.fullmatch(r"[0-9a-f]{12}", digest[0])
+    faster = df.assign(**{"metrics.throughput_tok_s": df["metrics.throughput_tok_s"].replace(
+        df["metrics.throughput_tok_s"].iloc[0], "1.5")})
+    assert report.TABLES["static_batching"](faster)[1].plot_digest != digest[0]
+    assert report.plot_digest(curves={"a": ([1, 2], [3.0, 4.0])}) != report.plot_digest(curves={"b": ([1, 2],
+                                                                                                      [3.0, 4.0])})
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_all_writes_the_committed_reports_from_the_recorded_runs_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "REPORTS", tmp_path / "reports")
+    monkeypatch.setattr(report, "runs_from_store", lambda *a, **k: pytest.fail("--all read the tracking store"))
+    assert report.main(["--all"]) == 0
+    text = (tmp_path / "reports" / "static_scaling.md").read_text()
+    assert text.startswith("<!-- Generated by `onepass-report` from experiments/static_scaling/runs.csv;")
+    assert (tmp_path / "reports" / "README.md").is_file()
+    for argv in (["--check"], ["--all", "--check", "--source", "store"], ["--all", "--source", "store"],
+                 ["--all", "--check", "--record"], ["static_scaling", "--check"]):
+        with pytest.raises(SystemExit):
+            report.main(argv)

@@ -32,7 +32,7 @@ from onepass.engine.gguf_writer import random_weights, write_gguf
 from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from onepass.engine.models import build_model
 from onepass.engine.models.qwen35 import mtp_cache, mtp_reference_drafts
-from onepass.engine.mtp_drafts import MTPDrafts
+from onepass.engine.mtp_drafts import MTPDrafts, ScriptedMTPDrafts
 from onepass.engine.runner import Runner, run_static
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.scheduler import Request, Scheduler
@@ -429,6 +429,41 @@ def test_sampled_tokens_equal_without_drafts(tiny, kind):
     assert spec.outputs == plain.outputs
 
 
+def test_sampled_token_distribution_with_mtp_drafts(tiny):
+    """Chi-square goodness of fit, not just agreement: over 240 requests (each its own seed) at temperature 0.7 with
+    MTP drafts (k = 2), the first token and the second (the first one a draft can decide) follow their distributions
+    under the plain-torch reference model, the second's being sum over first tokens v of P(v) softmax(logits after v
+    / 0.3). Tokens are pooled into bins of about 10 expected draws in order of probability; p < 0.001 fails."""
+    from scipy.stats import chisquare
+
+    model, ref = tiny
+    n, T, V = 240, 0.3, CFG.vocab_size
+    prompt = motif_prompt(random.Random(31), 6)
+    sampling = SamplingParams(temperature=T, seed=9)
+    got, res, _ = serve(model, [prompt] * n, [3] * n, MTPDrafts(), 2, slots=8, sampling=sampling)
+    assert res.drafted > 0
+    P = len(prompt)
+    kv = HybridCache.create(CFG, V, CTX, torch.float32, "cpu")
+    ids = torch.tensor([prompt + [v] for v in range(V)])          # every first token after the prompt
+    logits = ref.forward(ids, torch.arange(P + 1).expand(V, -1), torch.arange(V), kv, last_only=False)
+    p_first = torch.softmax(logits[0, P - 1] / T, dim=-1).double()
+    p_second = p_first @ torch.softmax(logits[:, P] / T, dim=-1).double()
+    for draws, p in (([got[i][0] for i in range(n)], p_first), ([got[i][1] for i in range(n)], p_second)):
+        # bins of tokens in order of probability, each closed once it expects 10 draws (the last takes the rest)
+        bins, acc, cur = [], 0.0, []
+        for v in torch.argsort(p, descending=True).tolist():
+            cur.append(v)
+            acc += float(p[v]) * n
+            if acc >= 10:
+                bins.append(cur)
+                cur, acc = [], 0.0
+        bins[-1] += cur
+        assert len(bins) >= 8, "too few bins to test"
+        observed = [sum(draws.count(v) for v in b) for b in bins]
+        want = [float(p[b].sum()) * n for b in bins]
+        assert chisquare(observed, want, sum_check=False).pvalue > 1e-3, (observed, want)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the MTP head
 
@@ -520,6 +555,36 @@ def test_mtp_drafts_all_kept_when_the_head_knows(tiny):
     assert res.drafted > 0 and res.accepted == res.drafted
 
 
+def test_scripted_tokens_at_the_mtp_heads_cost(tiny):
+    """speculative=mtp_scripted: the head runs (fed and chained as for speculative=mtp), as many scripted drafts are
+    fed as it drafted, and they are the scripted ones: all kept at acceptance 1, none at 0; the tokens equal the run
+    without drafts either way."""
+    model = tiny[0]
+    prompts, plain = plain_static(model, 4, "batched")
+    futures = dict(enumerate(plain.outputs))
+
+    class Counted(ScriptedMTPDrafts):
+        def __init__(self, script):
+            super().__init__(script)
+            self.head_rows, self.asked = 0, []
+
+        def forward(self, tokens, hidden, positions, slots):
+            self.head_rows += len(tokens)
+            return super().forward(tokens, hidden, positions, slots)
+
+        def __call__(self, req, k):
+            out = super().__call__(req, k)
+            self.asked.append(len(out))
+            return out
+
+    for acc in (1.0, 0.0):
+        drafts = Counted(ScriptedDrafts(futures, acc, CFG.vocab_size))
+        spec = static(model, prompts, 14, drafts, K)
+        assert spec.outputs == plain.outputs
+        assert drafts.head_rows > 0 and all(n <= K for n in drafts.asked) and spec.drafted == sum(drafts.asked)
+        check_counters("right" if acc else "wrong", spec.drafted, spec.accepted)
+
+
 def test_mtp_refused_without_an_mtp_block(tiny, tiny_ggufs):
     """speculative=mtp on a model without an MTP block, or not qwen35, is refused when the runner is built, naming the
     model and the fix."""
@@ -552,8 +617,11 @@ def test_harness_checks_speculation_on_qwen35(tmp_path):
 
     for method in ("ngram", "scripted"):
         check_speculative(cfg_of("model=tiny-qwen35", f"speculative={method}"))
-    with pytest.raises(ConfigError, match="model=tiny-qwen35 .*has none.*speculative=ngram"):
-        check_speculative(cfg_of("model=tiny-qwen35", "speculative=mtp"))
+    for method in ("mtp", "mtp_scripted"):
+        with pytest.raises(ConfigError, match="model=tiny-qwen35 .*has none.*mtp_layers=1.*speculative=ngram"):
+            check_speculative(cfg_of("model=tiny-qwen35", f"speculative={method}"))
+        check_speculative(cfg_of("model=tiny-qwen35", f"speculative={method}", "model.synthetic.mtp_layers=1"))
+    assert cfg_of("experiment=spec_decode_27b").model.synthetic.mtp_layers == 1
     with pytest.raises(ConfigError, match="speculative.k=0"):
         check_speculative(cfg_of("model=tiny-qwen35", "speculative=mtp", "speculative.k=0"))
     assert cfg_of("speculative=mtp").speculative.k == 3

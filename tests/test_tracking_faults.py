@@ -33,8 +33,9 @@ def store(tmp_path_factory):
     return uri
 
 
-# the client calls log_record makes, in order: a Ctrl-C may land inside any of them
-CALLS = ["create_run", "log_batch", "log_batch", "log_text", "set_terminated"]
+# the client calls log_record makes, in order: a Ctrl-C may land inside any of them (finish adds environment.txt to
+# the record's config.yaml: two log_text)
+CALLS = ["create_run", "log_batch", "log_batch", "log_text", "log_text", "set_terminated"]
 
 
 @pytest.mark.parametrize("stop_at", range(len(CALLS)))

@@ -56,6 +56,24 @@ def test_the_estimate_counts_the_caches_the_engine_allocates(cfg, slots, ctx):
     assert memory.cache_bytes(cfg, slots, ctx, torch.float32) == real.nbytes > 0
 
 
+def test_the_estimate_counts_what_speculation_allocates():
+    """Draft logs of k + 1 rows a slot in every GDN layer and the MTP head's own KV (engine/mtp_drafts.py), as a
+    verify run reserves and binds them; and k + 1 step rows a sequence."""
+    from dataclasses import replace
+
+    from onepass.engine.mtp_drafts import _HeadCache
+
+    cfg = replace(QWEN35, mtp_layers=1)
+    slots, ctx, k = 3, 32, 3
+    cache = HybridCache.create(cfg, slots, ctx, torch.float32, "cpu")
+    cache.state.reserve_drafts(k + 1)
+    head = _HeadCache(cfg.n_layers, slots, ctx, cfg, torch.float32, "cpu")
+    assert memory.cache_bytes(cfg, slots, ctx, torch.float32, spec_k=k, mtp=True) == cache.nbytes + head.nbytes
+    assert cache.nbytes > HybridCache.create(cfg, slots, ctx, torch.float32, "cpu").nbytes
+    need = memory.estimate(cfg, 0, 8, ctx, torch.float32, spec_k=k, mtp=True)
+    assert need.rows == 8 * (k + 1) and need.largest_batch(need.total) == 8
+
+
 def test_a_batch_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch):
     path = tmp_path / "tiny.gguf"
     write_gguf(path, LLAMA, random_weights(LLAMA, seed=1), weight_type="f32")
