@@ -90,9 +90,11 @@ def _with_scaling(mcfg: ModelConfig) -> ModelConfig:
     return replace(mcfg, rope_scaling=RopeScaling())
 
 
-def draft_source(cfg, vocab_size: int, futures: dict[int, list[int]] | None = None):
+def draft_source(cfg, vocab_size: int, futures: dict[int, list[int]] | None = None,
+                 acceptance: float | None = None):
     """(draft source, k) of the job's speculative group: (None, 0) when off. Scripted drafts take the target's own
-    future tokens per request id, from the run without speculation."""
+    future tokens per request id, from the run without speculation, right at `acceptance` (default: the group's).
+    A source keeps state per request: each run gets a new one."""
     from onepass.engine.drafts import PromptLookup, ScriptedDrafts
 
     s = cfg.speculative
@@ -112,7 +114,8 @@ def draft_source(cfg, vocab_size: int, futures: dict[int, list[int]] | None = No
         from onepass.engine.mtp_drafts import MTPDrafts
 
         return MTPDrafts(), k
-    script = ScriptedDrafts(futures or {}, s.acceptance, vocab_size, seed=cfg.workload.seed)
+    acc = s.acceptance if acceptance is None else acceptance
+    script = ScriptedDrafts(futures or {}, acc, vocab_size, seed=cfg.workload.seed)
     if s.method == "mtp_scripted":
         from onepass.engine.mtp_drafts import ScriptedMTPDrafts
 

@@ -7,23 +7,14 @@ from typing import Iterator
 
 from omegaconf import OmegaConf
 
-from onepass.engine.drafts import PromptLookup, ScriptedDrafts
-from onepass.engine.mtp_drafts import MTPDrafts, ScriptedMTPDrafts
 from onepass.engine.verify import verify_greedy
-from onepass.harness.build import build, resolve_engine, sampling_params
+from onepass.harness.build import build, draft_source, resolve_engine, sampling_params
 from onepass.harness.checks import check_decode
 from onepass.harness.decode_job import decode_rate, percentile_ms, speculation_metrics
 from onepass.harness.job import RunRecord
 from onepass.harness.spread import repeat, spread
 from onepass.harness.workload import prompt_ids, workload_digest
 from onepass.kernels.errors import ConfigError
-
-
-def _fresh_drafts(method: str, ngram_max: int, futures, acc, vocab: int, seed: int):
-    """A new draft source of the method (one keeps per-request state across a run)."""
-    script = ScriptedDrafts(futures, acc, vocab, seed=seed) if method in ("scripted", "mtp_scripted") else None
-    return (PromptLookup(ngram_max) if method == "ngram" else MTPDrafts() if method == "mtp"
-            else ScriptedMTPDrafts(script) if method == "mtp_scripted" else script)
 
 
 class SpecDecodeJob:
@@ -66,8 +57,7 @@ class SpecDecodeJob:
         for k, acc in grid:
             # a draft source keeps state per request, so each run gets its own; the untimed warm-ups compile the
             # kernels met only with drafts (the MTP head's, eager, at each row count it meets)
-            specs = repeat(lambda: run(B, _fresh_drafts(s.method, s.ngram_max, futures, acc, mcfg.vocab_size, w.seed),
-                                       k), cfg.measure)
+            specs = repeat(lambda: run(B, draft_source(cfg, mcfg.vocab_size, futures, acc)[0], k), cfg.measure)
             spec = specs[0]
             same = spec.outputs == plain.outputs
             verdict = verify_greedy(spec.outputs, single.outputs[0], single.logits_finite) if sampling.greedy else None
