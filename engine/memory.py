@@ -84,7 +84,9 @@ def estimate(cfg: ModelConfig, weights: int, batch: int, ctx: int, dtype: torch.
     """The need of a batch of `batch` sequences of `ctx` positions (plus the scratch slot), `rows` rows a step
     (default: one per sequence, k + 1 with spec_k drafts a step), over `weights` bytes of weights."""
     one = cache_bytes(cfg, 1, ctx, dtype, state_dtype, writeback, spec_k, mtp)
-    return MemoryNeed(weights, one, row_bytes(cfg, dtype), batch + 1, batch * (1 + spec_k) if rows is None else rows)
+    rows = batch * (1 + spec_k) if rows is None else rows
+    # the MTP head's own step buffers and draft logits (engine/mtp_drafts.py): at most as many rows as the step's
+    return MemoryNeed(weights, one, row_bytes(cfg, dtype), batch + 1, rows * (2 if mtp else 1))
 
 
 def check_fits(need: MemoryNeed, device: torch.device, what: str) -> None:

@@ -16,10 +16,13 @@ A pinned prefix (kv_cache.prefix=pinned) is fed through the head once, into a sp
 each slot whose request starts with it (`restore`), like the recurrent state's snapshot; the prefix's last position,
 whose next token is each request's own, is fed with the request's first rows.
 
-Everything here runs eagerly through the model's step kernels (torch references on the CPU, Triton on a GPU), after
-the step whose rows it reads: speculation keeps the loop in step with the host anyway (engine/runner.py). The drafts
-are the head's argmax, a point mass, so the target's check (engine/drafts.py) keeps sampling exact too. A file with
-more than one MTP block drafts with the first (llama.cpp's graph_mtp supports one).
+A step's feed and chain are one routine over device tensors (`_feed_chain`): the rows' tokens, positions and slots
+go to the device in one copy, the drafts come back in one. With graphs (the runner's CUDA graphs on a GPU) it is
+captured at `bind` for every pair of row buckets a step can meet (fed rows, drafting rows), padded rows computing on a
+scratch slot of the head's cache; a step whose rows fit no captured pair (a long prompt chunk, a pinned prefix's first
+rows) runs it eagerly, through the same kernels. The drafts are the head's argmax, a point mass, so the target's check
+(engine/drafts.py) keeps sampling exact too. A file with more than one MTP block drafts with the first (llama.cpp's
+graph_mtp supports one).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 
 from onepass.engine.config import LAYER_ATTENTION, ModelConfig
 from onepass.engine.scheduler import Request
+from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
 
 
@@ -53,8 +57,47 @@ class _HeadCache:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
 
+class _Staged:
+    """A step's head inputs on the device, padded to a pair of row buckets (R fed rows, L drafting rows): per fed row
+    its token, hidden row, position and slot; per drafting row its last fed row, first chained position and slot. The
+    host fills one of two pinned copies (alternating) and sends it in one copy."""
+
+    FED, DRAFTING = ("tok", "hid", "pos", "slot"), ("last", "cpos", "cslot")
+
+    def __init__(self, R: int, L: int, scratch: int, device):
+        self.R, self.L, self.scratch = R, L, scratch
+        n = 4 * R + 3 * L
+        self.flat = torch.zeros(n, dtype=torch.long, device=device)
+        pin = torch.device(device).type == "cuda"
+        self.host = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.flip = 0
+
+    def views(self, r: int, l: int) -> dict[str, torch.Tensor]:
+        R, L, f = self.R, self.L, self.flat
+        v = {name: f[i * R:i * R + r] for i, name in enumerate(self.FED)}
+        v.update({name: f[4 * R + i * L:4 * R + i * L + l] for i, name in enumerate(self.DRAFTING)})
+        return v
+
+    def send(self, fed: list[list[int]], drafting: list[list[int]], r: int, l: int) -> None:
+        """fed: (tokens, hidden rows, positions, slots); drafting: (last rows, first chained positions, slots); each
+        padded to r / l rows (tokens, rows and positions 0, slots the scratch one)."""
+        h = self.host[self.flip]
+        self.flip ^= 1
+        a = h.numpy()
+        R, L = self.R, self.L
+        for i, (col, pad) in enumerate(zip(fed, (0, 0, 0, self.scratch))):
+            a[i * R:i * R + len(col)] = col
+            a[i * R + len(col):i * R + r] = pad
+        for i, (col, pad) in enumerate(zip(drafting, (0, 0, self.scratch))):
+            a[4 * R + i * L:4 * R + i * L + len(col)] = col
+            a[4 * R + i * L + len(col):4 * R + i * L + l] = pad
+        self.flat.copy_(h, non_blocking=True)
+
+
 class MTPDrafts:
     """The draft source for speculative=mtp; unbound until a runner binds it to its model and slots (`bind`)."""
+
+    MAX_GRAPH_ROWS = 128   # fed rows beyond this (prompt chunks) run eagerly
 
     def __init__(self):
         self.model = None
@@ -62,11 +105,16 @@ class MTPDrafts:
         self.ready: dict[int, tuple[int, list[int]]] = {}         # rid -> (output length when drafted, drafts)
         self.carry: dict[int, tuple[int, torch.Tensor]] = {}     # rid -> a pinned prefix's last (position, h)
         self.pinned: tuple[int, torch.Tensor] | None = None      # (prefix positions, h of its last) in the spare slot
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     # -- setup ------------------------------------------------------------------------------------------
-    def bind(self, model, num_slots: int, ctx: int, k: int, max_len: int | None = None) -> None:
+    def bind(self, model, num_slots: int, ctx: int, k: int, max_len: int | None = None, hidden=None,
+             policy=None) -> None:
         """Build the head from `model`'s MTP weights (a FusedQwen35Decoder) for `num_slots` KV slots of ctx positions
-        (+ a spare slot for a pinned prefix) and up to k drafts a step; forgets every earlier sequence."""
+        (+ a spare slot for a pinned prefix, + a scratch slot for padded rows) and up to k drafts a step; forgets every
+        earlier sequence. hidden: the trunk's step buffer of final residual rows that `observe` will be shown (a
+        runner's Step.buf["residual"]): given on a GPU, the head's feed and chain are captured as CUDA graphs over it,
+        under launch policy `policy` (kernels/pdl.py; default: the one in force)."""
         check_mtp(model.cfg)
         cfg, kern = model.cfg, model.k
         if model is not self.model:
@@ -83,29 +131,38 @@ class MTPDrafts:
             self.embed = w.get(f"blk.{i}.nextn.embed_tokens.weight", model.embed)
             self.head = w.get(f"blk.{i}.nextn.shared_head_head.weight", model.lm_head)
             self.model, self.bufs = model, {}
-        self.cache = _HeadCache(self.index, num_slots + 1, ctx, cfg, model.dtype, model.device)
-        self.spare, self.k, self.max_len = num_slots, k, min(max_len or ctx, ctx)
+        self.cache = _HeadCache(self.index, num_slots + 2, ctx, cfg, model.dtype, model.device)
+        self.spare, self.scratch, self.k, self.max_len = num_slots, num_slots + 1, k, min(max_len or ctx, ctx)
         self.ready, self.carry, self.pinned = {}, {}, None
+        self.graphs, self.src = {}, None
+        if hidden is not None and hidden.is_cuda and k > 0:
+            self._capture(hidden, num_slots, policy or pdl.current())
 
-    def _buffers(self, n: int) -> dict[str, torch.Tensor]:
-        """Activations for n rows: views of buffers grown to the most rows asked for so far."""
-        if not self.bufs or n > self.bufs["e"].shape[0]:
-            m, d = self.model, self.model.cfg.dim
-            e = lambda *s: torch.empty(*s, device=m.device, dtype=m.dtype)  # noqa: E731
-            self.bufs = {**m.buffers(n), "e": e(n, d), "en": e(n, d), "hn": e(n, d), "cat": e(n, 2 * d),
-                         "out": e(n, d)}
-        return {name: b[:n] for name, b in self.bufs.items()}
+    def _buffers(self, n: int, d: dict | None = None) -> dict[str, torch.Tensor]:
+        """Activations for n rows: views of `d`, or of buffers grown to the most rows asked for so far."""
+        if d is None:
+            if not self.bufs or n > self.bufs["e"].shape[0]:
+                self.bufs = self._allocate(n)
+            d = self.bufs
+        return {name: b[:n] for name, b in d.items()}
+
+    def _allocate(self, n: int) -> dict[str, torch.Tensor]:
+        m, d = self.model, self.model.cfg.dim
+        e = lambda *s: torch.empty(*s, device=m.device, dtype=m.dtype)  # noqa: E731
+        return {**m.buffers(n), "e": e(n, d), "en": e(n, d), "hn": e(n, d), "cat": e(n, 2 * d), "out": e(n, d)}
 
     # -- the head -------------------------------------------------------------------------------------
     def forward(self, tokens: list[int], hidden: torch.Tensor, positions: list[int], slots: list[int]) -> torch.Tensor:
         """The head over rows (t_{p+1}, h_p, p, slot), its KV written at (slot, p): returns each row's output, the
         shared-head-normed hidden state [n, dim] that drafts and chains (Qwen35Model.mtp_forward's `out`)."""
+        t = lambda x: torch.as_tensor(x, dtype=torch.long, device=self.model.device)   # noqa: E731
+        return self._forward(t(tokens), hidden, t(positions), t(slots), self._buffers(len(tokens)))
+
+    def _forward(self, tokens, hidden, positions, slots, buf) -> torch.Tensor:
+        """forward over device tensors, on buffers `buf` of at least as many rows."""
         m, k, eps = self.model, self.model.k, self.model.cfg.norm_eps
-        dev, n = m.device, len(tokens)
-        buf = self._buffers(n)
-        t = lambda x: torch.as_tensor(x, dtype=torch.long, device=dev)   # noqa: E731
-        pos, sl = t(positions), t(slots)
-        k.embedding(t(tokens), self.embed, out=buf["e"])
+        buf = {name: b[:tokens.shape[0]] for name, b in buf.items()}
+        k.embedding(tokens, self.embed, out=buf["e"])
         k.rms_norm(buf["e"], self.enorm, eps, out=buf["en"])
         k.rms_norm(hidden, self.hnorm, eps, out=buf["hn"])
         torch.cat((buf["en"], buf["hn"]), dim=1, out=buf["cat"])          # the embedding first
@@ -113,7 +170,7 @@ class MTPDrafts:
         self.eh_proj(buf["cat"], res)
         img = layer["in_proj"].image(h)
         k.rms_norm(res, layer["attn_norm"], eps, out=h, image=img)
-        x = m._attention(self.index, layer, h, img, pos, sl, self.cache, buf, None, None, self.max_len)
+        x = m._attention(self.index, layer, h, img, positions, slots, self.cache, buf, None, None, self.max_len)
         x = m.feed_forward(layer, x, res, h, buf, defer=False)
         k.add_residual(x, res)
         return k.rms_norm(res, self.head_norm, eps, out=buf["out"])
@@ -122,8 +179,75 @@ class MTPDrafts:
         """Draft logits of the head's output rows (the shared LM head)."""
         return self.model.k.linear(out, self.head)
 
-    def _argmax(self, out: torch.Tensor) -> list[int]:
-        return self.model.k.argmax(self.logits(out)).tolist()
+    def _feed_chain(self, x: dict[str, torch.Tensor], hidden: torch.Tensor, buf: dict, drafts: torch.Tensor,
+                    carried=()) -> None:
+        """One step's head work over device tensors x (_Staged's names): the fed rows through the head (their hidden
+        rows taken from `hidden` and final-normed, a pinned prefix's carried rows put in), then k drafts for each
+        drafting row into drafts[0..k-1]: the argmax at its last fed row, then the head fed its last draft and output
+        one position on. Every drafting row chains k times (a row that can use fewer drafts has the rest dropped by
+        the host); positions past max_len are clamped, their rows written again before any row reads them."""
+        m = self.model
+        h = m.k.rms_norm(hidden.index_select(0, x["hid"]), m.out_norm, m.cfg.norm_eps)
+        for row, hc in carried:
+            h[row] = hc
+        out = self._forward(x["tok"], h, x["pos"], x["slot"], buf)
+        if not x["last"].numel():
+            return
+        o = out.index_select(0, x["last"])
+        for j in range(self.k):
+            m.k.argmax(self.logits(o), out=drafts[j])
+            if j + 1 < self.k:
+                pos = (x["cpos"] + j).clamp_(max=self.max_len - 1)
+                o = self._forward(drafts[j], o, pos, x["cslot"], buf)
+
+    def _capture(self, hidden: torch.Tensor, num_slots: int, policy) -> None:
+        """CUDA graphs of _feed_chain over `hidden` for every (fed, drafting) row-bucket pair a step of num_slots
+        requests (the runner's slots, its scratch one among them) can meet, on buffers of their own."""
+        from onepass.engine.step import BUCKETS, bucket_for
+
+        L = bucket_for(max(1, num_slots - 1))
+        R = min(self.MAX_GRAPH_ROWS, bucket_for(L * (self.k + 1)))
+        L = min(L, R)
+        self.stage = _Staged(R, L, self.scratch, hidden.device)
+        self.gbufs = self._allocate(R)
+        self.drafts = torch.zeros(self.k, L, dtype=torch.long, device=hidden.device)
+        pairs = [(r, l) for r in BUCKETS if r <= R for l in (0, *BUCKETS) if l <= min(r, L)]
+        fn = lambda r, l: self._feed_chain(self.stage.views(r, l), hidden, self.gbufs, self.drafts[:, :l])  # noqa
+        with pdl.applied(policy):
+            self.stage.send([[]] * 4, [[]] * 3, R, L)   # every padded row on the scratch slot
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):   # compile every kernel at every shape before capture
+                for r, l in pairs:
+                    fn(r, l)
+            torch.cuda.current_stream().wait_stream(stream)
+            pool = None
+            for r, l in reversed(pairs):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    fn(r, l)
+                pool = pool or g.pool()
+                self.graphs[r, l] = g
+        self.src = hidden
+
+    def _run(self, toks, hid_rows, positions, slots, drafting, hidden, carried) -> list[list[int]]:
+        """_feed_chain for these rows (drafting: (last fed row, first chained position, slot) per drafting request):
+        a captured graph's replay where one fits, else eagerly. Returns each drafting request's k drafts."""
+        n, nl = len(toks), len(drafting)
+        cols = [list(c) for c in zip(*drafting)] if drafting else [[]] * 3
+        if self.graphs and hidden is self.src and not carried and n <= self.stage.R and nl <= self.stage.L:
+            from onepass.engine.step import bucket_for
+
+            key = (bucket_for(n), bucket_for(nl) if nl else 0)
+            self.stage.send([toks, hid_rows, positions, slots], cols, *key)
+            self.graphs[key].replay()
+            drafts = self.drafts[:, :nl]
+        else:
+            t = lambda v: torch.as_tensor(v, dtype=torch.long, device=self.model.device)   # noqa: E731
+            x = dict(zip(_Staged.FED + _Staged.DRAFTING, map(t, [toks, hid_rows, positions, slots, *cols])))
+            drafts = torch.zeros(self.k, nl, dtype=torch.long, device=self.model.device)
+            self._feed_chain(x, hidden, self._buffers(n), drafts, carried)
+        return drafts.t().tolist() if nl else []
 
     # -- the runner's side ----------------------------------------------------------------------------
     def observe(self, fed: list[tuple[Request, int, int]], hidden: torch.Tensor) -> None:
@@ -131,7 +255,8 @@ class MTPDrafts:
         for every request the step ran; hidden the step's final residual rows (before the trunk's final norm). Feeds
         each request's settled rows through the head and drafts for those about to decode."""
         toks, hid_rows, positions, slots, carried = [], [], [], [], []
-        last: list[tuple[Request, int]] = []      # (request, its last row here) for those that draft
+        drafting: list[tuple[int, int, int]] = []   # (its last fed row, first chained position, slot) of each
+        reqs: list[Request] = []
         for req, row0, start in fed:
             n = req.computed - start                # rows now settled: a verify run's rejected ones are not
             if req.retired or req.slot < 0 or n <= 0:
@@ -144,45 +269,21 @@ class MTPDrafts:
                 hid_rows.append(0)
                 positions.append(q)
                 slots.append(req.slot)
-            for i in range(n):
-                toks.append(seq[start + i + 1])
-                hid_rows.append(row0 + i)
-                positions.append(start + i)
-                slots.append(req.slot)
-            if req.pending == 1 and self._wanted(req):
-                last.append((req, len(toks) - 1))
+            toks.extend(seq[start + 1:start + n + 1])
+            hid_rows.extend(range(row0, row0 + n))
+            positions.extend(range(start, start + n))
+            slots.extend([req.slot] * n)
+            if req.pending == 1 and self._wanted(req) > 0:
+                drafting.append((len(toks) - 1, req.computed, req.slot))
+                reqs.append(req)
         if not toks:
             return
-        m = self.model
-        h = m.k.rms_norm(hidden.index_select(0, torch.as_tensor(hid_rows, device=hidden.device)), m.out_norm,
-                         m.cfg.norm_eps)         # the trunk's final-normed hidden states h_q
-        for row, hc in carried:
-            h[row] = hc
-        out = self.forward(toks, h, positions, slots)
-        if last:
-            self._chain([r for r, _ in last], out[[i for _, i in last]])
+        for req, d in zip(reqs, self._run(toks, hid_rows, positions, slots, drafting, hidden, carried)):
+            self.ready[req.rid] = (len(req.output), d[:self._wanted(req)])
 
     def _wanted(self, req: Request) -> int:
         """Drafts the request can use at its next step: k, or fewer near its max-gen."""
         return min(self.k, req.max_new_tokens - len(req.output) - 1)
-
-    def _chain(self, reqs: list[Request], out: torch.Tensor) -> None:
-        """Each request's drafts: the head's argmax at its last fed row (position computed - 1, whose token is the
-        newest), then its last draft and the head's output fed one position on, until it has as many as it can use."""
-        want = [self._wanted(r) for r in reqs]
-        drafts: list[list[int]] = [[] for _ in reqs]
-        live = list(range(len(reqs)))          # the requests still drafting; out[i] is live[i]'s head output
-        while True:
-            for j, tok in zip(live, self._argmax(out)):
-                drafts[j].append(tok)
-            more = [i for i, j in enumerate(live) if len(drafts[j]) < want[j]]
-            if not more:
-                break
-            live = [live[i] for i in more]
-            out = self.forward([drafts[j][-1] for j in live], out[more],
-                               [reqs[j].computed - 1 + len(drafts[j]) for j in live], [reqs[j].slot for j in live])
-        for r, d in zip(reqs, drafts):
-            self.ready[r.rid] = (len(r.output), d)
 
     def pin(self, tokens: list[int], hidden: torch.Tensor) -> None:
         """A pinned prefix of len(tokens) positions and the trunk's final residual rows there: its head rows for

@@ -96,7 +96,8 @@ class Runner:
         # model and these slots, and shown every step's rows once their tokens are known
         self.watcher = scheduler.drafts if hasattr(scheduler.drafts, "observe") else None
         if self.watcher is not None:
-            self.watcher.bind(model, kv.num_slots, kv.ctx, scheduler.spec_k, max_len=self.step.max_len)
+            self.watcher.bind(model, kv.num_slots, kv.ctx, scheduler.spec_k, max_len=self.step.max_len,
+                              hidden=self.step.buf["residual"] if graphs else None, policy=self.step.policy)
         self.fed: list[tuple[Request, int, int]] = []      # the last launch's (request, first row, first position)
         # host sampling reads every step's logits, and drafts need every step's tokens: both keep step with the host
         self.host_steps = not sample_on_device or scheduler.spec_k > 0

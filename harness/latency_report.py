@@ -13,12 +13,13 @@ from onepass.harness.report import _cell, _grid, _md, _newest, _opt, _report, _s
 
 TABLE = "serving_latency"
 # a rerun of one (model, B, trace, target, rate) on one card replaces its row; the card column lets several cards stand
-report.ROW_KEYS[TABLE] = ("params.model.name", "params.batch.size", "params.workload.name", "params.workload.target",
-                          "params.workload.rate")
+report.ROW_KEYS[TABLE] = ("params.model.name", "params.batch.size", "params.workload.name",
+                          "params.workload.num_requests", "params.workload.target", "params.workload.rate")
 report.DEVICE_TABLES.add(TABLE)
 TARGET_ORDER = ("inprocess", "http", "hf")
 LABELS = {"inprocess": "onepass in-process", "http": "onepass over HTTP", "hf": "HF continuous batching"}
 ALL_AT_ONCE = "all at once"
+SETTING = ["card", "model", "B", "requests"]   # one curve per target in each: the rows compared with one another
 
 
 def _target_key(t: str):
@@ -36,6 +37,7 @@ def rows(df: pd.DataFrame) -> pd.DataFrame:
         "card": device_label(df),
         "model": _tag(df, "params.model.name"),
         "B": _opt(df, "params.batch.size"),
+        "requests": _opt(df, "params.workload.num_requests"),
         "target": df["params.workload.target"].astype(str),
         "rate": num(df, "params.workload.rate"),
         "req/s": _opt(df, "metrics.request_throughput"),
@@ -54,20 +56,28 @@ def rows(df: pd.DataFrame) -> pd.DataFrame:
     })
 
 
+def _same(d: pd.DataFrame, cols: list[str], values) -> pd.Series:
+    """The rows whose cols equal values, a missing value (a run without that param) matching a missing one."""
+    hit = pd.Series(True, index=d.index)
+    for c, v in zip(cols, values):
+        hit &= d[c].isna() if pd.isna(v) else d[c] == v
+    return hit
+
+
 def _offered(rate: float) -> str:
     return ALL_AT_ONCE if math.isinf(rate) else f"{rate:g}"
 
 
 def _sort(d: pd.DataFrame) -> pd.DataFrame:
-    return d.sort_values(["card", "model", "B", "target", "rate"], key=lambda c: (
+    return d.sort_values([*SETTING, "target", "rate"], key=lambda c: (
         c.map(report._card_order) if c.name == "card" else c.map(_target_key) if c.name == "target" else c))
 
 
 def saturation(d: pd.DataFrame) -> dict[tuple, str]:
-    """Per (card, model, B, target): the highest finite offered rate whose verified newest row met the SLOs, as
-    text ("not reached" where all at once met them too; "below r" where no rate did)."""
+    """Per (card, model, B, requests, target): the highest finite offered rate whose verified newest row met the SLOs,
+    as text ("not reached" where all at once met them too; "below r" where no rate did)."""
     out = {}
-    for key, g in d.groupby(["card", "model", "B", "target"], sort=False):
+    for key, g in d.groupby([*SETTING, "target"], sort=False, dropna=False):
         ok = g[g["met"] & (g["verified"] == "✓")]
         finite = ok[~ok["rate"].map(math.isinf)]
         if (ok["rate"].map(math.isinf)).any():
@@ -81,7 +91,7 @@ def saturation(d: pd.DataFrame) -> dict[tuple, str]:
 
 def saturation_rate(d: pd.DataFrame, key: tuple) -> float | None:
     """The saturation point of saturation() as a rate; None where it was not reached or no rate met the SLOs."""
-    g = d[(d["card"] == key[0]) & (d["model"] == key[1]) & (d["B"] == key[2]) & (d["target"] == key[3])]
+    g = d[_same(d, [*SETTING, "target"], key)]
     ok = g[g["met"] & (g["verified"] == "✓")]
     if ok["rate"].map(math.isinf).any() or ok.empty:
         return None
@@ -93,11 +103,14 @@ def saturation_rate(d: pd.DataFrame, key: tuple) -> float | None:
                      "server: TTFT, TPOT and throughput against offered load, and the saturation point (the highest "
                      "rate meeting the SLOs).")
 def serving_latency(df: pd.DataFrame):
-    d = _sort(_newest(rows(df), ["card", "model", "B", "target", "rate"]))
-    several = d[["card", "model", "B"]].drop_duplicates().shape[0] > 1
+    d = _sort(_newest(rows(df), [*SETTING, "target", "rate"]))
+    several = d[SETTING].drop_duplicates().shape[0] > 1
+
+    def setting(card, model, B, n) -> str:
+        return f"{card}, {model} B={B:g}, {n:,.0f} requests"
 
     def who(r) -> str:
-        where = f"{r['card']}, {r['model']} B={r['B']:g}: " if several else ""
+        where = setting(*r[SETTING]) + ": " if several else ""
         return where + LABELS.get(r["target"], r["target"])
 
     head = pd.DataFrame({
@@ -116,16 +129,16 @@ def serving_latency(df: pd.DataFrame):
             "once: every request at time 0); ✗ after req/s: the run did not verify. SLOs: p99 TTFT and p99 TPOT within "
             f"the run's objectives (TTFT / TPOT ms: {', '.join(slos)}); goodput counts the requests that met both. "
             "Saturation, the highest offered rate meeting the SLOs: "
-            + "; ".join(f"{(f'{k[0]}, {k[1]} B={k[2]:g}, ' if several else '')}{LABELS.get(k[3], k[3])} {v}"
+            + "; ".join(f"{(setting(*k[:4]) + ', ' if several else '')}{LABELS.get(k[4], k[4])} {v}"
                         for k, v in sat.items()) + ".")
     full = _sort(rows(df)).assign(**{"offered req/s": lambda x: x["rate"].map(_offered),
                                      "target": lambda x: x["target"].map(lambda t: LABELS.get(t, t)),
                                      "SLOs": lambda x: x["met"].map({True: "met", False: "missed"}),
                                      "flags": lambda x: x["noisy"].map({True: "noisy", False: "—"})})
-    cols = ["card", "model", "B", "target", "offered req/s", "req/s", "output tok/s", "goodput req/s", "TTFT p50",
+    cols = [*SETTING, "target", "offered req/s", "req/s", "output tok/s", "goodput req/s", "TTFT p50",
             "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99",
             "SLO ms", "SLOs", "verified", "flags"]
-    fmt = {"B": ".0f", "req/s": ".2f", "output tok/s": ",.0f", "goodput req/s": ".2f", **{
+    fmt = {"B": ".0f", "requests": ",.0f", "req/s": ".2f", "output tok/s": ",.0f", "goodput req/s": ".2f", **{
         c: ",.1f" for c in ("TTFT p50", "TTFT p90", "TTFT p99", "E2E p50", "E2E p99")}, **{
         c: ",.2f" for c in ("TPOT p50", "TPOT p90", "TPOT p99", "ITL p50", "ITL p99")}}
     appendix = ("Times in ms (vllm bench serve's definitions: harness/latency_job.py). An ITL of 0: tokens that "
@@ -143,8 +156,8 @@ def plot(d: pd.DataFrame, sat: dict):
 
     if d.empty:
         return None
-    first = d.iloc[0][["card", "model", "B"]].tolist()
-    g = d[(d["card"] == first[0]) & (d["model"] == first[1]) & (d["B"] == first[2])]
+    first = d.iloc[0][SETTING].tolist()
+    g = d[_same(d, SETTING, first)]
     finite = g["rate"][~g["rate"].map(math.isinf)]
     top = float(finite.max()) if len(finite) else 1.0
     x_all = top * 2                                                      # where "all at once" is drawn
@@ -183,7 +196,7 @@ def plot(d: pd.DataFrame, sat: dict):
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Latency under load, {first[1]} B={first[2]:g} ({first[0]})", fontsize=10)
+    fig.suptitle(f"Latency under load, {first[1]} B={first[2]:g}, {first[3]:,.0f} requests ({first[0]})", fontsize=10)
     fig.tight_layout()
     fig.plot_digest = report.plot_digest(drawn=drawn, sat={str(k): v for k, v in sat.items()})
     return fig

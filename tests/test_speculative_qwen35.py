@@ -504,6 +504,43 @@ def test_mtp_head_matches_its_reference(tiny):
         assert (got - want).abs().max().item() <= LOGIT_ATOL
 
 
+
+def test_mtp_head_rows_padded_to_buckets_change_nothing(tiny):
+    """What a captured graph runs (engine/mtp_drafts.py, _Staged): the rows padded to a pair of row buckets, the
+    padding on the head's scratch slot, every drafting row chained k times with positions clamped below max_len. The
+    drafts and every real slot's head KV equal the unpadded run's (to the CPU GEMMs' rounding, which varies with the
+    row count; the GPU test test_gpu_graphed_mtp_head_drafts_as_eager asks the graphed head for bit-exact drafts)."""
+    from onepass.engine.mtp_drafts import _Staged
+
+    model, _ = tiny
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(16, CFG.dim, generator=g)
+    # two requests: slot 2 feeds 3 rows at positions 0-2 and drafts from the last; slot 0 feeds one row at the
+    # context's end, so its chained positions run past max_len and are clamped
+    toks, hid, pos, slots = [7, 9, 11, 13], [4, 5, 6, 9], [0, 1, 2, CTX - 2], [2, 2, 2, 0]
+    drafting = [(2, 3, 2), (3, CTX - 1, 0)]
+    got = []
+    for pad in (False, True):
+        head = MTPDrafts()
+        head.bind(model, 3, CTX, K)
+        cols = [list(c) for c in zip(*drafting)]
+        if pad:
+            stage = _Staged(8, 4, head.scratch, "cpu")
+            stage.send([toks, hid, pos, slots], cols, 8, 4)
+            drafts = torch.zeros(K, 4, dtype=torch.long)
+            head._feed_chain(stage.views(8, 4), hidden, head._allocate(8), drafts)
+            drafts = drafts[:, :2]
+        else:
+            drafts = torch.zeros(K, 2, dtype=torch.long)
+            x = dict(zip(_Staged.FED + _Staged.DRAFTING, (torch.tensor(c) for c in [toks, hid, pos, slots, *cols])))
+            head._feed_chain(x, hidden, head._buffers(4), drafts)
+        real = [c[:head.scratch] for c in (*head.cache.k.values(), *head.cache.v.values())]
+        got.append((drafts.t().tolist(), real))
+    assert got[0][0] == got[1][0]
+    for a, b in zip(got[0][1], got[1][1]):   # the CPU's GEMMs round by row count: a wrong row is off by O(1)
+        assert (a - b).abs().max().item() <= 1e-5 and torch.equal(a == 0, b == 0)
+
+
 @pytest.mark.parametrize("B,mode", [(2, "static"), (4, "continuous")])
 def test_mtp_drafts_equal_the_reference_drafts(tiny, B, mode):
     """Every proposal the engine's head made while serving (fed incrementally: prompt rows, then only the rows the
@@ -568,9 +605,9 @@ def test_scripted_tokens_at_the_mtp_heads_cost(tiny):
             super().__init__(script)
             self.head_rows, self.asked = 0, []
 
-        def forward(self, tokens, hidden, positions, slots):
-            self.head_rows += len(tokens)
-            return super().forward(tokens, hidden, positions, slots)
+        def _forward(self, tokens, hidden, positions, slots, buf):
+            self.head_rows += tokens.shape[0]
+            return super()._forward(tokens, hidden, positions, slots, buf)
 
         def __call__(self, req, k):
             out = super().__call__(req, k)
@@ -661,3 +698,33 @@ def test_gpu_graphed_drafts_are_bit_exact(tmp_path, writeback):
         for drafts in (ScriptedDrafts(plain, 0.6, cfg.vocab_size), PromptLookup(3), MTPDrafts()):
             spec, res, _ = serve(model, prompts, max_new, drafts, K, blocks=blocks, **kw)
             assert spec == plain, (blocks, type(drafts).__name__)
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_mtp_head_drafts_as_eager(tmp_path):
+    """The MTP head's feed and chain as CUDA graphs (rows padded to bucket pairs on the head's scratch slot) propose
+    exactly the drafts of the same head run eagerly on the same kernels, request by request and step by step: static
+    batches at B = 1 and 8 (token prefill), and a continuous queue with chunked prefill, whose long prompt chunks take
+    the eager path inside the graphed run."""
+    path = tmp_path / "tiny-qwen35-mtp.gguf"
+    write_gguf(path, CFG, random_weights(CFG, seed=31), weight_type="f32")
+    cfg, w, _ = load_gguf(path, dtype=torch.bfloat16, device="cuda", progress=False)
+    model = FusedQwen35Decoder(cfg, w, get_step_kernels("triton"), max_pos=CTX + 1)
+    for B in (1, 8):
+        rng = random.Random(40 + B)
+        prompts = [motif_prompt(rng, 9) for _ in range(B)]
+        got = {}
+        for graphs in (False, True):
+            drafts = Recorded()
+            got[graphs] = static(model, prompts, 20, drafts, K, "token", graphs=graphs).outputs, drafts.proposals
+            assert not graphs or drafts.graphs, "the graphed run captured no head graph"
+        assert got[True] == got[False] and len(got[True][1]) > 5, B
+    rng = random.Random(9)
+    prompts = [motif_prompt(rng, 3 + 4 * i) for i in range(8)]
+    max_new = [random.Random(i).randrange(4, 20) for i in range(len(prompts))]
+    got = {}
+    for graphs in (False, True):
+        drafts = Recorded()
+        got[graphs] = serve(model, prompts, max_new, drafts, K, slots=4, prefill="chunked", layout="paged",
+                            graphs=graphs, bs=16)[0], drafts.proposals
+    assert got[True] == got[False] and len(got[True][1]) > 5

@@ -58,7 +58,7 @@ def test_the_estimate_counts_the_caches_the_engine_allocates(cfg, slots, ctx):
 
 def test_the_estimate_counts_what_speculation_allocates():
     """Draft logs of k + 1 rows a slot in every GDN layer and the MTP head's own KV (engine/mtp_drafts.py), as a
-    verify run reserves and binds them; and k + 1 step rows a sequence."""
+    verify run reserves and binds them; and k + 1 step rows a sequence, twice over with the head's own buffers."""
     from dataclasses import replace
 
     from onepass.engine.mtp_drafts import _HeadCache
@@ -71,7 +71,8 @@ def test_the_estimate_counts_what_speculation_allocates():
     assert memory.cache_bytes(cfg, slots, ctx, torch.float32, spec_k=k, mtp=True) == cache.nbytes + head.nbytes
     assert cache.nbytes > HybridCache.create(cfg, slots, ctx, torch.float32, "cpu").nbytes
     need = memory.estimate(cfg, 0, 8, ctx, torch.float32, spec_k=k, mtp=True)
-    assert need.rows == 8 * (k + 1) and need.largest_batch(need.total) == 8
+    assert need.rows == 2 * 8 * (k + 1) and need.largest_batch(need.total) == 8
+    assert memory.estimate(cfg, 0, 8, ctx, torch.float32, spec_k=k).rows == 8 * (k + 1)
 
 
 def test_a_batch_that_cannot_fit_is_refused_before_loading(tmp_path, monkeypatch):
