@@ -7,8 +7,9 @@ read once, written once) and o = S^T q. The peer, flash-linear-attention's fused
 (PyPI fla-core, `fla.ops.gated_delta_rule`), runs in the same job when importable: q/k l2norm in the kernel,
 g and beta handed in precomputed (its API takes them as inputs: the gate math is not timed for it), initial
 state in, final state out as a new tensor (no pool indexing, no write-back: less work than ours). Both are
-timed with triton.testing.do_bench_cudagraph (replays of a captured graph); if FLA cannot be captured its
-time is taken eagerly and the run is tagged so (fla_graph = 0).
+timed with triton.testing.do_bench_cudagraph (replays of a captured graph), each timing a repeat of the measure
+group (measure.warmup untimed, then the timed ones: harness/spread.py); if FLA cannot be captured its time is taken
+eagerly and the run is tagged so (fla_graph = 0).
 
 L2 residency: one layer's state at B=1 is 6.3 MB, well inside the H200's 50 MB L2, so replaying one layer
 would time the cache. A decode step walks 48 such layers, so the graph runs one step on each of L layer
@@ -17,7 +18,8 @@ pools (L = 48, or fewer while L pools exceed 1 GiB) and the time per layer is th
 Metrics: our_us, fla_us (per layer), floor_us (state bytes read + written / the device-to-device copy
 bandwidth measured in the same job), speedup (fla / ours), floor_frac (floor / ours), our_bf16_us (a bf16
 state pool), max_err / fla_max_err (vs the torch reference gdn_step_ref, relative to max |o|), verify_ok
-(ours within 1e-4 and every row alone bitwise equal to the row in the batch).
+(ours within 1e-4 and every row alone bitwise equal to the row in the batch). Each timed figure (TIMED) is the
+median of its repeats with _p10 / _p90 / _cv beside it; a run where one varies more than measure.max_cv is noisy.
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ import math
 
 import torch
 
+from onepass.harness.spread import timed_us
 from onepass.kernels.errors import ConfigError
+
+TIMED = ("our_us", "our_bf16_us", "fla_us")   # the timed figures, each with its spread: what the noise guard watches
 
 
 def _layers(state_bytes: int) -> int:
@@ -49,7 +54,19 @@ def _fla():
     return fused_recurrent_gated_delta_rule
 
 
-def gdn_step(m, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[dict, str]:
+def step_metrics(times: dict[str, float], B: int, state_bytes: int, bw: float) -> dict[str, float]:
+    """The figures made from the timed ones (spread dicts of TIMED, fla_us where the peer ran): the floor of the
+    state read and written once at copy bandwidth bw, how much of it ours reaches, tok/s, the ratio to FLA."""
+    ours = times["our_us"] / 1e6
+    floor = 2 * state_bytes / bw
+    out = {**times, "floor_us": floor * 1e6, "floor_frac": floor / ours, "copy_bw_tbps": bw / 1e12,
+           "state_mb": state_bytes / 2**20, "throughput_tok_s": B / ours}
+    if "fla_us" in times:
+        out["speedup"] = times["fla_us"] / times["our_us"]
+    return out
+
+
+def gdn_step(m, batch: int, device: torch.device, dtype: torch.dtype, measure) -> tuple[dict, str]:
     import torch.nn.functional as F
 
     from onepass.harness.roofline import copy_bandwidth
@@ -94,20 +111,15 @@ def gdn_step(m, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[d
         for p in pools:
             gdn_step_triton(q, k, v, a, b, A, dt, p, slots, positions, out=out)
 
-    t_ours = _bench(ours) / L
+    times = timed_us("our_us", lambda: _bench(ours) / L, measure)
     pools16 = [p.to(torch.bfloat16) for p in pools[: max(2, L // 2)]]
 
     def ours16():
         for p in pools16:
             gdn_step_triton(q, k, v, a, b, A, dt, p, slots, positions, out=out)
 
-    t16 = _bench(ours16) / len(pools16)
-    bw = copy_bandwidth(device)
-    floor = 2 * state_bytes / bw
-    metrics = {"our_us": t_ours * 1e6, "our_bf16_us": t16 * 1e6, "floor_us": floor * 1e6,
-               "floor_frac": floor / t_ours, "max_err": err, "state_err": state_err, "layers_in_graph": L,
-               "copy_bw_tbps": bw / 1e12, "state_mb": state_bytes / 2**20, "batch_invariant": int(invariant),
-               "throughput_tok_s": B / t_ours}
+    times.update(timed_us("our_bf16_us", lambda: _bench(ours16) / len(pools16), measure))
+    metrics = {"max_err": err, "state_err": state_err, "layers_in_graph": L, "batch_invariant": int(invariant)}
     ok = err <= 1e-4 and state_err <= 1e-4 and invariant
 
     fla = _fla()
@@ -129,18 +141,19 @@ def gdn_step(m, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[d
                         use_qk_l2norm_in_kernel=True)
 
             try:
-                t_fla, graphed = _bench(peer) / L, 1
+                fla_t, graphed = timed_us("fla_us", lambda: _bench(peer) / L, measure), 1
             except Exception as e:  # noqa: BLE001 - FLA's wrapper may not be capturable; time it eagerly then
                 print(f"[peer] FLA under a CUDA graph failed ({type(e).__name__}: {e}); timing it eagerly")
                 torch.cuda.synchronize()
-                t_fla, graphed = _bench(peer, graph=False) / L, 0
-            metrics.update(fla_us=t_fla * 1e6, speedup=t_fla / t_ours, fla_graph=graphed)
+                fla_t, graphed = timed_us("fla_us", lambda: _bench(peer, graph=False) / L, measure), 0
+            times.update(fla_t)
+            metrics["fla_graph"] = graphed
         except Exception as e:  # noqa: BLE001 - a peer failure must not lose our numbers
             print(f"[peer] FLA fused_recurrent_gated_delta_rule failed: {type(e).__name__}: {e}")
-    metrics["verify_ok"] = int(ok)
+    metrics.update(step_metrics(times, B, state_bytes, copy_bandwidth(device)), verify_ok=int(ok))
     line = (f"GDN step {hk}/{hv} heads x {D}x{D} fp32 state, B={B}: ours {metrics['our_us']:.1f} us/layer "
-            f"(bf16 state {metrics['our_bf16_us']:.1f}), floor {metrics['floor_us']:.1f} us "
-            f"({metrics['floor_frac']:.0%} reached)")
+            f"±{metrics['our_us_cv']:.1%} over its repeats (bf16 state {metrics['our_bf16_us']:.1f}), floor "
+            f"{metrics['floor_us']:.1f} us ({metrics['floor_frac']:.0%} reached)")
     if "fla_us" in metrics:
         line += (f"; FLA {metrics['fla_us']:.1f} us{'' if metrics['fla_graph'] else ' (eager)'}: "
                  f"{metrics['speedup']:.2f}x")

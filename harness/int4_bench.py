@@ -6,7 +6,8 @@ and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro
                     cuda_wgmma_x2 / cuda_wgmma_ws / cuda_wgmma_ws_t128 (kernels/int4_dispatch.py) and bf16
                     (torch.matmul on the dequantized weight in bf16), each inside one CUDA graph of many calls
                     over rotating copies of the weight (>= 256 MB in all, so every call streams from HBM, not
-                    the 60 MB L2); median of 5 replays
+                    the 60 MB L2); measure.warmup untimed replays, then the timed ones (harness/spread.py): the
+                    median, with <variant>_us_p10 / _p90 / _cv beside it (picked_us: the picked variant's)
   <variant>_ok      1 when the variant's output matches w4a16_linear_ref (outputs scaled to ~N(0, 1);
                     |y - ref| <= atol + rtol |ref|, 1e-2 for the CUDA kernels (exact weights), 3e-2 where
                     the weight is rounded to bf16 first: triton (FOLD), the folded CUDA kernels, bf16)
@@ -15,6 +16,8 @@ and B of ``micro.batches`` one run is recorded (params micro.n / micro.k / micro
                     else the rule), and <variant>_tbps for each int4 variant
   speedup_vs_bf16   bf16 time / picked variant's time; best_us / best_variant: the fastest that verified
   verify_ok         every variant that ran verified
+  host_peak_mb, peak_mem_mb, other_cpu_cores, load_avg: the shape's measurement (harness/usage.py, noise.py); a
+                    run whose timed variants vary more than measure.max_cv over their replays is tagged noisy
   pdl               1 when the int4 kernels were launched with programmatic dependent launch (engine.pdl, sm_90+:
                     kernels/pdl.py), so each call's launch overlaps the one before, as in a decode step; torch's
                     bf16 GEMM never is. At B <= pdl.RELEASE_MAX_BATCH the CUDA GEMMs release the next call once
@@ -27,21 +30,24 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from omegaconf import OmegaConf
 
 from onepass.engine.engine import EngineSpec
+from onepass.harness.build import resolve_engine
 from onepass.harness.checks import check_micro
 from onepass.harness.job import RunRecord
+from onepass.harness.noise import CpuWindow, guard
+from onepass.harness.spread import check_measure, timed_us
+from onepass.harness.usage import JobUsage
 from onepass.kernels.errors import ConfigError
 from onepass.kernels.quant_pack import FORMATS, pack, unpack_ref
 from onepass.kernels import pdl
 
 ROTATE_BYTES = 256 << 20       # weight copies per timed graph: at least this many bytes in all
 CALLS_PER_GRAPH = 48
-REPLAYS = 5
 # exact weights: 1e-2; weights rounded to bf16 first (triton's FOLD, cuda_mma_fold, cuda_wgmma, bf16): 3e-2
 TOL = {"triton": 3e-2, "cuda_mma": 1e-2, "cuda_mma_fold": 3e-2, "cuda_mma_fold_lat": 3e-2,
        "cuda_wgmma": 3e-2, "cuda_wgmma_x2": 3e-2,
@@ -64,8 +70,8 @@ def random_packed(fmt: str, N: int, K: int, seed: int, device: torch.device):
     return pack(raw.view(-1), _QT[fmt], (N, K))
 
 
-def graph_time(fns: list) -> float:
-    """Seconds per call: the calls (cycled) captured in one CUDA graph, median of REPLAYS replays."""
+def capture(fns: list) -> Callable[[], float]:
+    """The calls (cycled) captured in one CUDA graph; returns the timer of one replay: seconds per call."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -78,18 +84,42 @@ def graph_time(fns: list) -> float:
     with torch.cuda.graph(graph):
         for i in range(calls):
             fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
+
+    def replay() -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
+        return a.elapsed_time(b) / 1e3 / calls
+
+    return replay   # the graph lives as long as its timer
+
+
+def timed_variants(m: dict) -> tuple[str, ...]:
+    """The timed figures of a row (those with a spread; picked_us is its variant's): what the noise guard watches."""
+    return tuple(k.removesuffix("_cv") for k in m if k.endswith("_us_cv") and k != "picked_us_cv")
+
+
+def derive(m: dict, variants: list[str], pick: str, nbytes: int, B: int) -> str:
+    """The figures made from a row's times (in place): each int4 variant's TB/s; the picked variant's time with its
+    spread (picked_us), effective TB/s, tok/s and ratio to bf16; the fastest verified variant's. Returns the fastest
+    verified variant ("none")."""
+    for v in variants:
+        if f"{v}_us" in m:
+            m[f"{v}_tbps"] = nbytes / (m[f"{v}_us"] / 1e6) / 1e12
+    timed = {v: m[f"{v}_us"] for v in variants if f"{v}_us" in m and m.get(f"{v}_ok")}
+    best = min(timed, key=timed.get) if timed else "none"
+    if pick in timed:
+        m.update({f"picked_us{s}": m[f"{pick}_us{s}"] for s in ("", "_p10", "_p90", "_cv") if f"{pick}_us{s}" in m})
+        m["effective_tbps"] = nbytes / (timed[pick] / 1e6) / 1e12
+        m["speedup_vs_bf16"] = m["bf16_us"] / timed[pick]
+        m["throughput_tok_s"] = B / (timed[pick] / 1e6)
+    if timed:
+        m["best_us"] = timed[best]
+        m["best_speedup_vs_bf16"] = m["bf16_us"] / timed[best]
+        m["best_tbps"] = nbytes / (timed[best] / 1e6) / 1e12
+    return best
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple[bool, float]:
@@ -97,9 +127,10 @@ def _close(y: torch.Tensor, ref: torch.Tensor, tol: float) -> tuple[bool, float]
     return bool((err <= tol + tol * ref.float().abs()).all()), float(err.max())
 
 
-def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.device, dtype: torch.dtype,
+def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.device, dtype: torch.dtype, measure,
                 seed: int = 0, pdl_on: bool | None = None) -> list[dict]:
-    """One dict of metrics (+ '_tags') per B for this shape and format; pdl_on: engine.pdl (None: the default)."""
+    """One dict of metrics (+ '_tags') per B for this shape and format, each time under the measure group; pdl_on:
+    engine.pdl (None: the default)."""
     from onepass.kernels import int4_dispatch as disp, int4_mma, int4_wgmma, int4_wgmma_ws, nvrtc
 
     pw = random_packed(fmt, N, K, seed, device)
@@ -134,8 +165,8 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
                     ok, err = _close(y, ref, TOL[v])
                     m[f"{v}_ok"], m[f"{v}_max_err"] = int(ok), err
                     ok_all &= ok
-                    m[f"{v}_us"] = graph_time([lambda p=p: disp.run_variant(v, x, p, out) for p in pws]) * 1e6
-                    m[f"{v}_tbps"] = pw.nbytes / (m[f"{v}_us"] / 1e6) / 1e12
+                    m.update(timed_us(f"{v}_us", capture([lambda p=p: disp.run_variant(v, x, p, out) for p in pws]),
+                                      measure))
                 except Exception as e:  # a variant that fails is reported, the others still run
                     print(f"[error] int4_gemm {N}x{K} {fmt} B={B} {v}: {type(e).__name__}: {e}")
                     m[f"{v}_ok"] = 0
@@ -143,20 +174,10 @@ def bench_shape(N: int, K: int, fmt: str, batches: list[int], device: torch.devi
             y = torch.matmul(x, w16.t())
             ok, err = _close(y, ref, TOL["bf16"])
             m["bf16_ok"], m["bf16_max_err"] = int(ok), err
-            m["bf16_us"] = graph_time([lambda w=w: torch.matmul(x, w.t(), out=out) for w in w16s]) * 1e6
+            m.update(timed_us("bf16_us", capture([lambda w=w: torch.matmul(x, w.t(), out=out) for w in w16s]), measure))
             m["bf16_tbps"] = N * K * 2 / (m["bf16_us"] / 1e6) / 1e12
             pick = disp.runnable(disp.choose(B, N, K, fmt, disp.Int4Policy("invariant", B)), x, fmt)
-            timed = {v: m[f"{v}_us"] for v in variants if f"{v}_us" in m and m.get(f"{v}_ok")}
-            best = min(timed, key=timed.get) if timed else "none"
-            if pick in timed:
-                m["picked_us"] = timed[pick]
-                m["effective_tbps"] = pw.nbytes / (timed[pick] / 1e6) / 1e12
-                m["speedup_vs_bf16"] = m["bf16_us"] / timed[pick]
-                m["throughput_tok_s"] = B / (timed[pick] / 1e6)
-            if timed:
-                m["best_us"] = timed[best]
-                m["best_speedup_vs_bf16"] = m["bf16_us"] / timed[best]
-                m["best_tbps"] = pw.nbytes / (timed[best] / 1e6) / 1e12
+            best = derive(m, variants, pick, pw.nbytes, B)
             m["verify_ok"] = int(ok_all)
             m["pdl"] = pdl.mode(device)
             m["_tags"] = {"int4_pick": pick, "int4_best": best, "cuda_compiler": nvrtc.compiler()}
@@ -176,6 +197,12 @@ class Int4GemmJob:
 
     def __init__(self, name: str = "int4_gemm"):
         self.name = name
+
+    def check(self, cfg) -> None:
+        check_micro(cfg)   # sizes first: a CPU machine sees the refusal the GPU would
+        check_measure(cfg.measure)
+        if resolve_engine(cfg.engine)[0].type != "cuda":
+            raise ConfigError("int4_gemm times GPU kernels; it needs a CUDA device (engine.device=cuda)")
 
     def run(self, cfg) -> Iterator[RunRecord]:
         check_micro(cfg)
@@ -202,9 +229,14 @@ def int4_gemm_runs(cfg) -> Iterator[RunRecord]:
             if K % (256 if fmt == "q4_k" else 32):
                 print(f"[error] int4_gemm: K={K} is not a multiple of {fmt}'s block; skipped")
                 continue
-            rows = bench_shape(N, K, fmt, list(cfg.micro.batches), dev, dtype, pdl_on=bool(cfg.engine.pdl))
+            # the noise guard reads the shape's whole measurement: its B share the CPU window and the NVML events
+            with CpuWindow() as window, JobUsage(dev) as usage:
+                rows = bench_shape(N, K, fmt, list(cfg.micro.batches), dev, dtype, cfg.measure,
+                                   pdl_on=bool(cfg.engine.pdl))
             for B, m in zip(cfg.micro.batches, rows):
-                tags = {"dtype": str(dtype).removeprefix("torch."), "sweep_id": sweep, **m.pop("_tags")}
+                m.update(usage.metrics())
+                tags = {"dtype": str(dtype).removeprefix("torch."), "sweep_id": sweep, **m.pop("_tags"),
+                        **guard(m, window.result, sorted(usage.gpu_events), cfg.measure, timed_variants(m))}
                 c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
                 c.micro.n, c.micro.k, c.micro.fmt, c.batch.size = N, K, fmt, int(B)
                 _print(N, K, fmt, B, m, tags)
@@ -221,6 +253,7 @@ def _print(N, K, fmt, B, m, tags) -> None:
           f"{us('cuda_mma')} us, fold {us('cuda_mma_fold')} us, fold lat {us('cuda_mma_fold_lat')} us, wgmma "
           f"{us('cuda_wgmma')} us, wgmma x2 {us('cuda_wgmma_x2')} us, "
           f"wgmma ws {us('cuda_wgmma_ws')} us, ws t128 {us('cuda_wgmma_ws_t128')} us, "
-          f"bf16 cuBLAS {us('bf16')} us; pick {tags['int4_pick']} "
-          f"{m.get('effective_tbps', float('nan')):.2f} TB/s, {m.get('speedup_vs_bf16', float('nan')):.2f}x bf16; "
+          f"bf16 cuBLAS {us('bf16')} us; pick {tags['int4_pick']} ±{m.get('picked_us_cv', float('nan')):.1%} over "
+          f"its replays, {m.get('effective_tbps', float('nan')):.2f} TB/s, "
+          f"{m.get('speedup_vs_bf16', float('nan')):.2f}x bf16; "
           f"best {tags['int4_best']}")

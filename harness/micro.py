@@ -14,10 +14,11 @@ import torch
 
 from onepass.harness.build import resolve_engine
 from onepass.harness.checks import check_micro
+from onepass.harness.gdn_bench import TIMED as GDN_TIMED
 from onepass.harness.job import RunRecord
 from onepass.harness.logs import log
 from onepass.harness.noise import CpuWindow, guard
-from onepass.harness.spread import spread
+from onepass.harness.spread import check_measure, spread
 from onepass.harness.usage import JobUsage
 from onepass.kernels.errors import ConfigError
 
@@ -30,7 +31,8 @@ def _bench_graph(fn, reps: int = 20) -> list[float]:
     return [t / 1e3 for t in triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="all")]
 
 
-def projection_crossover(m, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[dict, str]:
+def projection_crossover(m, batch: int, device: torch.device, dtype: torch.dtype, measure=None) -> tuple[dict, str]:
+    """(measure is unread: its repeats are triton's timed replays.)"""
     from onepass.kernels.gemm import linear
 
     if device.type != "cuda":
@@ -61,7 +63,9 @@ def projection_crossover(m, batch: int, device: torch.device, dtype: torch.dtype
     return metrics, line
 
 
-def decode_attention_bench(m, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[dict, str]:
+def decode_attention_bench(m, batch: int, device: torch.device, dtype: torch.dtype, measure=None
+                           ) -> tuple[dict, str]:
+    """(measure is unread: its repeats are triton's timed replays.)"""
     from onepass.kernels.attention import attention_ref
     from onepass.kernels.decode_attention import decode_attention, make_workspace
 
@@ -100,13 +104,15 @@ def decode_attention_bench(m, batch: int, device: torch.device, dtype: torch.dty
 MICRO = {"projection_crossover": projection_crossover, "decode_attention": decode_attention_bench}
 
 
-def _gdn_step(m, batch, device, dtype):
+def _gdn_step(m, batch, device, dtype, measure):
     from onepass.harness.gdn_bench import gdn_step
 
-    return gdn_step(m, batch, device, dtype)
+    return gdn_step(m, batch, device, dtype, measure)
 
 
 MICRO["gdn_step"] = _gdn_step  # the fused GDN decode step vs flash-linear-attention (harness/gdn_bench.py)
+# the timed figures whose spread over their repeats the noise guard judges
+WATCHED = ("gemm_us", "attn_us", *GDN_TIMED)
 
 
 class MicroJob:
@@ -122,6 +128,7 @@ class MicroJob:
 
     def check(self, cfg) -> None:
         check_micro(cfg)   # sizes first: a CPU machine sees the refusal the GPU would
+        check_measure(cfg.measure)
         if resolve_engine(cfg.engine)[0].type != "cuda":
             raise ConfigError(f"{self.name} times GPU kernels; it needs a CUDA device (engine.device=cuda)")
 
@@ -129,10 +136,10 @@ class MicroJob:
         check_micro(cfg)
         dev, dtype, _ = resolve_engine(cfg.engine)
         with CpuWindow() as window, JobUsage(dev) as usage:
-            metrics, line = MICRO[self.name](cfg.micro, cfg.batch.size, dev, dtype)
+            metrics, line = MICRO[self.name](cfg.micro, cfg.batch.size, dev, dtype, cfg.measure)
         metrics.update(usage.metrics())
         log.info(f"[verify] {self.name}: {bool(metrics['verify_ok'])}".lower())
         log.info(f"[perf] {line}")
         tags = {"dtype": str(dtype).removeprefix("torch."),
-                **guard(metrics, window.result, sorted(usage.gpu_events), cfg.measure, ("gemm_us", "attn_us"))}
+                **guard(metrics, window.result, sorted(usage.gpu_events), cfg.measure, WATCHED)}
         yield RunRecord(f"B={cfg.batch.size} {cfg.table}", dev, metrics, tags)

@@ -63,10 +63,11 @@ def params_of(cfg, sections: tuple[str, ...] | None) -> dict[str, str]:
     return tracking.flatten(tree)
 
 
-def record_run(cfg, name: str, dev: torch.device, metrics: dict, tags: dict, artifacts: dict, out_dir: Path,
+def record_run(cfg, name: str, dev: torch.device | str, metrics: dict, tags: dict, artifacts: dict, out_dir: Path,
                live: tracking.LiveRun | None = None, sections: tuple[str, ...] | None = None) -> None:
-    tags = {**sweep_tags(cfg), "device": device_name(dev), "torch_version": torch.__version__,
-            "triton_version": triton_version(), **tags, **tracking.git_state()}
+    """dev: the device, or its name as the job's own process gave it (harness/isolate.py)."""
+    tags = {**sweep_tags(cfg), "device": dev if isinstance(dev, str) else device_name(dev),
+            "torch_version": torch.__version__, "triton_version": triton_version(), **tags, **tracking.git_state()}
     record = tracking.new_record(run_name(cfg, name), cfg.tracking.experiment, params_of(cfg, sections),
                                  {**tracking.standard_tags(), **tags}, live)
     record["metrics"] = metrics

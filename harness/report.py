@@ -331,6 +331,15 @@ def _grid(d: pd.DataFrame, left: int = 1) -> str:
     return d.fillna("—").to_markdown(index=False, disable_numparse=True, colalign=align)
 
 
+def _md_cells(d: pd.DataFrame, fmts: dict[str, str]) -> str:
+    """A frame as markdown where some figures are text already (a time with its spread): each column of `fmts` a
+    figure in its format ("" for text made already; "—" where missing), right-aligned; the others labels, left."""
+    cells = {c: d[c].map(lambda v, f=fmts[c]: v if isinstance(v, str) else _cell(v, f)) if c in fmts
+             else d[c].fillna("—").astype(str) for c in d.columns}
+    return pd.DataFrame(cells).to_markdown(index=False, disable_numparse=True,
+                                           colalign=["right" if c in fmts else "left" for c in d.columns])
+
+
 def _newest(d: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """The newest row whole (column _start) of each key: groupby().last() would take each column's last non-null
     value, mixing rows."""
@@ -385,6 +394,21 @@ def spread_cell(df: pd.DataFrame, metric: str, fmt: str = ",.1f") -> pd.Series:
     lo, hi = _opt(df, f"metrics.{metric}_p10"), _opt(df, f"metrics.{metric}_p90")
     return pd.Series([f"{a:{fmt}}-{b:{fmt}}" if pd.notna(a) and pd.notna(b) else "—" for a, b in zip(lo, hi)],
                      index=df.index)
+
+
+def with_cv(df: pd.DataFrame, metric: str, fmt: str) -> pd.Series:
+    """Each run's figure as text with its spread over its repeats beside it, as the coefficient of variation ("17.6
+    ±0.4%"); the figure alone for a run recorded before repeats; "—" for a run without it."""
+    return _pm(_opt(df, f"metrics.{metric}"), _opt(df, f"metrics.{metric}_cv"), fmt)
+
+
+def _pm(v: pd.Series, cv: pd.Series, fmt: str) -> pd.Series:
+    return pd.Series([_cell(a, fmt) + (f" ±{c:.1%}" if pd.notna(a) and pd.notna(c) else "") for a, c in zip(v, cv)],
+                     index=v.index)
+
+
+CV_NOTE = ("Times: the median of the timed repeats, ± their spread (std / mean; none for runs recorded before "
+           "repeats). The appendix flags the runs the noise guard marked noisy.")
 
 
 def flags(df: pd.DataFrame) -> pd.Series:
@@ -598,39 +622,35 @@ INT4_FORMATS = ("q4_0", "q4_k", "q8_0", "q4_1")
 @table("int4_gemm", "Time per call of the int4 / int8 (W4A16) projection kernels against bf16 cuBLAS and dequantize "
                     "+ cuBLAS, per weight shape, GGUF format and B, with the kernel the dispatch picks.")
 def int4_gemm(df: pd.DataFrame):
+    times = {"Triton (us)": "triton", "CUDA (us)": "cuda", "CUDA mma (us)": "cuda_mma",
+             "mma folded (us)": "cuda_mma_fold", "folded lat (us)": "cuda_mma_fold_lat", "wgmma (us)": "cuda_wgmma",
+             "wgmma x2 (us)": "cuda_wgmma_x2", "wgmma ws (us)": "cuda_wgmma_ws", "ws t128 (us)": "cuda_wgmma_ws_t128",
+             "dequant + cuBLAS (us)": "dequant_cublas", "bf16 cuBLAS (us)": "bf16"}
     d = pd.DataFrame({
         "N x K": _shape(df, " x "),
         "format": df["params.micro.fmt"],
         "B": num(df, "params.batch.size").astype(int),
-        "Triton (us)": _opt(df, "metrics.triton_us"),
-        "CUDA (us)": _opt(df, "metrics.cuda_us"),
-        "CUDA mma (us)": _opt(df, "metrics.cuda_mma_us"),
-        "mma folded (us)": _opt(df, "metrics.cuda_mma_fold_us"),
-        "folded lat (us)": _opt(df, "metrics.cuda_mma_fold_lat_us"),
-        "wgmma (us)": _opt(df, "metrics.cuda_wgmma_us"),
-        "wgmma x2 (us)": _opt(df, "metrics.cuda_wgmma_x2_us"),
-        "wgmma ws (us)": _opt(df, "metrics.cuda_wgmma_ws_us"),
-        "ws t128 (us)": _opt(df, "metrics.cuda_wgmma_ws_t128_us"),
-        "dequant + cuBLAS (us)": _opt(df, "metrics.dequant_cublas_us"),
-        "bf16 cuBLAS (us)": _opt(df, "metrics.bf16_us"),
+        **{col: with_cv(df, f"{v}_us", ".1f") for col, v in times.items()},   # each time with its spread
         "picked": _tag(df, "tags.int4_pick"),
         "effective TB/s": _opt(df, "metrics.effective_tbps"),
         "vs bf16": _opt(df, "metrics.speedup_vs_bf16"),
         "fastest": _tag(df, "tags.int4_best"),
         "PDL": _pdl(df),   # the int4 kernels' launches (harness/int4_bench.py); cuBLAS's never use it
         "verified": check(num(df, "metrics.verify_ok")),
+        "flags": flags(df),
     })
     d["_n"] = num(df, "params.micro.n")
     d["_k"] = num(df, "params.micro.k")
     d = d.sort_values(["format", "_n", "_k", "B"], ascending=[True, False, True, True]).drop(columns=["_n", "_k"])
-    times = (".1f",) * 11                          # Triton .. bf16 cuBLAS
-    md = _md(d, ("", "", ".0f") + times + ("", ".2f", ".2f", "", "", ""))
-    # the headline: the picked kernel's time and bf16 cuBLAS's time over it, per shape and format at a few B
+    md = _md_cells(d, {"B": ".0f", **dict.fromkeys(times, ""), "effective TB/s": ".2f", "vs bf16": ".2f"})
+    # the headline: the picked kernel's time (with its spread) and bf16 cuBLAS's time over it, per shape and format
+    # at a few B
     picked = _opt(df, "metrics.picked_us").fillna(_opt(df, "metrics.bf16_us") / _opt(df, "metrics.speedup_vs_bf16"))
     h = pd.DataFrame({"shape": _shape(df), "format": df["params.micro.fmt"], "B": num(df, "params.batch.size"),
-                      "us": picked, "vs": _opt(df, "metrics.speedup_vs_bf16"), "verified": d["verified"],
+                      "us": _pm(picked, _opt(df, "metrics.picked_us_cv"), ".1f"),
+                      "vs": _opt(df, "metrics.speedup_vs_bf16"), "verified": d["verified"],
                       "_start": _start(df), "_size": num(df, "params.micro.n") * num(df, "params.micro.k")})
-    t = _by_b(h, ["shape", "format", "_size"], "us", ".1f", INT4_HEADLINE_B, "B = {}: us", ok=None).merge(
+    t = _by_b(h, ["shape", "format", "_size"], "us", "", INT4_HEADLINE_B, "B = {}: us", ok=None).merge(
         _by_b(h, ["shape", "format", "_size"], "vs", ".2f", INT4_HEADLINE_B, "B = {}: x bf16"),
         on=["shape", "format", "_size"])
     rank = {s: i for i, s in enumerate(INT4_LARGE)}
@@ -641,7 +661,8 @@ def int4_gemm(df: pd.DataFrame):
     t = t[cols].rename(columns={"shape": "N x K"}).assign(format=lambda x: x["format"].str.upper())
     note = ("The kernel the dispatch picks (policy \"fastest\"; its name and every kernel's time: the appendix): its "
             "time per call, and bf16 cuBLAS's time over it. The targets' shapes first. "
-            + NEWEST_NOTE.replace("configuration", "shape and format").replace("that row", "a kernel of that row"))
+            + NEWEST_NOTE.replace("configuration", "shape and format").replace("that row", "a kernel of that row")
+            + " " + CV_NOTE)
     fig = None
     big = h[h["shape"].isin(INT4_LARGE)]
     if not big.empty:
@@ -756,19 +777,21 @@ def int4_e2e(df: pd.DataFrame):
 def gdn_step(df: pd.DataFrame):
     d = pd.DataFrame({
         "B": num(df, "params.batch.size").astype(int),
-        "ours (us/layer)": num(df, "metrics.our_us"),
-        "FLA (us/layer)": _opt(df, "metrics.fla_us"),
+        "ours (us/layer)": with_cv(df, "our_us", ".1f"),   # each time with its spread over the repeats
+        "FLA (us/layer)": with_cv(df, "fla_us", ".1f"),
         "vs FLA": _opt(df, "metrics.speedup"),
         "state floor (us)": num(df, "metrics.floor_us"),
         "floor reached": num(df, "metrics.floor_frac"),
-        "ours, bf16 state (us)": _opt(df, "metrics.our_bf16_us"),
+        "ours, bf16 state (us)": with_cv(df, "our_bf16_us", ".1f"),
         "max rel err": num(df, "metrics.max_err"),
         "FLA max rel err": _opt(df, "metrics.fla_max_err"),
         "verified": check(num(df, "metrics.verify_ok")),
+        "flags": flags(df),
     }).sort_values("B")
-    md = _md(d, (".0f", ".1f", ".1f", ".2f", ".1f", ".0%", ".1f", ".1e", ".1e", ""))
-    head = d.drop(columns=["max rel err", "FLA max rel err"]).rename(columns={"vs FLA": "x FLA"})
-    return _report(_md(head, (".0f", ".1f", ".1f", ".2f", ".1f", ".0%", ".1f", "")), md), None
+    fmts = {"B": ".0f", "ours (us/layer)": "", "FLA (us/layer)": "", "vs FLA": ".2f", "state floor (us)": ".1f",
+            "floor reached": ".0%", "ours, bf16 state (us)": "", "max rel err": ".1e", "FLA max rel err": ".1e"}
+    head = d.drop(columns=["max rel err", "FLA max rel err", "flags"]).rename(columns={"vs FLA": "x FLA"})
+    return _report(_md_cells(head, {**fmts, "x FLA": ".2f"}), _md_cells(d, fmts), note=CV_NOTE), None
 
 
 @table("hybrid_27b", "Batched decode of the hybrid Qwen3.8-27B shapes (48 Gated DeltaNet + 16 attention layers) with "

@@ -175,10 +175,13 @@ class TrackingCfg:
 @dataclass
 class LaunchCfg:
     """How a sweep's jobs that run side by side get their GPUs (hydra/launcher=joblib | submitit_local;
-    harness/gpu_pool.py)."""
+    harness/gpu_pool.py), and whether a job measures in a process of its own (harness/isolate.py)."""
 
     gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES entries to hand out; empty: the visible GPUs
     share_gpus: bool = False  # let a job take a device another job holds, when there are more jobs than devices
+    # measure each job in a fresh process (spawned; the runs are recorded by the job's process): no allocator cache,
+    # compiled kernel, CUDA context or peak-memory counter of one job reaches the next. Off: a few seconds less a job
+    isolate: bool = False
 
 
 @dataclass

@@ -45,6 +45,12 @@ def spread(name: str, values) -> dict[str, float]:
             f"{name}_p90": float(np.percentile(v, 90)), f"{name}_cv": cv}
 
 
+def timed_us(name: str, once: Callable[[], float], m) -> dict[str, float]:
+    """A kernel timer under the measure group: `once` times one replay (seconds per call), run m.warmup times untimed
+    and then as repeat() says; `name` in microseconds as their median, with its spread beside it."""
+    return spread(name, [s * 1e6 for s in repeat(once, m)])
+
+
 def spreads(per_repeat: list[dict[str, float]]) -> dict[str, float]:
     """Every metric of the repeats (dicts of one repeat's figures) as its median and spread."""
     out: dict[str, float] = {}
