@@ -7,14 +7,18 @@ The client runs in a process of its own (`python -m onepass.harness.http_driver`
 the job's process would take the interpreter lock from a server running in it (harness/server.py on the job's engine)
 and slow the very loop it measures. Its clock is the host's monotonic one, as the job's.
 
-A chunk counts as many tokens as its `token_ids` list holds where the server sends one, else one token where it
-carries text (as `vllm bench serve` counts) or no finish reason (its text not decodable yet: a character's first
-bytes, or a model without a tokenizer); tokens of one chunk share its time stamp. The last chunk of a choice ends the
-request (its E2E), and is its first token too where no token chunk came before it. The token count a request is
-judged by (TPOT, the lengths' check) is the server's `usage.completion_tokens` where it sends usage.
+A chunk counts as many tokens as its `token_ids` list holds where the server sends one (onepass's server does when
+asked, `return_token_ids`: a chunk holds every token a request had ready), else one token where it carries text (as
+`vllm bench serve` counts) or no finish reason (its text not decodable yet: a character's first bytes, or a model
+without a tokenizer); tokens of one chunk share its time stamp, and so do the chunks of one read from the socket. The
+last chunk of a choice ends the request (its E2E), and is its first token too where no token chunk came before it.
+The token count a request is judged by (TPOT, the lengths' check) is the server's `usage.completion_tokens` where it
+sends usage.
 
-Every request holds its own connection (HTTP/1.1 streams one response a connection), so the client may open as many
-sockets as requests in flight: its soft limit on open files is raised towards the hard one first.
+Every request holds its own connection of one aiohttp session (HTTP/1.1 streams one response a connection), so the
+client may open as many sockets as requests in flight: its soft limit on open files is raised towards the hard one
+first. Each read from a socket is split into lines at once, so the client's cost is a wake-up per read, not per line:
+it has to keep up with every stream of the server at once, from one process.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LEAD_S = 0.2   # the trace starts this long after the tasks are made, so none of them is late for its arrival
@@ -72,12 +76,13 @@ def raise_open_files(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def replay_http(url: str, trace, model: str, temperature: float = 0.0, ignore_eos: bool = True) -> list[Timing]:
+def replay_http(url: str, trace, model: str, temperature: float = 0.0, ignore_eos: bool = True,
+                token_ids: bool = False) -> list[Timing]:
     """Every request of the trace (harness/traces.py) sent at its arrival time to `url`'s completions endpoint,
     asking for `model` at `temperature` (0: greedy), from a client process of its own; their timings, in trace
-    order."""
+    order. token_ids: ask for each chunk's token ids too (`return_token_ids`, onepass's and vLLM's extension)."""
     body = {"model": model, "temperature": temperature, "ignore_eos": ignore_eos, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"return_token_ids": True} if token_ids else {})}
     with tempfile.TemporaryDirectory(prefix="onepass-http-") as tmp:
         given, got = Path(tmp) / "trace.json", Path(tmp) / "timings.json"
         given.write_text(json.dumps({"endpoint": completions_url(url), "body": body,
@@ -96,67 +101,86 @@ def main(argv: list[str] | None = None) -> None:
     spec = json.loads(Path(given).read_text())
     raise_open_files(2 * len(spec["requests"]) + 256)
     timings = asyncio.run(_replay(spec["endpoint"], spec["requests"], spec["body"]))
-    Path(got).write_text(json.dumps([asdict(t) for t in timings]))
+    Path(got).write_text(json.dumps([vars(t) for t in timings]))   # asdict would deep-copy every list
 
 
 async def _replay(endpoint: str, requests: list, body: dict) -> list[Timing]:
-    import httpx
+    import aiohttp
 
     # no pool limit (a request waiting for a pooled connection would be late), no timeout (a long queue is what an
     # overloaded server is measured by), no proxies from the environment (the target may be on loopback)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None, sock_read=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
         t0 = time.perf_counter() + LEAD_S
-        tasks = [asyncio.create_task(_one(client, endpoint, i, prompt, n, t0 + offset, body))
+        tasks = [asyncio.create_task(_one(session, endpoint, i, prompt, n, t0 + offset, body))
                  for i, (offset, prompt, n) in enumerate(requests)]
         return list(await asyncio.gather(*tasks))
 
 
-async def _one(client, endpoint: str, rid: int, prompt: list[int], n: int, due: float, body: dict) -> Timing:
-    import httpx
+async def _one(session, endpoint: str, rid: int, prompt: list[int], n: int, due: float, body: dict) -> Timing:
+    import aiohttp
 
     await asyncio.sleep(max(0.0, due - time.perf_counter()))
     t = Timing(rid, len(prompt), n, due)
-    ids: list[int] = []
-    text: list[str] = []
-    usage = None
+    events = _Events(t)
     try:
-        async with client.stream("POST", endpoint, json={**body, "prompt": prompt, "max_tokens": n}) as resp:
-            if resp.status_code != 200:
-                t.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+        async with session.post(endpoint, json={**body, "prompt": prompt, "max_tokens": n}) as resp:
+            if resp.status != 200:
+                t.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:300]}"
                 return t
-            ended = False
-            async for line in resp.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    ended = True
+            rest = b""
+            # whatever bytes have come are parsed at once: one wake-up per read, not one per line (a client that
+            # parses slower than the server streams stamps its tokens late, and measures itself)
+            async for data in resp.content.iter_any():
+                whole, _, rest = (rest + data).rpartition(b"\n")   # a line (and a character) cut by the read waits
+                if not events.feed(whole, time.perf_counter()):
                     break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    t.error = f"the server reported an error: {str(chunk['error'])[:300]}"
-                    return t
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
-                    got = choice.get("token_ids")
-                    piece = choice.get("text") or ""
-                    # a chunk without a finish reason carries a token even where its text is not out yet (a
-                    # character's first bytes, a model without a tokenizer); the finish chunk alone carries none
-                    k = len(got) if got else 1 if piece or choice.get("finish_reason") is None else 0
-                    t.token_s += [now] * k
-                    t.end_s = now
-                    ids += got or []
-                    text.append(piece)
-            if not ended:
+            else:
+                events.feed(rest, time.perf_counter())
+            if not events.ended and not t.error:
                 t.error = "the stream ended without its [DONE] line"
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:   # ValueError: a bad JSON line
         t.error = f"{type(e).__name__}: {e}"
+    usage = events.usage
     t.output_tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else len(t.token_s)
-    t.output = ids if ids and len(ids) == len(t.token_s) else None
-    t.text = "".join(text)
+    t.output = events.ids if events.ids and len(events.ids) == len(t.token_s) else None
+    t.text = "".join(events.text)
     return t
+
+
+class _Events:
+    """A stream's SSE lines as they come, counted into its Timing."""
+
+    def __init__(self, t: Timing):
+        self.t, self.ids, self.text, self.usage, self.ended = t, [], [], None, False
+
+    def feed(self, raw: bytes, now: float) -> bool:
+        """Take whole lines that arrived at `now`; False once the stream has ended ([DONE], or an error event)."""
+        t = self.t
+        for line in raw.decode().split("\n"):
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                self.ended = True
+                return False
+            chunk = json.loads(payload)
+            if chunk.get("error"):
+                t.error = f"the server reported an error: {str(chunk['error'])[:300]}"
+                return False
+            self.usage = chunk.get("usage") or self.usage
+            for choice in chunk.get("choices") or []:
+                got = choice.get("token_ids")
+                piece = choice.get("text") or ""
+                # a chunk without a finish reason carries a token even where its text is not out yet (a character's
+                # first bytes, a model without a tokenizer); the finish chunk alone carries none
+                k = len(got) if got else 1 if piece or choice.get("finish_reason") is None else 0
+                t.token_s += [now] * k
+                t.end_s = now
+                self.ids += got or []
+                self.text.append(piece)
+        return True
 
 
 if __name__ == "__main__":

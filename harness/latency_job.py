@@ -28,9 +28,11 @@ request, is not affected.
 
 Every run prints `[verify] ... true|false` and logs verify_ok: every request completed, with exactly the tokens it
 asked for (workload.ignore_eos), and the greedy outputs of the trace's first VERIFY_SAMPLE distinct prompts equal to
-the single-stream greedy output of the same engine (`run_static`); over HTTP that is the streamed text against the
-reference decoded (a model without a tokenizer streams no text: not compared, said so). Another engine's outputs
-(a URL, HF) are not judged by ours; HF's agreement on the sample is logged as `sample_agreement`.
+the single-stream greedy output of the same engine (`run_static`); over HTTP onepass's server is asked for each
+chunk's token ids (`return_token_ids`: a chunk holds every token a request had ready when its handler looked, and the
+driver counts and compares them), another server's streamed text is held against the reference decoded (a model
+without a tokenizer streams no text: not compared, said so). Another engine's outputs (a URL, HF) are not judged by
+ours; HF's agreement on the sample is logged as `sample_agreement`.
 """
 from __future__ import annotations
 
@@ -456,7 +458,7 @@ class LatencyJob:
                               "workload.target the URL of a running server") from None
         base, stop = start_server(built, setup_of(cfg, built), sampling, cfg.model.name,
                                   sample_on_device=cfg.sampling.on_device)
-        ask = (cfg.model.name, sampling.temperature, cfg.workload.ignore_eos)
+        ask = (cfg.model.name, sampling.temperature, cfg.workload.ignore_eos, True)   # with each chunk's token ids
         try:
             for _ in range(cfg.measure.warmup):
                 replay_http(base, warm_trace(trace, warm), *ask)

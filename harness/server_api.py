@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from json.encoder import encode_basestring as encode_string   # a str as JSON, as dumps writes it
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -21,9 +22,6 @@ from onepass.kernels.errors import ConfigError, OnepassError
 
 class ClientGone(Exception):
     pass
-
-
-GONE = object()   # put on a stream's events when its client disconnected
 
 
 def dumps(obj: dict) -> str:
@@ -146,57 +144,65 @@ class OpenAIAPI:
             stream = self.loop.open(ids, max_tokens, body.ignore_eos)
         except ConfigError as e:   # the loop died after _check looked
             raise APIError(503, str(e), kind="server_error", code="engine_stopped") from None
-        shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{stream.req.rid}", self.model_name)
+        with_usage = body.stream and body.stream_options is not None and body.stream_options.include_usage
+        shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{stream.req.rid}", self.model_name, with_usage,
+                      body.return_token_ids)
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": text.tokens,  # noqa: E731
                          "total_tokens": len(ids) + text.tokens}
         if body.stream:
-            with_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self._events(stream, text, shape, usage, with_usage),
+            return EventStream(self._events(stream, text, shape, usage),
                                lambda: self.loop.end(stream, gone=text.finish is None))
         watch = asyncio.create_task(self._watch(request, stream))
+        out, taken = [], []
         try:
-            out = "".join([d async for d in self._deltas(stream, text)])
+            async for delta, tokens in self._deltas(stream, text):
+                out.append(delta)
+                taken += tokens
         except ClientGone:
             return Response(status_code=499)   # nobody reads it
         finally:
             watch.cancel()
             self.loop.end(stream, gone=text.finish is None)
-        return JSONResponse(shape.whole(out, text.finish, usage()))
+        return JSONResponse(shape.whole("".join(out), text.finish, usage(), taken))
 
     async def _deltas(self, stream: Stream, text: TextStream):
-        """The text of each engine event for the request, until its output has ended (at its stop string, its stop
-        token or max_tokens). A stop string ends it here: the engine request is cancelled as the handler leaves."""
+        """(text, token ids) for each batch of tokens the engine has ready for the request, until its output has
+        ended (at its stop string, its stop token or max_tokens): every token ready when the handler looks goes into
+        one delta. A stop string ends it here: the engine request is cancelled as the handler leaves."""
         while not text.finish:
-            event = await stream.events.get()
-            if event is GONE:
+            tokens, done = await stream.take()
+            if stream.hung_up:
                 raise ClientGone()
-            if event.error:
+            if stream.error:
                 if stream.req.rejection:
-                    raise APIError(400, event.error)
-                raise APIError(503, event.error, kind="server_error", code="engine_stopped")
-            yield text.add(event.tokens, event.done)
+                    raise APIError(400, stream.error)
+                raise APIError(503, stream.error, kind="server_error", code="engine_stopped")
+            before = text.tokens
+            delta = text.add(tokens, done)
+            yield delta, tokens[:text.tokens - before]
 
     async def _watch(self, request: HTTPRequest, stream: Stream) -> None:
         """A whole answer's client that disconnects cancels its request (a stream's is noticed by its response)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
         self.loop.end(stream, gone=True)
-        stream.events.put_nowait(GONE)
+        stream.hung_up = True
+        stream.wake()
 
-    async def _events(self, stream: Stream, text: TextStream, shape: Shape, usage, with_usage: bool):
-        """Server-sent events: a chunk per engine event, the finish reason, the usage if asked, then [DONE]."""
+    async def _events(self, stream: Stream, text: TextStream, shape: Shape, usage):
+        """Server-sent events: a chunk per batch of tokens, the finish reason, the usage if asked, then [DONE]."""
         try:
             if shape.chat:
-                yield shape.event(shape.chunk({"role": "assistant", "content": ""}, None, with_usage))
-            async for delta in self._deltas(stream, text):
-                if delta or not text.finish:
-                    yield shape.event(shape.chunk(delta, None, with_usage))
-            yield shape.event(shape.chunk("", text.finish, with_usage))
-            if with_usage:
+                yield shape.event(shape.chunk({"role": "assistant", "content": ""}, None))
+            async for delta, tokens in self._deltas(stream, text):
+                if delta or not text.finish or (shape.token_ids and tokens):
+                    yield shape.delta_event(delta, tokens)
+            yield shape.event(shape.chunk("", text.finish))
+            if shape.with_usage:
                 yield shape.event({**shape.head(), "choices": [], "usage": usage()})
         except APIError as e:   # the headers are out: the error goes as an event, as OpenAI's do
             yield shape.event(e.body())
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
 
 class EventStream(StreamingResponse):
@@ -215,28 +221,45 @@ class EventStream(StreamingResponse):
 
 
 class Shape:
-    """OpenAI's response objects for one request: completion or chat completion, whole or in chunks."""
+    """OpenAI's response objects for one request: completion or chat completion, whole or in chunks. with_usage: a
+    stream's chunks carry `usage: null` (its usage comes last); token_ids: each choice carries its token ids too
+    (vLLM's `return_token_ids`), so a client counts the tokens of a chunk that holds several."""
 
-    def __init__(self, chat: bool, rid: str, model: str):
+    def __init__(self, chat: bool, rid: str, model: str, with_usage: bool = False, token_ids: bool = False):
         self.chat, self.rid, self.model, self.created = chat, rid, model, int(time.time())
+        self.with_usage, self.token_ids = with_usage, token_ids
+        # a text chunk is written around its text, not built and encoded whole: it is what every token costs
+        choice = {"index": 0, **({"delta": {"content": "@text@"}} if chat else {"text": "@text@"}),
+                  **({"token_ids": "@ids@"} if token_ids else {}), "logprobs": None, "finish_reason": None}
+        event = dumps({**self.head(), "choices": [choice], **({"usage": None} if with_usage else {})})
+        self._open, rest = event.rsplit('"@text@"', 1)
+        self._mid, self._close = rest.rsplit('"@ids@"', 1) if token_ids else (rest, "")
 
     def head(self, chunk: bool = True) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, usage: dict) -> dict:
+    def whole(self, text: str, finish: str, usage: dict, tokens: list[int]) -> dict:
         choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        if self.token_ids:
+            choice["token_ids"] = tokens
         return {**self.head(chunk=False), "choices": [{"index": 0, **choice, "logprobs": None,
                                                        "finish_reason": finish}], "usage": usage}
 
-    def chunk(self, delta: str | dict, finish: str | None, with_usage: bool) -> dict:
+    def chunk(self, delta: str | dict, finish: str | None) -> dict:
         if self.chat:
             choice = {"delta": delta if isinstance(delta, dict) else {"content": delta} if delta or not finish else {}}
         else:
             choice = {"text": delta}
         out = {**self.head(), "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}]}
-        return {**out, "usage": None} if with_usage else out
+        return {**out, "usage": None} if self.with_usage else out
+
+    def delta_event(self, text: str, tokens: list[int]) -> bytes:
+        """The event of `chunk(text, None)`, with the tokens' ids where asked."""
+        if self.token_ids:
+            return f"data: {self._open}{encode_string(text)}{self._mid}{tokens}{self._close}\n\n".encode()
+        return f"data: {self._open}{encode_string(text)}{self._mid}\n\n".encode()
 
     @staticmethod
-    def event(obj: dict) -> str:
-        return f"data: {dumps(obj)}\n\n"
+    def event(obj: dict) -> bytes:
+        return f"data: {dumps(obj)}\n\n".encode()

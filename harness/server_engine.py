@@ -1,7 +1,11 @@
 """The server's engine side. One thread runs the serving loop (engine/runner.py) for the server's life over a
-`QueueArrivals` (engine/arrivals.py) whose `emit` hands each request's new tokens to the HTTP handler waiting for
-them, on that handler's event loop; a handler whose client went away cancels its request, which gives its slot and
-blocks back at the loop's next turn. The Prometheus metrics read the loop's scheduler when scraped."""
+`QueueArrivals` (engine/arrivals.py) whose `emit` publishes each request's token count and wakes the HTTP handlers
+that have new tokens, with one callback a turn on their event loop; a handler takes every token ready when it looks,
+so the per-token work (text, JSON, one SSE event, a socket write) falls on the server's thread, and less of it the
+further that thread is behind. Both threads share the interpreter lock, so what the handlers cost a token is what
+the loop loses; `python -m onepass.harness.server_bench` measures it. A handler whose client went away cancels its
+request, which gives its slot and blocks back at the loop's next turn. The Prometheus metrics read the loop's
+scheduler when scraped."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +13,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -23,22 +27,42 @@ RATE_WINDOW_S = 10.0   # tokens/s is taken over this many recent seconds
 
 
 @dataclass(eq=False)
-class Event:
-    tokens: list[int]
-    done: bool = False          # the engine generated its last token for the request (or cancelled it)
-    error: str = ""             # why the request will get no (more) tokens: rejected, or the engine stopped
-
-
-@dataclass(eq=False)
 class Stream:
-    """A request as its HTTP handler sees it: the engine's events arrive on `events`, in the handler's loop."""
+    """A request as its HTTP handler sees it. The engine thread publishes how many output tokens are ready and whether
+    it is done with the request; the handler, woken on its event loop, takes every token ready since it last looked
+    (`take`), so a handler that fell behind catches up in one go instead of one wake-up per token."""
     req: Request
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    sent: int = 0               # output tokens handed over (the engine thread's count)
-    done: bool = False          # the engine has finished with it (set on the engine thread)
+    ready: int = 0              # output tokens handed over (written by the engine thread)
+    done: bool = False          # the engine has finished with it (written by the engine thread, after `ready`)
+    error: str = ""             # why it gets no (more) tokens: rejected, or the engine stopped (before `done`)
+    flagged: bool = False       # a wake-up for it is on its way to the loop: the engine thread sends no other
     ended: bool = False         # the handler is through with it
     gone: bool = False          # the client went away before the answer was complete
+    hung_up: bool = False       # the handler's client disconnected (set on the loop)
+    taken: int = 0              # output tokens the handler took
+    waiter: asyncio.Future | None = None
+
+    async def take(self) -> tuple[list[int], bool]:
+        """Every output token ready since the last take (none only at the end), and whether the engine is done."""
+        while True:
+            self.flagged = False   # first: a token published from here on sends a wake-up
+            done = self.done       # before `ready`: once done, `ready` is final
+            ready = self.ready
+            if ready > self.taken or done or self.hung_up:
+                new = self.req.output[self.taken:ready]   # the scheduler only ever appends to it
+                self.taken = ready
+                return new, done
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def wake(self) -> None:
+        """On the stream's loop: the handler waiting in `take` looks again."""
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class Metrics:
@@ -84,13 +108,15 @@ class Metrics:
 
 
 class StreamingArrivals(QueueArrivals):
-    """Requests from HTTP handlers; their tokens back to them, one wake-up of each handler loop per step."""
+    """Requests from HTTP handlers; their tokens back to them, at most one wake-up of each handler loop per step."""
 
     def __init__(self, metrics: Metrics):
         super().__init__()
         self.metrics = metrics
         self.streams: dict[int, Stream] = {}
         self.failure = ""           # set once the loop died: no request is taken after it
+        self._batches: dict[asyncio.AbstractEventLoop, list[Stream]] = {}   # streams to wake, by loop, not yet woken
+        self._batch_lock = threading.Lock()
 
     @property
     def queued(self) -> int:
@@ -112,30 +138,35 @@ class StreamingArrivals(QueueArrivals):
             return list(self.streams.values())
 
     def emit(self, grown: list[Request], finished: list[Request]) -> None:
-        events: dict[int, tuple[Stream, Event]] = {}
+        wake, n = [], 0
         with self._cv:
-            streams = [(req, self.streams.get(req.rid)) for req in grown]
-            ends = [(req, self.streams.pop(req.rid, None)) for req in finished]
-        for req, stream in streams:
-            if stream is None:
-                continue
-            new = req.output[stream.sent:]
-            stream.sent += len(new)
-            self.metrics.generated(len(new))
-            events[req.rid] = (stream, Event(new))
+            streams = self.streams
+            for req in grown:
+                stream = streams.get(req.rid)
+                if stream is None:
+                    continue
+                k = len(req.output)
+                n, stream.ready = n + k - stream.ready, k
+                if not stream.flagged:
+                    stream.flagged = True
+                    wake.append(stream)
+            ends = [(req, streams.pop(req.rid, None)) for req in finished]
+        if n:
+            self.metrics.generated(n)
         for req, stream in ends:
             if stream is None:
                 continue
-            stream.done = True
             if req.rejection:
                 self.metrics.rejected.inc()
             elif stream.gone:
                 self.metrics.cancelled.inc()
             else:
                 self.metrics.finished.inc()
-            event = events.setdefault(req.rid, (stream, Event([])))[1]
-            event.done, event.error = True, req.rejection
-        self._deliver(events.values())
+            stream.error, stream.done = req.rejection, True
+            if not stream.flagged:
+                stream.flagged = True
+                wake.append(stream)
+        self._hand_off(wake)
 
     def fail(self, why: str) -> None:
         """The loop stopped: every open request gets `why`, and no request is taken after it."""
@@ -143,24 +174,34 @@ class StreamingArrivals(QueueArrivals):
             self.failure = why
             streams, self.streams = list(self.streams.values()), {}
         for s in streams:
-            s.done = True
-        self._deliver([(s, Event([], True, why)) for s in streams])
+            s.error, s.done, s.flagged = why, True, True
+        self._hand_off(streams)
 
-    @staticmethod
-    def _deliver(events) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Event]]] = {}
-        for stream, event in events:
-            by_loop.setdefault(stream.loop, []).append((stream, event))
+    def _hand_off(self, streams: list[Stream]) -> None:
+        """Wake the streams' handlers: one callback on each of their loops, and none while the last one is still
+        queued there (the streams join its batch). So a turn costs one cross-thread wake-up however many streams
+        it feeds, and a loop that falls behind gets fewer, larger batches rather than a queue of them."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Stream]] = {}
+        for stream in streams:
+            by_loop.setdefault(stream.loop, []).append(stream)
         for loop, batch in by_loop.items():
+            with self._batch_lock:
+                queued = self._batches.get(loop)
+                if queued is not None:
+                    queued.extend(batch)
+                    continue
+                self._batches[loop] = batch
             try:
-                loop.call_soon_threadsafe(_put, batch)
+                loop.call_soon_threadsafe(self._wake, loop)
             except RuntimeError:   # that loop has closed: nobody is waiting
-                pass
+                with self._batch_lock:
+                    self._batches.pop(loop, None)
 
-
-def _put(batch: list[tuple[Stream, Event]]) -> None:
-    for stream, event in batch:
-        stream.events.put_nowait(event)
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._batch_lock:
+            batch = self._batches.pop(loop, ())
+        for stream in batch:
+            stream.wake()
 
 
 class EngineLoop:

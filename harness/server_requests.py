@@ -38,6 +38,7 @@ class Common(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False        # vLLM's extension: exactly max_tokens tokens, whatever the model samples
+    return_token_ids: bool = False  # vLLM's extension: each choice (each chunk's) also holds its tokens' ids
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None        # vLLM's extension; -1 or 0: the whole vocabulary

@@ -29,15 +29,23 @@ class TextStream:
 
     def add(self, tokens: Iterable[int], done: bool = False) -> str:
         """Take the next tokens (done: the engine generated its last); returns the text that is final now."""
-        for tok in tokens:
-            if self.finish:
-                break
-            self.tokens += 1
-            if tok in self.stop_ids:
+        if not self.finish:
+            new, stop = [], False
+            for tok in tokens:
+                if tok in self.stop_ids:
+                    stop = True
+                    break
+                new.append(tok)
+            if not self._take(new):   # a stop string or a character cut short in them: token by token
+                for tok in new:
+                    if self.finish:
+                        break
+                    self.tokens += 1
+                    self.ids.append(tok)
+                    self._extend(final=False)
+            if stop and not self.finish:
+                self.tokens += 1
                 self.finish = "stop"
-                break
-            self.ids.append(tok)
-            self._extend(final=False)
         if done and not self.finish:
             self.finish = "length"
         if self.finish and not self.cut and len(self.ids) > self.read:
@@ -45,6 +53,24 @@ class TextStream:
         end = len(self.text) if self.finish else max(self.shown, len(self.text) - self.hold)
         out, self.shown = self.text[self.shown:end], end
         return out
+
+    def _take(self, new: list[int]) -> bool:
+        """All of `new` decoded at once (two decodes, not two a token), unless their text ends in a character cut
+        short or holds a stop string: then nothing is taken (False), as which token ends it matters."""
+        if len(new) < 2:
+            return not new
+        head = self.decode(self.ids[self.prefix:self.read])
+        whole = self.decode(self.ids[self.prefix:] + new)
+        if len(whole) <= len(head) or whole.endswith(INCOMPLETE):
+            return False
+        start = max(0, len(self.text) - self.hold)
+        text = self.text + whole[len(head):]
+        if any(text.find(s, start) >= 0 for s in self.stops):
+            return False
+        self.ids += new
+        self.tokens += len(new)
+        self.text, self.prefix, self.read = text, self.read, len(self.ids)
+        return True
 
     def _extend(self, final: bool) -> None:
         head = self.decode(self.ids[self.prefix:self.read])

@@ -3,6 +3,7 @@ a byte-level tokenizer and a chat template. Answers equal the engine's own greed
 whole, one client or twenty at once; a client that leaves gives its slot and blocks back; every refusal has OpenAI's
 error shape; the command composes its config, serves, and stops on SIGTERM."""
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -121,6 +123,9 @@ def test_a_character_split_across_tokens_comes_out_whole():
     assert ts.add([], done=True) == "" and ts.finish == "length" and ts.tokens == 5
     cut = TextStream(decode_bytes)   # a character the output ends inside shows as the tokenizer has it
     assert cut.add(euro[:2]) == "" and cut.add([], done=True) == "\ufffd"
+    many = TextStream(decode_bytes)   # several tokens at once (a handler that fell behind): the same text
+    assert many.add([ord("a"), *euro[:2]]) == "a" and many.add([euro[2], ord("b"), ord("c")]) == "€bc"
+    assert many.tokens == 6
 
 
 def test_a_stop_string_is_never_shown_in_part():
@@ -130,6 +135,22 @@ def test_a_stop_string_is_never_shown_in_part():
     assert all("Z" not in d for d in deltas) and deltas[-2:] == ["", ""]   # nothing after the stop is taken
     ends = TextStream(decode_bytes, stop_ids=[0])
     assert ends.add([ord("h"), 0, ord("i")]) == "h" and ends.finish == "stop" and ends.tokens == 2
+    at_once = TextStream(decode_bytes, stops=["XYZ", "q"])   # the tokens counted end at the stop string's last
+    assert at_once.add(list(b"abXYcXYZde")) == "abXYc" and at_once.finish == "stop" and at_once.tokens == 8
+
+
+def test_a_text_chunk_is_written_as_the_chunk_object_encodes():
+    from onepass.harness.server_api import Shape
+
+    for chat, with_usage, ids in itertools.product((False, True), repeat=3):
+        shape = Shape(chat, "cmpl-7", 'm "@text@"', with_usage, ids)
+        for text in ("", 'a "quoted" \\ é\n€', "@text@"):
+            event = shape.delta_event(text, [3, 4])
+            assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+            want = shape.chunk(text, None)
+            if ids:
+                want["choices"][0]["token_ids"] = [3, 4]
+            assert json.loads(event[6:]) == want, (chat, with_usage, ids, text)
 
 
 def test_ignore_eos_runs_a_request_past_the_stop_tokens():
@@ -218,6 +239,69 @@ def test_chat_applies_the_template_and_cuts_at_a_stop_string(served):
     assert "".join(deltas) == text[:text.find(stop)]
     assert evs[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     served.idle()
+
+
+# -- the hand-off from the engine thread --------------------------------------------------------------------------
+
+def test_a_turn_wakes_the_server_loop_once_and_a_late_handler_takes_every_ready_token_in_one_chunk(monkeypatch):
+    """8 streams over a stand-in engine loop (harness/server_bench.py: a token to every running request each 2 ms
+    turn). The engine thread wakes the server's event loop at most once a turn, however many streams the turn feeds
+    (not once per stream or token), and not again while a wake-up is still queued there; when the server's loop is
+    held up for many turns, a stream's next chunk holds every token made meanwhile (text and token ids), and still
+    every stream is the engine's output token for token."""
+    from onepass.harness.server_bench import LETTERS, FakeRunner, FakeSetup, byte_tokenizer, fake_engine
+
+    tok = byte_tokenizer()
+    vocab = [tok.encode(c)[0] for c in LETTERS]
+    server = OpenAIServer(fake_engine(tok, 257), FakeSetup(lambda: FakeRunner(8, 0.002, 0, vocab, 4096)),
+                          SamplingParams(), MODEL)
+    wakes = []   # cross-thread wake-ups the engine thread sent
+    call_soon_threadsafe = asyncio.BaseEventLoop.call_soon_threadsafe
+
+    def counted(loop, *args, **kwargs):
+        if threading.current_thread() is server.loop.thread:
+            wakes.append(time.perf_counter())
+        return call_soon_threadsafe(loop, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "call_soon_threadsafe", counted)
+    stats, n, held = server.runner.stats, 150, []
+
+    def hold_up():   # on the server's loop: 40 ms in which it runs nothing
+        turns, sent = stats.turns, len(wakes)
+        time.sleep(0.04)
+        held.append((stats.turns - turns, len(wakes) - sent))
+
+    async def one(client, first: bool):
+        body = {"prompt": [1, 2, 3], "max_tokens": n, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            chunks = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if first and len(chunks) == 3:
+                        server.loop.arrivals.open_streams()[0].loop.call_soon_threadsafe(hold_up)
+        return chunks
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            return await asyncio.gather(*(one(client, i == 0) for i in range(8)))
+
+    url = server.start()
+    try:
+        answers = asyncio.run(all_at_once())
+    finally:
+        server.stop()
+    assert stats.turns >= n and 0 < len(wakes) <= stats.turns, (len(wakes), stats.turns)
+    (turns, sent), = held
+    assert turns >= 5 and sent <= 1, held   # many turns, one wake-up (queued before the loop could run it)
+    for chunks in answers:
+        rid = int(chunks[0]["id"].removeprefix("cmpl-"))
+        deltas = [c["choices"][0] for c in chunks[:-1]]
+        ids = [t for d in deltas for t in d["token_ids"]]
+        assert ids == [vocab[(rid + i) % len(vocab)] for i in range(n)]
+        assert "".join(d["text"] for d in deltas) == tok.decode(ids) and chunks[-1]["choices"][0]["finish_reason"]
+    longest = max(len(d["choices"][0]["token_ids"]) for d in answers[0][:-1])
+    assert longest >= 5, longest   # the tokens of the turns it was held up for, in one chunk
 
 
 # -- clients that leave -----------------------------------------------------------------------------------------------
