@@ -1743,7 +1743,9 @@ def main(argv: list[str] | None = None) -> int:
                 status = max(status, 1)
                 continue
             try:
-                print(f"[report] {name}: recorded {len(df)} runs to {record_csv(name, df, args.replace)}")
+                # a merge drops exactly the recorded rows its runs re-measure (merge_runs keeps every other one)
+                path = record_csv(name, df, args.replace or args.merge)
+                print(f"[report] {name}: recorded {len(df)} runs to {path}")
                 # the committed report is made from what is recorded, and from nothing else
                 df, source, recorded = runs_from_csv(name), f"experiments/{name}/runs.csv", True
             except ValueError as e:

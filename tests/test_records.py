@@ -54,6 +54,20 @@ def test_record_command_refuses_and_keeps_the_csv(experiments, tmp_path, monkeyp
     assert "would drop 2" in capsys.readouterr().err and experiments.read_text() == before
 
 
+def test_a_merge_replaces_the_rows_it_remeasures_and_keeps_the_rest(experiments, tmp_path, monkeypatch):
+    """--record --merge: a store run of a recorded row's key takes that row's place (not refused as a drop), every other
+    recorded row stays."""
+    monkeypatch.setitem(report.ROW_KEYS, "t", ("params.batch.size",))
+    recorded = runs("a", "b", "c").assign(**{"params.batch.size": ["1", "2", "4"], "tags.device": "cpu"})
+    report.record_csv("t", recorded, replace=True)
+    store = runs("n").assign(**{"params.batch.size": "2", "tags.device": "cpu", "start_time": "2026-12-09"})
+    monkeypatch.setattr(report, "runs_from_store", lambda name, uri, newest=True: store)
+    monkeypatch.setitem(report.TABLES, "t", lambda df: ("### Headline\n\n| B |\n|---|\n| 1 |\n", None))
+    monkeypatch.setattr(report, "REPORTS", tmp_path / "committed")
+    assert report.main(["t", "--record", "--merge"]) == 0
+    assert sorted(pd.read_csv(experiments)["run_id"]) == ["a", "c", "n"]
+
+
 def test_record_refuses_noisy_runs_unless_asked(experiments, tmp_path, monkeypatch, capsys):
     """Runs the noise guard marked noisy are not recorded without --allow-noisy; the report regenerated from a record
     is made from the runs.csv just written, into the committed reports folder."""
