@@ -412,7 +412,7 @@ def test_triton_batch_streams_equal_single_stream(ggufs):
     cfg, w, _ = load(ggufs["3x-value-heads"], torch.bfloat16, dev)
     model = fused(cfg, w, "triton")
     p = prompt(18, 5)
-    runs = {B: stepper(model, B)[0]([p] * B, 6).outputs for B in (1, 3)}
+    runs = {B: stepper(model, B)[0]([p] * B, 4 if INTERPRET else 6).outputs for B in (1, 3)}
     assert verify_greedy(runs[3], runs[1][0]).ok
 
 

@@ -52,7 +52,7 @@ def test_smollm2_logits_match_transformers(smollm2):
 
 def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
     model, hf, tok = smollm2
-    for text in PROMPTS:
+    for text in PROMPTS[:3]:   # the logits test takes all five; three greedy runs of 32 tokens keep the CI's time
         ids = tok.encode_chat(text)
         kv = ContiguousKVCache(model.cfg, 1, len(ids) + 32, torch.float32, "cpu")
         mine = reference_generate(model, kv, [ids], 32, SamplingParams(), stop_ids=tok.stop_ids).outputs[0]
