@@ -30,6 +30,7 @@ import torch
 
 from onepass.engine.config import LAYER_ATTENTION, ModelConfig
 from onepass.engine.scheduler import Request
+from onepass.engine.step import BUCKETS, bucket_for
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
 
@@ -138,13 +139,11 @@ class MTPDrafts:
         if hidden is not None and hidden.is_cuda and k > 0:
             self._capture(hidden, num_slots, policy or pdl.current())
 
-    def _buffers(self, n: int, d: dict | None = None) -> dict[str, torch.Tensor]:
-        """Activations for n rows: views of `d`, or of buffers grown to the most rows asked for so far."""
-        if d is None:
-            if not self.bufs or n > self.bufs["e"].shape[0]:
-                self.bufs = self._allocate(n)
-            d = self.bufs
-        return {name: b[:n] for name, b in d.items()}
+    def _buffers(self, n: int) -> dict[str, torch.Tensor]:
+        """Activations for n rows (the eager path): views of buffers grown to the most rows asked for so far."""
+        if not self.bufs or n > self.bufs["e"].shape[0]:
+            self.bufs = self._allocate(n)
+        return {name: b[:n] for name, b in self.bufs.items()}
 
     def _allocate(self, n: int) -> dict[str, torch.Tensor]:
         m, d = self.model, self.model.cfg.dim
@@ -203,8 +202,6 @@ class MTPDrafts:
     def _capture(self, hidden: torch.Tensor, num_slots: int, policy) -> None:
         """CUDA graphs of _feed_chain over `hidden` for every (fed, drafting) row-bucket pair a step of num_slots
         requests (the runner's slots, its scratch one among them) can meet, on buffers of their own."""
-        from onepass.engine.step import BUCKETS, bucket_for
-
         L = bucket_for(max(1, num_slots - 1))
         R = min(self.MAX_GRAPH_ROWS, bucket_for(L * (self.k + 1)))
         L = min(L, R)
@@ -236,8 +233,6 @@ class MTPDrafts:
         n, nl = len(toks), len(drafting)
         cols = [list(c) for c in zip(*drafting)] if drafting else [[]] * 3
         if self.graphs and hidden is self.src and not carried and n <= self.stage.R and nl <= self.stage.L:
-            from onepass.engine.step import bucket_for
-
             key = (bucket_for(n), bucket_for(nl) if nl else 0)
             self.stage.send([toks, hid_rows, positions, slots], cols, *key)
             self.graphs[key].replay()
