@@ -2,7 +2,8 @@
 #   make run   - the default experiment (static batching on SmolLM2), logged to ./mlflow.db, its table made in
 #                outputs/reports/ (ignored: the recorded reports/ change only through onepass-report --record)
 #   make test  - ruff, then the test suite (what CI runs)
-# and make check-reports (every committed report against what its runs.csv regenerates), make lock (the lock files).
+# and make test-full (the tests with the CUDA emulation's wider cases too), make check-reports (every committed report
+# against what its runs.csv regenerates), make lock (the lock files).
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The environment is pinned: make install installs LOCK (locks/cpu.txt: Linux x86-64, Python 3.11, torch's CPU build,
@@ -46,6 +47,10 @@ run: install
 test: lint
 	$(BIN)/python -m pytest -q -n auto
 
+# the suite with the CUDA emulation's wider cases too (tests/cuda_emu.py wider: CI leaves them out for time)
+test-full: lint
+	ONEPASS_FULL_EMULATION=1 $(BIN)/python -m pytest -q -n auto
+
 lint: install
 	$(BIN)/ruff check .
 
@@ -67,4 +72,4 @@ lock: | $(BIN)/python
 	$(BIN)/uv pip compile -q $(LOCK_FOR) --python-version 3.12 --extra $(CUDA_EXTRA) --extra test \
 		pyproject.toml locks/cuda.in -o locks/cuda.txt
 
-.PHONY: install run test lint check-reports lock
+.PHONY: install run test test-full lint check-reports lock

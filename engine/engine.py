@@ -53,6 +53,8 @@ class EngineSpec:
     state_dtype: str = "float32"    # hybrid models' recurrent state: float32 | bfloat16
     state_writeback: int = 0        # hybrid models: tokens per write of the whole state (0: the engine's default)
     threads: int = 0                # CPU threads for torch (0: torch's default)
+    step: str = "kernels"           # kernels (one kernel per op) | persistent (dense models, steps of <= 16 rows:
+                                    # every layer in one persistent kernel, kernels/persistent_step.py)
 
     @classmethod
     def of(cls, **kw) -> EngineSpec:
@@ -103,7 +105,21 @@ class EngineSpec:
         resolve_writeback(self.state_writeback)     # a negative period is refused here
         if self.threads < 0:
             raise ConfigError(f"engine.threads={self.threads}; 0 leaves torch's default, or give a positive count")
+        if self.step not in ("kernels", "persistent"):
+            raise ConfigError(f"engine.step={self.step!r}; choose kernels or persistent")
+        if self.step == "persistent" and backend != "triton":
+            raise ConfigError("engine.step=persistent is a GPU kernel (its grid barriers need every program resident "
+                              "at once); use engine.step=kernels on the CPU")
+        if self.step == "persistent" and self.weights == "packed":
+            raise ConfigError("engine.step=persistent reads dense weights; use engine.weights=dequant, or "
+                              "engine.step=kernels for packed weights")
         return dev, dtype, backend
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Refuse, before a model's weights load, a setting its architecture cannot run."""
+        if self.step == "persistent" and cfg.arch not in ("llama", "qwen3"):
+            raise ConfigError(f"engine.step=persistent runs the dense llama and qwen3 steps, not {cfg.arch!r}; use "
+                              "engine.step=kernels")
 
 
 def check_memory(spec: EngineSpec, cfg: ModelConfig, weights: int, what: str, rows: int | None = None,
@@ -125,6 +141,7 @@ class Engine:
                  source: Path | str = "in-memory", load_s: float = 0.0):
         self.spec = spec
         self.device, self.dtype, self.backend = spec.resolve()
+        spec.check_model(cfg)
         if spec.threads > 0:
             torch.set_num_threads(spec.threads)
         self.cfg, self.weights, self.tokenizer = cfg, weights, tokenizer
@@ -156,6 +173,7 @@ class Engine:
         # packed weights stay about the file's size; dequantized ones take every parameter at the dtype
         held = path.stat().st_size if spec.weights == "packed" else header.param_count() * dtype.itemsize
         check_memory(spec, header, held, f"{path.name} at batch {spec.batch}", **(speculation or {}))
+        spec.check_model(header)
         t0 = time.perf_counter()
         cfg, weights, _ = load_gguf(Path(path), dtype=dtype, device=dev, progress=progress,
                                     keep_quantized=spec.weights == "packed")
@@ -180,18 +198,23 @@ class Engine:
             return FusedQwen35Decoder(self.cfg, self.weights, kernels, self.spec.ctx + 1)
         from onepass.engine.fused_model import FusedDecoder
 
-        return FusedDecoder(self.cfg, self.weights, kernels, self.spec.ctx + 1)
+        persistent = self.spec.step == "persistent"
+        return FusedDecoder(self.cfg, self.weights, kernels, self.spec.ctx + 1, persistent=persistent)
 
     LOAD_FIELDS = ("device", "dtype", "backend", "gemm", "weights", "ctx")   # what the loaded model was built for
 
     def respec(self, spec: EngineSpec) -> Engine:
         """This engine, its weights and model kept, run from now on under `spec`, which may differ from its own
-        only in run-time settings (batch, kernel policy, graphs, PDL, the recurrent state's dtype and period)."""
+        only in run-time settings (batch, kernel policy, graphs, PDL, the step's form, the recurrent state's dtype and
+        period)."""
         if diff := [f for f in self.LOAD_FIELDS if getattr(spec, f) != getattr(self.spec, f)]:
             raise ConfigError(f"respec cannot change {', '.join(diff)}: the model was loaded for them; build a new "
                               "Engine")
         spec.resolve()
+        spec.check_model(self.cfg)
         self.spec, self.state_dtype, self.state_writeback = spec, DTYPES[spec.state_dtype], spec.state_writeback
+        if hasattr(self.model, "persistent"):
+            self.model.persistent = spec.step == "persistent"
         self.int4.name, self.int4.max_batch = spec.int4, spec.batch   # the step kernels hold this policy object
         self.launch = pdl.LaunchPolicy.for_engine(spec.pdl, spec.batch, self.cfg.arch, spec.ready_scales)
         if self.cfg.arch == "qwen35":

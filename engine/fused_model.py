@@ -15,6 +15,8 @@ from onepass.engine.config import ModelConfig
 from onepass.engine.models.base import DecoderBase
 from onepass.engine.projection import Projection
 from onepass.kernels.backend import StepKernels
+from onepass.kernels.persistent_step import MAX_ROWS as PERSISTENT_ROWS
+from onepass.kernels.persistent_step import PersistentStep
 from onepass.kernels.quant_pack import PackedWeight
 from onepass.kernels.rope import rope_cache, rope_inv_freq
 
@@ -48,8 +50,13 @@ class FusedBase(DecoderBase):
 
 
 class FusedDecoder(FusedBase):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int,
+                 persistent: bool = False):
+        """persistent: steps of up to PERSISTENT_ROWS rows run as one persistent kernel (kernels/persistent_step.py),
+        wider ones (a prompt's chunk) kernel by kernel."""
         self.cfg, self.k = cfg, kernels
+        self.persistent = persistent
+        self._persistent: tuple | None = None   # (the KV cache, its PersistentStep)
         self._init_head(weights)
         self.rope = rope_cache(rope_inv_freq(cfg.head_dim, cfg.rope_theta, weights.get("rope_freqs.weight")), max_pos)
         self.rope = self.rope.to(self.embed.device)
@@ -92,12 +99,21 @@ class FusedDecoder(FusedBase):
             "gate_up": e(rows, 2 * c.ffn_dim), "act": e(rows, c.ffn_dim),
         }
 
+    def persistent_step(self, kv) -> PersistentStep:
+        """The persistent step over this KV cache's tensors (built on its first step: the cache's tensors are where
+        it writes)."""
+        if self._persistent is None or self._persistent[0] is not kv:
+            self._persistent = (kv, PersistentStep(self, kv))
+        return self._persistent[1]
+
     def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None) -> torch.Tensor:
         """Run every layer over the rows; returns the final residual stream [R, dim] (before the last norm).
         Every position must be < max_len (default: the cache's ctx)."""
         c, k, eps = self.cfg, self.k, self.cfg.norm_eps
         res, h, x = buf["residual"], buf["h"], buf["x"]
         k.embedding(tokens, self.embed, out=res)
+        if self.persistent and tokens.shape[0] <= PERSISTENT_ROWS:
+            return self.persistent_step(kv)(positions, slots, res, block_table)
         # img: the next GEMM's staged x, written by the kernel that makes x (k.x_image, kernels/x_image.py)
         for i, layer in enumerate(self.layers):
             img = layer["qkv"].image(h)

@@ -141,6 +141,8 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
         spec_line = (f"; with {cfg.speculative.method} drafts (k={k}) token for token the run without: "
                      f"{str(same).lower()}")
 
+    step_metrics = _step_baseline(built, cfg.measure, lambda: run(B, w.max_new_tokens)[0], lambda: run(B, warm),
+                                  result, metrics_of=lambda rs: spreads([timed(r, B) for r in rs]), prompt=len(ids))
     verdict = (verify_greedy(result.outputs, single.outputs[0], single.logits_finite) if sampling.greedy
                else verify_sampled(result.outputs, sampling.temperature))
     if spec_line:
@@ -165,6 +167,9 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
     metrics.update({k: float(v) for k, v in verdict.detail.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
     metrics.update(spec_metrics)
+    metrics.update(step_metrics)
+    if step_metrics:
+        metrics["speedup_vs_kernels"] = step_metrics["kernels_step_ms_p50"] / metrics["step_ms_p50"]
     if mcfg.arch == "qwen35":
         metrics.update(_hybrid_metrics(built, kv, B, ids, single, w.max_new_tokens, ctx, cfg.scheduler.prefill))
     if dev.type == "cuda":
@@ -189,6 +194,11 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
         perf += f"; {metrics['joules_per_token']:.3f} J/token"
     if "floor_frac" in metrics:
         perf += f"; floor {metrics['step_floor_ms']:.3f} ms/step ({metrics['floor_frac']:.0%} reached)"
+    if step_metrics:
+        m = step_metrics
+        perf += (f"; the kernel-per-op step in this job: {m['kernels_step_ms_p50']:.3f} ms/step, "
+                 f"{metrics['speedup_vs_kernels']:.2f}x to the persistent step; tokens agree for "
+                 f"{m['kernels_agree']:.0%} of the streams' length")
     if spec_metrics:
         m = spec_metrics
         perf += (f"; drafts k={m['spec_k']:.0f}: {m['tokens_per_step']:.2f} tokens a slot a step, "
@@ -207,6 +217,35 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
             "dtype": str(dtype).removeprefix("torch."), "verify": verdict.line, **_reason_tag(verdict.reason),
             **_noise(metrics, window, usage, cfg.measure)}
     return RunRecord(f"B={B} {cfg.model.name} static", dev, metrics, tags, artifacts)
+
+
+def _step_baseline(built: Engine, measure, run, warm, result: StaticBatchResult, metrics_of, prompt: int
+                   ) -> dict[str, float]:
+    """With engine.step=persistent: the same batch through the kernel-per-op step (same engine, same process), timed
+    as the batch was; its step time, the persistent step's speed-up over it, and how far the two steps' greedy tokens
+    agree (their roundings differ: norms and attention sum in other orders)."""
+    if built.spec.step != "persistent":
+        return {}
+    persistent = built.spec
+    built.respec(replace(persistent, step="kernels"))
+    try:
+        runs = repeat(run, measure, warm=warm)
+    finally:
+        built.respec(persistent)
+    m = metrics_of(runs)
+    agree = []
+    for a, b in zip(result.outputs, runs[0].outputs):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agree.append(n / max(len(a), 1))
+    out = {"kernels_step_ms_p50": m["step_ms_p50"], "kernels_tok_s": m["throughput_tok_s"],
+           "kernels_agree": sum(agree) / max(len(agree), 1)}
+    if built.device.type == "cuda":   # each phase's time in one more launch, against its bytes' floor
+        from onepass.kernels.persistent_step import phase_profile
+
+        bw = copy_bandwidth(built.device)
+        for phase, (us, nbytes) in phase_profile(built.model, result.cache, len(result.outputs), prompt).items():
+            out[f"phase_{phase}_us"], out[f"phase_{phase}_floor_us"] = us, nbytes / bw * 1e6
+    return out
 
 
 def timed(r: StaticBatchResult, B: int) -> dict[str, float]:

@@ -158,13 +158,14 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
     "serving_full": ("params.scheduler.mode", "params.scheduler.prefill", "params.batch.size"),
     "spec_decode": ("params.model.name", "params.speculative.method", "params.speculative.k",
                     "params.speculative.acceptance", "params.batch.size"),
+    "latency": ("params.model.name", "params.engine.weights", "params.engine.step", "params.batch.size"),
 }
 # Every table's row key also holds the card (tags.device): a rerun on another device is recorded beside the rows it
 # re-measures, never in their place.
 DEVICE_KEY = "tags.device"
 # Tables that show each row's device, so they may hold runs of several cards; any other table refuses a mix
 # (check_one_device), since its rows would compare figures of different cards without saying so.
-DEVICE_TABLES = {"hybrid_27b", "static_scaling", "int4_e2e", "serving_full", "spec_decode"}
+DEVICE_TABLES = {"hybrid_27b", "static_scaling", "int4_e2e", "serving_full", "spec_decode", "latency"}
 # a key column that runs recorded before it existed lack, and the value they ran with
 ROW_KEY_DEFAULTS = {DEVICE_KEY: "unknown device",
                     "params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
@@ -563,6 +564,52 @@ def graphs_backends(df: pd.DataFrame):
     order = h.sort_values("aggregate tok/s", ascending=False).drop_duplicates("engine")["engine"]
     t = t.set_index("engine").loc[list(order)].reset_index()
     return _report(_grid(t), md, note=NEWEST_NOTE), None
+
+
+LATENCY_PHASES = ("qkv", "attn", "o", "ffn", "down")
+
+
+@table("latency", "Small batches at the memory floor: the persistent decode step (every layer in one kernel) against "
+                  "the kernel-per-op step of the same engine in the same job, with the step's byte floor and HF "
+                  "transformers' static cache.")
+def latency(df: pd.DataFrame):
+    d = pd.DataFrame({
+        "card": device_label(df),
+        "model": df["params.model.name"],
+        "weights": df["params.engine.weights"],
+        "step": df["params.engine.step"],
+        "B": num(df, "params.batch.size").astype(int),
+        "step ms": num(df, "metrics.step_ms_p50"),
+        "tok/s": num(df, "metrics.throughput_tok_s"),
+        "floor ms": _opt(df, "metrics.step_floor_ms"),
+        "floor reached": _opt(df, "metrics.floor_frac"),
+        "kernel-per-op ms": _opt(df, "metrics.kernels_step_ms_p50"),
+        "x kernel-per-op": _opt(df, "metrics.speedup_vs_kernels"),
+        "tokens agree": _opt(df, "metrics.kernels_agree"),
+        "HF static tok/s": _opt(df, "metrics.peer_tok_s"),
+        "verified": check(num(df, "metrics.verify_ok")),
+        "flags": flags(df),
+    }).sort_values(["card", "model", "weights", "step", "B"],
+                   key=lambda c: c.map(_card_order) if c.name == "card" else c)
+    md = _md(d, {"step ms": ".3f", "tok/s": ",.0f", "floor ms": ".3f", "floor reached": ".0%",
+                 "kernel-per-op ms": ".3f", "x kernel-per-op": ".2f", "tokens agree": ".0%", "HF static tok/s": ",.0f"})
+    n = _newest(d.assign(_start=_start(df)), ["card", "model", "weights", "step", "B"])
+    head = n[["card", "model", "B", "tok/s", "step ms", "floor reached", "kernel-per-op ms", "x kernel-per-op",
+              "verified"]]
+    headline = _md(head, {"tok/s": ",.0f", "step ms": ".3f", "floor reached": ".0%", "kernel-per-op ms": ".3f",
+                          "x kernel-per-op": ".2f"})
+    # where a persistent step's time goes: each phase summed over the layers against its bytes' floor
+    phases = [c for p in LATENCY_PHASES for c in (f"metrics.phase_{p}_us", f"metrics.phase_{p}_floor_us")]
+    if all(c in df for c in phases):
+        pt = pd.DataFrame({"card": d["card"], "model": d["model"], "B": d["B"], "_start": _start(df),
+                           **{f"{p} us (floor)": [f"{a:,.0f} ({b:,.0f})" if pd.notna(a) else "—" for a, b in zip(
+                               num(df, f"metrics.phase_{p}_us"), num(df, f"metrics.phase_{p}_floor_us"))]
+                              for p in LATENCY_PHASES}})
+        pt = _newest(pt, ["card", "model", "B"]).drop(columns="_start")
+        md += ("\n\nPer phase of the persistent step (one more launch after the timed runs, program 0's clock at each "
+               "grid barrier; a phase's time includes its barrier wait), summed over the layers, against the bytes "
+               "the phase must read at the card's copy rate:\n\n" + _grid(pt, left=3))
+    return _report(headline, md, note=NEWEST_NOTE), None
 
 
 @table("projection_crossover", "One batched GEMM of B rows against B single-row GEMMs on one projection (Llama-3.2-1B "

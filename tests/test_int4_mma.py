@@ -41,7 +41,8 @@ EMU = [(40, 256, "q4_0", (1, 3, 9), {"RT": 1, "P": 2, "U": 2}),
 
 
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
-@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+@pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[3], EMU[5]] + cuda_emu.wider(EMU[2], EMU[4], EMU[6]),
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
 def test_mma_source_emulated_matches_ref(seed, case):
     emulated_matches_ref(cuda_emu.w4a16_mma_emulated, int4_mma.mma_config, seed, *case)
 
@@ -159,7 +160,7 @@ def test_unpack_folded_is_the_rounded_weight():
 
 
 @pytest.mark.skipif(not cuda_emu.available(), reason="g++ not found")
-@pytest.mark.parametrize("case", [EMU[0], EMU[1], EMU[2], EMU[4],
+@pytest.mark.parametrize("case", [EMU[0], EMU[1], *cuda_emu.wider(EMU[2], EMU[4]),
                                   (40, 1088, "q4_0", (3, 17), {"RT": 2, "P": 2, "U": 1, "SPLIT_K": 2}),
                                   (24, 160, "q4_1", (2, 9), {"RT": 1, "P": 1, "U": 3}),
                                   (40, 512, "q4_k", (3, 20), {"RT16": 32, "U16": 1, "MINB16": 1}),    # 1024 threads

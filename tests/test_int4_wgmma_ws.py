@@ -43,7 +43,9 @@ EMU = [(264, 1088, "q4_0", (3, 11), {"STAGES": 2}),
 
 
 @needs_emu
-@pytest.mark.parametrize("case", EMU, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+@pytest.mark.parametrize("case", [EMU[0], EMU[2], EMU[4], EMU[7], EMU[8]]
+                         + cuda_emu.wider(EMU[1], EMU[3], EMU[5], EMU[6], EMU[9]),
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
 def test_ws_source_emulated_matches_wgmma_and_ref(seed, case):
     """The exact source text: against x @ unpack_folded(w)^T (bf16 and fp16 x), rows bitwise independent of M, bf16
     out the fp32 result rounded once; and bitwise int4_wgmma's emulated kernel with the same split and tiles."""
@@ -56,7 +58,8 @@ def test_ws_source_emulated_matches_wgmma_and_ref(seed, case):
 
 @needs_emu
 @pytest.mark.parametrize("form", [("FRESH_MIN_BT",), ("STEP_GROUPS_MIN_BT",), ("FRESH_MIN_BT", "STEP_GROUPS_MIN_BT")])
-@pytest.mark.parametrize("case", [EMU[1], EMU[2], EMU[4], EMU[5]], ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
+@pytest.mark.parametrize("case", [EMU[1], EMU[2]] + cuda_emu.wider(EMU[4], EMU[5]),
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
 def test_ws_fresh_write_and_step_groups_emulated_match_wgmma(seed, case, form, monkeypatch):
     """Every batch tile in the form that lets a segment's first quad write the accumulators (wgmma scale-d 0, no
     zeroing in the K loop; FRESH_MIN_BT lowered to 1), in the form that commits each k16 step's wgmmas as a group of
@@ -95,7 +98,7 @@ def test_ws_x_in_gemm_emulated_matches_wgmma(seed, case, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("x_in_gemm", [False, True], ids=["staged", "x_in_gemm"])
-@pytest.mark.parametrize("case", [EMU[0], EMU[2], EMU[4], EMU[6], EMU[7], EMU[8], EMU[9]],
+@pytest.mark.parametrize("case", [EMU[0], EMU[2], EMU[8]] + cuda_emu.wider(EMU[4], EMU[6], EMU[7], EMU[9]),
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
 def test_ws_mma_consumers_emulated_match_wgmma(seed, case, x_in_gemm, monkeypatch):
     """MMA 1 (the consumers on mma.sync, x's B fragments read by ldmatrix from the same stage image): int4_wgmma's
@@ -244,8 +247,8 @@ def test_ready_words_counted_and_freed(seed, monkeypatch):
 
 
 @needs_emu
-@pytest.mark.parametrize("case", [EMU[2], EMU[3], EMU[5],
-                                  (264, 1024, "q4_k", (20,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})],
+@pytest.mark.parametrize("case", [EMU[3], (264, 1024, "q4_k", (20,), {**ws.T128, "STAGES": 3, "SPLIT_K": 2})]
+                         + cuda_emu.wider(EMU[2], EMU[5]),
                          ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[4]}")
 def test_ws_ready_and_raw_scales_emulated_give_the_same_bits(seed, case):
     """Q4_K's ready scale words or its raw scales in the ring: int4_wgmma's emulated bits either way, over stream-K,

@@ -1,0 +1,124 @@
+"""Probe: the persistent decode step's settings (K tile, warps) against the kernel-per-op step on one model's shapes,
+random bf16 weights made on the GPU, each step form's layers captured as one CUDA graph, at rows 1..16. Prints each
+setting's time per step of the layers (the LM head is the same in both forms), the weights' floor at the card's copy
+rate, and the largest difference of the final residual rows from the kernel-per-op step's (kernels/PROBES.md).
+
+    python -m onepass.harness.persistent_probe --model llama-3.2-1b --rows 1,16 --block-k 256,512 --warps 4,8
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from onepass.engine.fused_model import FusedDecoder
+from onepass.engine.config import llama3_rope_factors
+from onepass.engine.gguf_loader import ROPE_FREQS
+from onepass.engine.kv_cache import ContiguousKVCache
+from onepass.harness.roofline import copy_bandwidth
+from onepass.harness.synth import synthetic_config
+from onepass.kernels.backend import get_step_kernels
+from onepass.kernels.decode_attention import device_num_sms, make_workspace
+from onepass.kernels.persistent_step import PersistentStep
+
+CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
+
+
+def gpu_weights(cfg, dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """random_weights' scaling (engine/gguf_writer.py), drawn on the device."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in cfg.tensor_shapes().items():
+        w = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+        if len(shape) == 1:
+            w = w.mul_(0.02).add_(1.0)
+        else:
+            w = w.mul_(0.02 if name == "token_embd.weight" else shape[1] ** -0.5)
+        out[name] = w.to(dtype)
+    if cfg.rope_scaling is not None:
+        out[ROPE_FREQS] = llama3_rope_factors(cfg.rope_scaling, cfg.head_dim, cfg.rope_theta).to(device)
+    return out
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _time_us(g: torch.cuda.CUDAGraph, reps: int = 50) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--position", type=int, default=100, help="every row's position (its keys 0..position are read)")
+    ap.add_argument("--block-k", default="512")
+    ap.add_argument("--warps", default="8")
+    ap.add_argument("--block-n-attn", default="32", help="positions a step of the attention loop")
+    args = ap.parse_args(argv)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    shape = OmegaConf.load(CONF / f"{args.model}.yaml").synthetic
+    cfg = synthetic_config(args.model, shape)
+    model = FusedDecoder(cfg, gpu_weights(cfg, dt, dev), get_step_kernels("triton"), max_pos=args.position + 2)
+    kv = ContiguousKVCache(cfg, 17, args.position + 2, dt, dev)
+    bw = copy_bandwidth(dev)
+    layer_bytes = model.weight_bytes() - model.lm_head.numel() * dt.itemsize - model.out_norm.numel() * dt.itemsize
+    print(f"[probe] {args.model}: layers' weights {layer_bytes / 1e9:.3f} GB, floor {layer_bytes / bw * 1e6:.1f} us "
+          f"at {bw / 1e12:.2f} TB/s; rows at position {args.position}; {device_num_sms(dev)} SMs")
+    g = torch.Generator(device=dev).manual_seed(1)
+    for R in [int(r) for r in args.rows.split(",")]:
+        tokens = torch.randint(3, cfg.vocab_size, (R,), generator=g, device=dev)
+        positions = torch.full((R,), args.position, device=dev)
+        slots = torch.arange(R, device=dev)
+        buf = model.buffers(R)
+        ws = make_workspace(R, cfg.n_heads, cfg.head_dim, args.position + 2, device_num_sms(dev), dev)
+        run = lambda: model.hidden(tokens, positions, slots, kv, buf, ws, max_len=args.position + 2)  # noqa: E731
+        model.persistent = False
+        base = _time_us(_graph(run))
+        ref = run().clone()
+        line = [f"R={R}: kernel-per-op {base:.1f} us"]
+        model.persistent = True
+        grid = [dict(block_k=int(bk), num_warps=int(nw), block_n_attn=int(bn)) for bk in args.block_k.split(",")
+                for nw in args.warps.split(",") for bn in args.block_n_attn.split(",")]
+        times_us = []
+        for settings in grid:
+            model._persistent = (kv, PersistentStep(model, kv, **settings))
+            us = _time_us(_graph(run))
+            times_us.append(us)
+            err = (run().float() - ref.float()).abs().max().item()
+            k = model._persistent[1].compiled
+            line.append(f"persistent {settings} {us:.1f} us ({base / us:.2f}x, "
+                        f"{layer_bytes / bw * 1e6 / us:.0%} of floor, max |diff| {err:.3g}; "
+                        f"{getattr(k, 'n_regs', '?')} registers, {getattr(k, 'n_spills', '?')} spilled)")
+        print("[probe] " + "; ".join(line), flush=True)
+        best = min(zip(times_us, grid), key=lambda t: t[0])[1]
+        model.persistent = True
+        model._persistent = (kv, PersistentStep(model, kv, timed=True, **best))
+        run()
+        torch.cuda.synchronize()
+        times = model._persistent[1].phase_times_us()
+        print(f"[probe] R={R} phases of {best} (us, summed over layers): "
+              + ", ".join(f"{p} {t:.1f}" for p, t in times.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

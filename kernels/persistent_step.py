@@ -1,0 +1,534 @@
+"""The dense decode step (llama, qwen3) of up to 16 rows as one persistent kernel: every layer in one launch.
+
+A step of the kernel-per-op path (engine/fused_model.py) is about 9 launches a layer; at small batches each pays its
+ramp, tail and dependency wait, and a step costs about twice its weight bytes' floor. Here one program per SM walks
+the layers through five phases, each a loop over the phase's work items (tiles of output columns, or (row, kv head)
+pairs), separated by grid barriers on a global counter instead of kernel boundaries:
+
+    ss    sum of squares of the residual per column tile and row (the first norm's input; the step's only prologue)
+    qkv   h = rms_norm(res) formed on the fly from res, the tiles' sums of squares and the norm weight; h @ Wqkv^T
+    attn  per (row, kv head): q/k head norm (qwen3), RoPE, the KV write, causal attention over the row's history
+    o     attn @ Wo^T; res += it; the tile's sums of squares of the new residual (the next norm's input)
+    ffn   h = rms_norm(res) again; silu(h @ Wgate^T) * (h @ Wup^T)
+    down  act @ Wdown^T; res += it; the tile's sums of squares again (the next layer's qkv norm)
+
+A norm needs a whole row; instead of a phase of its own, the phase that writes the residual leaves per-tile sums of
+squares (a fixed-order sum, so each row's arithmetic never depends on the other rows: batch invariant), and the
+consumer sums the tiles' partials. Per-layer tensors come from element-offset tables against layer 0's (every layer's
+tensors have one shape), so the engine's own weights and KV cache are used in place.
+
+`mode="phased"` runs the same phase functions as one launch per phase and layer: Triton's interpreter runs programs
+one after another, so a grid barrier would never open there; the CPU tests check the phases' math that way, the GPU
+tests the persistent launch against it and against the kernel-per-op step.
+"""
+from __future__ import annotations
+
+import torch
+
+from onepass.kernels import pdl
+from onepass.kernels.errors import ConfigError
+from onepass.kernels.triton_compat import tl, triton
+
+MAX_ROWS = 16          # rows padded to one 16-row tile (tl.dot's smallest M)
+BLOCK_N = 16           # output columns per work item
+N_TABLE = 10           # per-layer offsets: qkv, o, gate_up, down, attn_norm, ffn_norm, q_norm, k_norm, k cache, v cache
+PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# device functions shared by both launch modes
+@triton.jit
+def _grid_sync(bar, target):
+    """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted."""
+    tl.debug_barrier()                       # every warp's stores issued before the program arrives
+    tl.atomic_add(bar, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _now():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _rstd(ss, R, eps, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BR: tl.constexpr):
+    """1 / rms of each row from the per-tile sums of squares ss [DIM // BLOCK_N, BR], summed in a fixed order."""
+    NT: tl.constexpr = DIM // BLOCK_N
+    rows = tl.arange(0, BR)
+    acc = tl.zeros([BR], tl.float32)
+    for t0 in range(0, NT, 64):
+        t = t0 + tl.arange(0, 64)
+        part = tl.load(ss + t[:, None] * BR + rows[None, :], mask=t[:, None] < NT, other=0.0, cache_modifier=".cg")
+        acc += tl.sum(part, axis=0)
+    return 1.0 / tl.sqrt(acc / DIM + eps)
+
+
+@triton.jit
+def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr = 0):
+    """[BR, BN] fp32 = X @ W[n0:n0+BN]^T over K. NORM: X = rms_norm(x) in w's dtype, formed chunk by chunk from x
+    (the residual), rstd [BR] and the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype).
+    PAIR > 0: the tile is 2 * BN rows, n0.. and PAIR + n0.. (gate and up of a fused gate|up weight in one loop).
+    Double-buffered by hand: chunk k+1's loads are issued before chunk k's product, so two chunks of weights are in
+    flight (one program an SM has no other warps to hide a load's latency behind)."""
+    rows = tl.arange(0, BR)
+    if PAIR > 0:
+        j = tl.arange(0, 2 * BN)
+        cols = tl.where(j < BN, n0 + j, PAIR + n0 + j - BN)
+        acc = tl.zeros([BR, 2 * BN], tl.float32)
+    else:
+        cols = n0 + tl.arange(0, BN)
+        acc = tl.zeros([BR, BN], tl.float32)
+    rm = rows[:, None] < R
+    cm = cols[:, None] < N
+    ks = tl.arange(0, BK)
+    xp = x + rows[:, None] * sx
+    wp = w + cols[:, None].to(tl.int64) * K
+    xv = tl.load(xp + ks[None, :], mask=rm & (ks[None, :] < K), other=0.0, cache_modifier=".cg")
+    wv = tl.load(wp + ks[None, :], mask=cm & (ks[None, :] < K), other=0.0, eviction_policy="evict_first")
+    for k0 in range(0, K, BK):
+        kn = k0 + BK + ks
+        xn = tl.load(xp + kn[None, :], mask=rm & (kn[None, :] < K), other=0.0, cache_modifier=".cg")
+        wn = tl.load(wp + kn[None, :], mask=cm & (kn[None, :] < K), other=0.0, eviction_policy="evict_first")
+        if NORM:
+            kk = k0 + ks
+            g = tl.load(nw + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(w.dtype.element_ty)
+        else:
+            xa = xv.to(w.dtype.element_ty)
+        if IEEE:
+            acc += tl.dot(xa, tl.trans(wv), input_precision="ieee")
+        else:
+            acc += tl.dot(xa, tl.trans(wv))
+        xv = xn
+        wv = wn
+    return acc
+
+
+@triton.jit
+def _residual_tile(res, ss, acc, t, R, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """res[:, tile t] += acc (rounded to res's dtype first, as the kernel path's GEMM output is); the new tile's sums
+    of squares per row into ss[t]."""
+    rows = tl.arange(0, BR)
+    cols = t * BN + tl.arange(0, BN)
+    m = rows[:, None] < R
+    p = res + rows[:, None] * DIM + cols[None, :]
+    old = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    new = (old + acc.to(res.dtype.element_ty).to(tl.float32)).to(res.dtype.element_ty)
+    tl.store(p, new, mask=m)
+    nf = new.to(tl.float32)
+    tl.store(ss + t * BR + rows, tl.sum(nf * nf, axis=1))
+
+
+@triton.jit
+def _phase_ss(res, ss, R, pid, nprog, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    rows = tl.arange(0, BR)
+    for t in range(pid, DIM // BN, nprog):
+        cols = t * BN + tl.arange(0, BN)
+        v = tl.load(res + rows[:, None] * DIM + cols[None, :], mask=rows[:, None] < R, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        tl.store(ss + t * BR + rows, tl.sum(v * v, axis=1))
+
+
+@triton.jit
+def _phase_qkv(res, ss, qkv, w, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
+               IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rstd = _rstd(ss, R, eps, DIM, BN, BR)
+    rows = tl.arange(0, BR)
+    for t in range(pid, tl.cdiv(NQKV, BN), nprog):
+        acc = _tile_gemm(res, DIM, w, t * BN, NQKV, DIM, R, rstd, nw, True, IEEE, BR, BN, BK)
+        cols = t * BN + tl.arange(0, BN)
+        tl.store(qkv + rows[:, None] * NQKV + cols[None, :], acc.to(qkv.dtype.element_ty),
+                 mask=(rows[:, None] < R) & (cols[None, :] < NQKV))
+
+
+@triton.jit
+def _head_norm_rope(a, b, nw, c, s, eps, D: tl.constexpr, QK_NORM: tl.constexpr):
+    """Heads' halves a, b [heads, D/2] (the dtype's values): each head's RMSNorm (qwen3), then rotate-half RoPE with
+    c, s [1, D/2]; each step rounded to the dtype as the references are."""
+    dt = a.dtype
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
+    if QK_NORM:
+        HALF: tl.constexpr = D // 2
+        d2 = tl.arange(0, HALF)
+        r = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
+        wa = tl.load(nw + d2).to(tl.float32)
+        wb = tl.load(nw + HALF + d2).to(tl.float32)
+        a = ((a * r[:, None]) * wa[None, :]).to(dt).to(tl.float32)
+        b = ((b * r[:, None]) * wb[None, :]).to(dt).to(tl.float32)
+    return (a * c - b * s).to(dt), (b * c + a * s).to(dt)
+
+
+@triton.jit
+def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
+                kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
+                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, PAGED: tl.constexpr,
+                QK_NORM: tl.constexpr, BNA: tl.constexpr):
+    """Per (row, kv head): the group's q heads and the kv head normed (qwen3) and roped, k and v written to the cache
+    at the row's (slot, position), then softmax(q k^T * scale) v over the slot's positions 0..pos (fp32 online
+    softmax). Rows of a negative slot (padding) write zeros and touch no cache."""
+    HALF: tl.constexpr = D // 2
+    G: tl.constexpr = H // KVH
+    NQKV: tl.constexpr = (H + 2 * KVH) * D
+    d2 = tl.arange(0, HALF)
+    gi = tl.arange(0, GB)
+    gm = gi < G
+    for it in range(pid, R * KVH, nprog):
+        r = it // KVH
+        g = it % KVH
+        slot = tl.load(slots + r)
+        pos = tl.load(positions + r)
+        out = attn + r * (H * D) + (g * G + gi[:, None]) * D
+        if slot < 0:
+            zero = tl.zeros([GB, HALF], tl.float32).to(attn.dtype.element_ty)
+            tl.store(out + d2[None, :], zero, mask=gm[:, None])
+            tl.store(out + HALF + d2[None, :], zero, mask=gm[:, None])
+        else:
+            row = qkv + r * NQKV
+            c = tl.load(rope + pos * D + d2)[None, :]
+            s = tl.load(rope + pos * D + HALF + d2)[None, :]
+            qp = row + (g * G + gi[:, None]) * D
+            qa = tl.load(qp + d2[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
+            qb = tl.load(qp + HALF + d2[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
+            qa, qb = _head_norm_rope(qa, qb, qn, c, s, eps, D, QK_NORM)
+            # k and v of every row of this slot up to this position, this one included: a step may hold several
+            # rows of one slot (a prompt's), whose programs all write the same bits there, so none waits for another
+            for r2 in range(0, R):
+                s2 = tl.load(slots + r2)
+                p2 = tl.load(positions + r2)
+                if (s2 == slot) & (p2 <= pos):
+                    src = qkv + r2 * NQKV + (H + g) * D + d2[None, :]
+                    c2 = tl.load(rope + p2 * D + d2)[None, :]
+                    s2n = tl.load(rope + p2 * D + HALF + d2)[None, :]
+                    ka, kb = _head_norm_rope(tl.load(src, cache_modifier=".cg"),
+                                             tl.load(src + HALF, cache_modifier=".cg"), kn, c2, s2n, eps, D, QK_NORM)
+                    if PAGED:
+                        blk = tl.load(bt + slot * bt_stride + p2 // block_size)
+                        at = blk * kc_s0 + (p2 % block_size) * kc_s1 + g * kc_s2
+                    else:
+                        at = slot * kc_s0 + p2 * kc_s1 + g * kc_s2
+                    tl.store(kc + at + d2[None, :], ka)
+                    tl.store(kc + at + HALF + d2[None, :], kb)
+                    vp = src + KVH * D
+                    tl.store(vc + at + d2[None, :], tl.load(vp, cache_modifier=".cg"))
+                    tl.store(vc + at + HALF + d2[None, :], tl.load(vp + HALF, cache_modifier=".cg"))
+            tl.debug_barrier()               # the k, v just written are read back below by the program's other warps
+            qa = qa.to(tl.float32)
+            qb = qb.to(tl.float32)
+            m_i = tl.full([GB], float("-inf"), tl.float32)
+            l_i = tl.zeros([GB], tl.float32)
+            acc_a = tl.zeros([GB, HALF], tl.float32)
+            acc_b = tl.zeros([GB, HALF], tl.float32)
+            for n0 in range(0, pos + 1, BNA):
+                ns = n0 + tl.arange(0, BNA)
+                valid = ns <= pos
+                if PAGED:
+                    blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
+                    base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
+                else:
+                    base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
+                km = valid[:, None]
+                k_a = tl.load(kc + base[:, None] + d2[None, :], mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
+                k_b = tl.load(kc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
+                              cache_modifier=".cg").to(tl.float32)
+                sc = tl.sum(qa[:, None, :] * k_a[None, :, :], axis=2) + tl.sum(qb[:, None, :] * k_b[None, :, :], axis=2)
+                sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v_a = tl.load(vc + base[:, None] + d2[None, :], mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
+                v_b = tl.load(vc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
+                              cache_modifier=".cg").to(tl.float32)
+                acc_a = acc_a * alpha[:, None] + tl.sum(p[:, :, None] * v_a[None, :, :], axis=1)
+                acc_b = acc_b * alpha[:, None] + tl.sum(p[:, :, None] * v_b[None, :, :], axis=1)
+                m_i = m_new
+            dt = attn.dtype.element_ty
+            tl.store(out + d2[None, :], (acc_a / l_i[:, None]).to(dt), mask=gm[:, None])
+            tl.store(out + HALF + d2[None, :], (acc_b / l_i[:, None]).to(dt), mask=gm[:, None])
+
+
+@triton.jit
+def _phase_o(attn, res, ss, w, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
+             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    for t in range(pid, DIM // BN, nprog):
+        acc = _tile_gemm(attn, QD, w, t * BN, DIM, QD, R, None, None, False, IEEE, BR, BN, BK)
+        _residual_tile(res, ss, acc, t, R, DIM, BR, BN)
+
+
+@triton.jit
+def _phase_ffn(res, ss, act, w, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM], each rounded to
+    the dtype first (swiglu_ref's rounding)."""
+    rstd = _rstd(ss, R, eps, DIM, BN, BR)
+    rows = tl.arange(0, BR)
+    dt = act.dtype.element_ty
+    for t in range(pid, F // BN, nprog):
+        both = _tile_gemm(res, DIM, w, t * BN, 2 * F, DIM, R, rstd, nw, True, IEEE, BR, BN, BK, F)
+        gate, up = tl.split(tl.permute(tl.reshape(both, [BR, 2, BN]), [0, 2, 1]))
+        gf = gate.to(dt).to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))) * up.to(dt).to(tl.float32)
+        cols = t * BN + tl.arange(0, BN)
+        tl.store(act + rows[:, None] * F + cols[None, :], a.to(dt), mask=rows[:, None] < R)
+
+
+@triton.jit
+def _phase_down(act, res, ss, w, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
+                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    for t in range(pid, DIM // BN, nprog):
+        acc = _tile_gemm(act, F, w, t * BN, DIM, F, R, None, None, False, IEEE, BR, BN, BK)
+        _residual_tile(res, ss, acc, t, R, DIM, BR, BN)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the two launch modes
+@triton.jit
+def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
+    """Grid barrier number n (every program's n-th arrival); with TIMED program 0 stamps the time it opened."""
+    _grid_sync(bar, n * nprog)
+    if TIMED:
+        if pid == 0:
+            tl.store(clock + n - 1, _now())
+    return n + 1
+
+
+@triton.jit
+def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn, n_q, n_k,
+                     kc, vc, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale,
+                     DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+                     GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
+                     TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    NQKV: tl.constexpr = (H + 2 * KVH) * D
+    QD: tl.constexpr = H * D
+    _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
+    n = _barrier(bar, 1, nprog, clock, pid, TIMED)
+    for layer in range(L):
+        o = offs + layer * 10
+        wo = w_o + tl.load(o + 1)
+        wgu = w_gu + tl.load(o + 2)
+        wd = w_down + tl.load(o + 3)
+        _phase_qkv(res, ss, qkv, w_qkv + tl.load(o), n_attn + tl.load(o + 4), R, eps, pid, nprog, DIM, NQKV, IEEE,
+                   BR, BN, BK)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_attn(qkv, attn, kc + tl.load(o + 8), vc + tl.load(o + 9), n_q + tl.load(o + 6), n_k + tl.load(o + 7),
+                    rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
+                    H, KVH, D, GB, PAGED, QK_NORM, BNA)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_o(attn, res, ss, wo, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_ffn(res, ss, act, wgu, n_ffn + tl.load(o + 5), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_down(act, res, ss, wd, R, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+
+
+@triton.jit
+def _one_phase(res, ss, qkv, attn, act, w, nw, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size,
+               kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
+               DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+               GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)  # kernels/pdl.py
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if PHASE == 0:
+        _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
+    elif PHASE == 1:
+        _phase_qkv(res, ss, qkv, w, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK)
+    elif PHASE == 2:
+        _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
+                    kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, BNA)
+    elif PHASE == 3:
+        _phase_o(attn, res, ss, w, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK)
+    elif PHASE == 4:
+        _phase_ffn(res, ss, act, w, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+    else:
+        _phase_down(act, res, ss, w, R, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _offsets(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's element offset from the first (all of one dtype): the kernel adds it to the first's pointer."""
+    base, size = tensors[0].data_ptr(), tensors[0].element_size()
+    out = []
+    for t in tensors:
+        delta = t.data_ptr() - base
+        if delta % size:
+            raise ConfigError(f"persistent step: a layer tensor is not aligned to its element size ({size} B)")
+        out.append(delta // size)
+    return out
+
+
+class PersistentStep:
+    """The whole-layer-stack decode step of a dense FusedDecoder over up to MAX_ROWS rows, in place of its
+    kernel-per-op `hidden`. Built once per (model, KV cache): it reads the model's weights and the cache's tensors
+    where they are. `unsupported(model, kv)` says why a model cannot take it (None: it can)."""
+
+    def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None, block_k: int = 512,
+                 block_n_attn: int = 32, num_warps: int = 8, timed: bool = False):
+        """One program an SM (programs: another count, for the phased launches): every program must be resident at
+        once, or a barrier never opens. block_k, num_warps: the fastest measured on the H100 (kernels/PROBES.md)."""
+        why = self.unsupported(model, kv)
+        if why:
+            raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
+        if mode not in ("persistent", "phased"):
+            raise ConfigError(f"persistent step mode must be persistent or phased, got {mode!r}")
+        c = model.cfg
+        self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
+        self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
+        dev, dt = model.embed.device, model.dtype
+        if programs is None:
+            programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        self.programs = programs
+        L = c.n_layers
+        lay = model.layers
+        self.qk_norm = lay[0]["q_norm"] is not None
+        cols = {
+            "qkv": [x["qkv"].weights[0] for x in lay], "o": [x["o"].weights[0] for x in lay],
+            "gate_up": [x["gate_up"].weights[0] for x in lay], "down": [x["down"].weights[0] for x in lay],
+            "attn_norm": [x["attn_norm"] for x in lay], "ffn_norm": [x["ffn_norm"] for x in lay],
+            "q_norm": [x["q_norm"] if self.qk_norm else x["attn_norm"] for x in lay],
+            "k_norm": [x["k_norm"] if self.qk_norm else x["attn_norm"] for x in lay],
+            "k": list(kv.k), "v": list(kv.v),
+        }
+        self.layer0 = {name: ts[0] for name, ts in cols.items()}
+        self.tensors = cols   # kept: the offsets point into them
+        self.offs = torch.tensor([_offsets(ts) for ts in cols.values()], dtype=torch.int64).T.contiguous().to(dev)
+        assert self.offs.shape == (L, N_TABLE)
+        self.ss = torch.zeros(c.dim // BLOCK_N, MAX_ROWS, dtype=torch.float32, device=dev)
+        self.qkv = torch.zeros(MAX_ROWS, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, dtype=dt, device=dev)
+        self.attn = torch.zeros(MAX_ROWS, c.n_heads * c.head_dim, dtype=dt, device=dev)
+        self.act = torch.zeros(MAX_ROWS, c.ffn_dim, dtype=dt, device=dev)
+        self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.clock = torch.zeros(1 + 5 * L, dtype=torch.int64, device=dev)
+
+    @staticmethod
+    def unsupported(model, kv) -> str | None:
+        from onepass.kernels.quant_pack import PackedWeight
+
+        c = model.cfg
+        if c.arch not in ("llama", "qwen3"):
+            return f"architecture {c.arch!r} (it runs llama and qwen3)"
+        for layer in model.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                ws = layer[name].weights
+                if len(ws) != 1 or isinstance(ws[0], PackedWeight):
+                    return "weights kept packed (it reads dense bf16/fp16/fp32 weights)"
+        if c.dim % BLOCK_N or c.ffn_dim % BLOCK_N:
+            return f"dim {c.dim} and ffn_dim {c.ffn_dim} must be multiples of {BLOCK_N}"
+        if c.head_dim & (c.head_dim - 1) or c.head_dim < 4:
+            return f"head_dim {c.head_dim} is not a power of two"
+        if c.n_heads % c.n_kv_heads:
+            return f"{c.n_heads} heads over {c.n_kv_heads} kv heads"
+        return None
+
+    def _args(self, positions, slots, block_table):
+        kc0 = self.layer0["k"]
+        paged = block_table is not None
+        bt = block_table if paged else slots
+        return dict(rope=self.model.rope, positions=positions, slots=slots, bt=bt,
+                    bt_stride=block_table.stride(0) if paged else 0,
+                    block_size=kc0.shape[1] if paged else 1, kc_s0=kc0.stride(0), kc_s1=kc0.stride(1),
+                    kc_s2=kc0.stride(2)), paged
+
+    def _consts(self, paged: bool):
+        c = self.model.cfg
+        return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
+                    GB=_pow2(c.n_heads // c.n_kv_heads), PAGED=paged, QK_NORM=self.qk_norm,
+                    IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
+                    BNA=self.block_n_attn)
+
+    def __call__(self, positions: torch.Tensor, slots: torch.Tensor, res: torch.Tensor,
+                 block_table: torch.Tensor | None = None) -> torch.Tensor:
+        """Every layer over the rows whose embeddings are in res [R, dim] (R <= MAX_ROWS); res ends as the final
+        residual stream (before the last norm), as FusedDecoder.hidden leaves it."""
+        R = res.shape[0]
+        if R > MAX_ROWS:
+            raise ConfigError(f"persistent step: {R} rows exceed its {MAX_ROWS}")
+        c = self.model.cfg
+        a, paged = self._args(positions, slots, block_table)
+        k = self._consts(paged)
+        l0 = self.layer0
+        common = dict(eps=float(c.norm_eps), scale=float(c.head_dim) ** -0.5)
+        if self.mode == "persistent":
+            self.bar.zero_()
+            self.compiled = _persistent_step[(self.programs,)](
+                res, self.ss, self.qkv, self.attn, self.act, self.bar, self.clock, self.offs, l0["qkv"], l0["o"],
+                l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"], l0["k_norm"], l0["k"],
+                l0["v"], a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
+                a["kc_s1"], a["kc_s2"], R, c.n_layers, common["eps"], common["scale"], TIMED=self.timed, **k,
+                num_warps=self.num_warps, **pdl.triton_opts(res.device))
+            return res
+        grid = (self.programs,)
+
+        def phase(p, w=None, nw=None, kc=None, vc=None, qn=None, kn=None):
+            kc = l0["k"] if kc is None else kc
+            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, w if w is not None else l0["qkv"],
+                             nw if nw is not None else l0["attn_norm"], kc, vc if vc is not None else l0["v"],
+                             qn if qn is not None else l0["q_norm"], kn if kn is not None else l0["k_norm"],
+                             a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"],
+                             a["kc_s0"], a["kc_s1"], a["kc_s2"], R, common["eps"], common["scale"], PHASE=p, **k,
+                             num_warps=self.num_warps, **pdl.triton_opts(res.device))
+
+        t = self.tensors
+        phase(0)
+        for i in range(c.n_layers):
+            phase(1, w=t["qkv"][i], nw=t["attn_norm"][i])
+            phase(2, kc=t["k"][i], vc=t["v"][i], qn=t["q_norm"][i], kn=t["k_norm"][i])
+            phase(3, w=t["o"][i])
+            phase(4, w=t["gate_up"][i], nw=t["ffn_norm"][i])
+            phase(5, w=t["down"][i])
+        return res
+
+    def phase_times_us(self) -> dict[str, float]:
+        """With timed=True, after a persistent launch: each phase's time summed over the layers (from program 0's
+        clock at every barrier: a phase's time includes its barrier wait)."""
+        ts = self.clock.cpu().tolist()
+        L = self.model.cfg.n_layers
+        out = {p: 0.0 for p in PHASES[1:]}
+        for i in range(L):
+            for j, p in enumerate(PHASES[1:]):
+                out[p] += (ts[1 + 5 * i + j] - ts[5 * i + j]) / 1e3
+        return out
+
+
+def persistent_hidden_ref(model, tokens, positions, slots, kv, block_table=None) -> torch.Tensor:
+    """What the persistent step must compute: the model's kernel-per-op hidden rows with the torch reference kernels
+    (the caller builds `model` on torch_kernels())."""
+    return model.hidden(tokens, positions, slots, kv, model.buffers(tokens.shape[0]), block_table=block_table)
+
+
+def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float, int]]:
+    """Each phase's time (us, summed over the layers, its barrier wait included) in one persistent launch of `rows`
+    decode rows at `position` (slots 0..rows-1 of kv, whose entries at that position it overwrites), beside the bytes
+    the phase must read: its weights, or for attention the rows' keys and values 0..position."""
+    c = model.cfg
+    step = PersistentStep(model, kv, timed=True)
+    dev = model.embed.device
+    tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+    positions = torch.full((rows,), position, dtype=torch.long, device=dev)
+    slots = torch.arange(rows, device=dev)
+    table = getattr(kv, "block_table", None)
+    for _ in range(3):      # the last launch's clock is read
+        step(positions, slots, model.embed[tokens].contiguous(), table)
+    torch.cuda.synchronize(dev)
+    times = step.phase_times_us()
+    size = model.dtype.itemsize
+    t = step.tensors
+    weights = {p: sum(w.numel() for w in t[name]) * size for p, name in
+               (("qkv", "qkv"), ("o", "o"), ("ffn", "gate_up"), ("down", "down"))}
+    weights["attn"] = rows * c.n_layers * 2 * (position + 1) * c.n_kv_heads * c.head_dim * kv.k[0].element_size()
+    return {p: (times[p], weights[p]) for p in PHASES[1:]}

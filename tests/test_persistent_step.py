@@ -1,0 +1,155 @@
+"""The persistent decode step (kernels/persistent_step.py) against the kernel-per-op step's torch references.
+
+On the CPU its phases run one launch each under Triton's interpreter (a grid barrier cannot open there: the
+interpreter runs programs one after another), in a child process (tests/interpreter.py). On a GPU the persistent
+launch itself is checked: against the references, against the phased launches bit for bit, and rows against the
+single row bit for bit (batch invariance).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from onepass.engine.fused_model import FusedDecoder
+from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
+from onepass.kernels.backend import get_step_kernels
+from onepass.kernels.errors import ConfigError
+from tests.interpreter import run_in_interpreter
+from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, needs_kernel
+
+DT = torch.bfloat16 if DEV.type == "cuda" else torch.float32
+TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
+
+
+def _model(path):
+    cfg, w, _ = load_gguf(path, dtype=DT, device=DEV, progress=False)
+    return FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
+
+
+def _cache(cfg, paged: bool, slots: int = 4):
+    if not paged:
+        return ContiguousKVCache(cfg, slots, 32, DT, DEV)
+    kv = PagedKVCache(cfg, 2 * slots + 8, 4, slots, 32, DT, DEV)
+    perm = torch.randperm(2 * slots + 7, generator=_gen(7))[: 2 * slots].add(1).tolist()   # block 0: the scratch
+    kv.set_tables({s: perm[2 * s: 2 * s + 2] + [0] * 6 for s in range(slots)})
+    return kv
+
+
+def _history(model, kv, lengths, paged):
+    """Each slot's first `lengths[s]` tokens through the reference step (the cache then holds them)."""
+    g = _gen(3)
+    for s, n in enumerate(lengths):
+        toks = torch.randint(3, 200, (n,), generator=g).to(DEV)
+        model.hidden(toks, torch.arange(n, device=DEV), torch.full((n,), s, device=DEV), kv, model.buffers(n),
+                     block_table=kv.block_table if paged else None)
+
+
+def _clone(kv):
+    c = kv.__class__.__new__(kv.__class__)
+    c.__dict__.update(kv.__dict__)
+    c.k, c.v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
+    return c
+
+
+def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
+    from onepass.kernels.persistent_step import PersistentStep
+
+    res = model.embed[tokens].clone()
+    PersistentStep(model, kv, mode=mode, programs=3 if DEV.type == "cpu" else None, **settings)(
+        positions, slots, res, kv.block_table if paged else None)
+    return res
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged):
+    """Three rows of three slots at different positions: the final residual rows and every layer's cache entries."""
+    model = _model(tiny_ggufs[arch])
+    kv = _cache(model.cfg, paged)
+    _history(model, kv, [5, 1, 7], paged)
+    mine = _clone(kv)
+    tokens = torch.randint(3, 200, (3,), generator=_gen(4)).to(DEV)
+    positions, slots = torch.tensor([5, 1, 7], device=DEV), torch.tensor([0, 1, 2], device=DEV)
+    ref = model.hidden(tokens, positions, slots, kv, model.buffers(3), block_table=kv.block_table if paged else None)
+    got = _step(model, mine, tokens, positions, slots, paged, "phased")
+    tol = TOL[DT]
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol, msg=_msg(f"{arch} residual rows"))
+    for layer in range(model.cfg.n_layers):
+        torch.testing.assert_close(mine.k[layer].float(), kv.k[layer].float(), rtol=tol, atol=tol,
+                                   msg=_msg(f"layer {layer} keys"))
+        torch.testing.assert_close(mine.v[layer].float(), kv.v[layer].float(), rtol=tol, atol=tol,
+                                   msg=_msg(f"layer {layer} values"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("paged", [False, True])
+def test_several_rows_of_one_slot(tiny_ggufs, paged):
+    """A prompt's rows in one step (positions 2..6 of slot 1, beside a decode row of slot 0): each row attends to the
+    rows before it, written in the same step."""
+    model = _model(tiny_ggufs["llama"])
+    kv = _cache(model.cfg, paged)
+    _history(model, kv, [4, 2], paged)
+    mine = _clone(kv)
+    tokens = torch.randint(3, 200, (6,), generator=_gen(6)).to(DEV)
+    positions, slots = torch.tensor([2, 3, 4, 4, 5, 6], device=DEV), torch.tensor([1, 1, 1, 0, 1, 1], device=DEV)
+    ref = model.hidden(tokens, positions, slots, kv, model.buffers(6), block_table=kv.block_table if paged else None)
+    got = _step(model, mine, tokens, positions, slots, paged, "phased" if DEV.type == "cpu" else "persistent")
+    torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[DT], atol=TOL[DT], msg=_msg("prompt rows"))
+
+
+@needs_kernel
+def test_rows_are_batch_invariant(tiny_ggufs):
+    """Each row of a 3-row step equals, bit for bit, the same row stepped alone."""
+    model = _model(tiny_ggufs["qwen3"])
+    kv = _cache(model.cfg, False)
+    _history(model, kv, [4, 6, 2], False)
+    tokens = torch.randint(3, 200, (3,), generator=_gen(5)).to(DEV)
+    positions, slots = torch.tensor([4, 6, 2], device=DEV), torch.tensor([0, 1, 2], device=DEV)
+    mode = "phased" if DEV.type == "cpu" else "persistent"
+    together = _step(model, _clone(kv), tokens, positions, slots, False, mode)
+    for r in range(3):
+        alone = _step(model, _clone(kv), tokens[r:r + 1], positions[r:r + 1], slots[r:r + 1], False, mode)
+        assert torch.equal(alone[0], together[r]), _msg(f"row {r}")
+
+
+def test_refuses_what_it_cannot_run(tiny_ggufs):
+    from onepass.kernels.persistent_step import PersistentStep
+
+    cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
+    kv = ContiguousKVCache(cfg, 2, 16, torch.float32, "cpu")
+    model.cfg = type(cfg)(**{**cfg.__dict__, "arch": "qwen35"})
+    with pytest.raises(ConfigError, match="architecture 'qwen35'.*engine.step=kernels"):
+        PersistentStep(model, kv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged):
+    """One launch with grid barriers computes exactly what one launch per phase does, at R = 1, 5 and 16."""
+    model = _model(tiny_ggufs[arch])
+    kv = _cache(model.cfg, paged, slots=16)
+    _history(model, kv, [3 + s % 5 for s in range(16)], paged)
+    for R in (1, 5, 16):
+        tokens = torch.randint(3, 200, (R,), generator=_gen(R)).to(DEV)
+        slots = torch.arange(R, device=DEV)
+        positions = torch.tensor([3 + s % 5 for s in range(R)], device=DEV)
+        a, b = _clone(kv), _clone(kv)
+        one = _step(model, a, tokens, positions, slots, paged, "persistent")
+        phased = _step(model, b, tokens, positions, slots, paged, "phased")
+        assert torch.equal(one, phased), _msg(f"{arch} R={R}")
+        for layer in range(model.cfg.n_layers):
+            assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
+
+
+@pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
+def test_cpu_kernels_in_interpreter_subprocess():
+    run_in_interpreter(__file__, _msg(""), KERNEL_TEST_SEED=str(SEED))
