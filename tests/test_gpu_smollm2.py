@@ -37,3 +37,18 @@ def test_smollm2_fp16_gpu_reproduces_cpu_reference(smollm2_path):
         kv = ContiguousKVCache(cfg16, 2, 512, torch.float16, "cuda")
         got = run_static(fused, kv, [ids], 64)
         assert got.outputs[0] == ref.outputs[0], f"{text!r}: {tok.decode(got.outputs[0])!r}"
+
+
+def test_smollm2_persistent_step_matches_the_kernel_per_op_step(smollm2_path):
+    """The persistent step (kernels/persistent_step.py) and the kernel-per-op step give the same 64 greedy tokens on
+    the 8 prompts (fp16, as above: their norms and attention sum in different orders)."""
+    tok = Tokenizer.from_gguf(smollm2_path)
+    cfg16, w16, _ = load_gguf(smollm2_path, dtype=torch.float16, device="cuda", progress=False)
+    for text in PROMPTS:
+        ids = tok.encode_chat(text)
+        outs = {}
+        for persistent in (False, True):
+            fused = FusedDecoder(cfg16, w16, get_step_kernels("triton"), max_pos=600, persistent=persistent)
+            outs[persistent] = run_static(fused, ContiguousKVCache(cfg16, 2, 512, torch.float16, "cuda"), [ids], 64,
+                                          use_graphs=True).outputs[0]
+        assert outs[True] == outs[False], f"{text!r}: {tok.decode(outs[True])!r} vs {tok.decode(outs[False])!r}"
