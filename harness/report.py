@@ -594,9 +594,8 @@ def latency(df: pd.DataFrame):
     md = _md(d, {"step ms": ".3f", "tok/s": ",.0f", "floor ms": ".3f", "floor reached": ".0%",
                  "kernel-per-op ms": ".3f", "x kernel-per-op": ".2f", "tokens agree": ".0%", "HF static tok/s": ",.0f"})
     n = _newest(d.assign(_start=_start(df)), ["card", "model", "weights", "step", "B"])
-    head = n[["card", "model", "B", "tok/s", "step ms", "floor reached", "kernel-per-op ms", "x kernel-per-op",
-              "verified"]]
-    headline = _md(head, {"tok/s": ",.0f", "step ms": ".3f", "floor reached": ".0%", "kernel-per-op ms": ".3f",
+    head = n[["card", "model", "B", "step ms", "floor reached", "kernel-per-op ms", "x kernel-per-op", "verified"]]
+    headline = _md(head, {"step ms": ".3f", "floor reached": ".0%", "kernel-per-op ms": ".3f",
                           "x kernel-per-op": ".2f"})
     # where a persistent step's time goes: each phase summed over the layers against its bytes' floor
     phases = [c for p in LATENCY_PHASES for c in (f"metrics.phase_{p}_us", f"metrics.phase_{p}_floor_us")]
