@@ -153,3 +153,19 @@ def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged):
                     reason="triton is not installed (Linux-only dependency)")
 def test_cpu_kernels_in_interpreter_subprocess():
     run_in_interpreter(__file__, _msg(""), KERNEL_TEST_SEED=str(SEED))
+
+
+def test_engine_step_setting_is_checked_before_a_model_loads(tiny_ggufs):
+    """A misspelled step, the persistent step on the CPU, and on an architecture it does not run: refused from the
+    settings and the file's header alone (Engine.from_gguf checks both before load_gguf)."""
+    from onepass.engine.engine import EngineSpec
+    from onepass.engine.gguf_loader import read_config
+
+    with pytest.raises(ConfigError, match="engine.step='fused'; choose kernels or persistent"):
+        EngineSpec(step="fused").resolve()
+    with pytest.raises(ConfigError, match="engine.step=persistent is a GPU kernel"):
+        EngineSpec(device="cpu", step="persistent").resolve()
+    cfg = read_config(tiny_ggufs["llama"])
+    EngineSpec(step="persistent").check_model(cfg)
+    with pytest.raises(ConfigError, match="not 'qwen35'"):
+        EngineSpec(step="persistent").check_model(type(cfg)(**{**cfg.__dict__, "arch": "qwen35"}))
