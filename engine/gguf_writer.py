@@ -39,17 +39,18 @@ _K_Q_MEAN = {QT.Q4_K: 7.5, QT.Q5_K: 15.5}  # dmin = d * mean code keeps the valu
 WEIGHTS_VERSION = 2
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_weights(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """float32 weights of the exact shapes: matrices N(0, 1/fan_in), so every layer moves the residual stream;
     embeddings N(0, 0.02), so the hidden state is not the input token's embedding (with tied embeddings that makes
     greedy repeat its input, and a repeated reference verifies nothing); norm gains 1 + N(0, 0.02); plus
-    `rope_freqs.weight` when cfg.rope_scaling is set."""
+    `rope_freqs.weight` when cfg.rope_scaling is set. device: where the dense models' weights are drawn (a GPU draws a
+    billion parameters in a moment; its draws differ from the CPU's)."""
     if cfg.arch == "qwen35":
-        return _random_qwen35_weights(cfg, seed)
-    g = torch.Generator().manual_seed(seed)
+        return {k: v.to(device) for k, v in _random_qwen35_weights(cfg, seed).items()}
+    g = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in cfg.tensor_shapes().items():
-        noise = torch.randn(shape, generator=g)
+        noise = torch.randn(shape, generator=g, device=device)
         if len(shape) == 1:
             out[name] = noise.mul_(0.02).add_(1.0)
         elif name == "token_embd.weight":
@@ -57,7 +58,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         else:
             out[name] = noise.mul_(shape[1] ** -0.5)
     if cfg.rope_scaling is not None:
-        out[ROPE_FREQS] = llama3_rope_factors(cfg.rope_scaling, cfg.head_dim, cfg.rope_theta)
+        out[ROPE_FREQS] = llama3_rope_factors(cfg.rope_scaling, cfg.head_dim, cfg.rope_theta).to(device)
     return out
 
 

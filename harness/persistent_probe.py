@@ -14,8 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from onepass.engine.fused_model import FusedDecoder
-from onepass.engine.config import llama3_rope_factors
 from onepass.engine.gguf_loader import ROPE_FREQS
+from onepass.engine.gguf_writer import random_weights
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.harness.roofline import copy_bandwidth
 from onepass.harness.synth import synthetic_config
@@ -26,44 +26,11 @@ from onepass.kernels.persistent_step import PersistentStep
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
-def gpu_weights(cfg, dtype, device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """random_weights' scaling (engine/gguf_writer.py), drawn on the device."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for name, shape in cfg.tensor_shapes().items():
-        w = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
-        if len(shape) == 1:
-            w = w.mul_(0.02).add_(1.0)
-        else:
-            w = w.mul_(0.02 if name == "token_embd.weight" else shape[1] ** -0.5)
-        out[name] = w.to(dtype)
-    if cfg.rope_scaling is not None:
-        out[ROPE_FREQS] = llama3_rope_factors(cfg.rope_scaling, cfg.head_dim, cfg.rope_theta).to(device)
-    return out
+def _time_us(fn) -> float:
+    """Microseconds per call of fn replayed as a CUDA graph (triton's graph timer: warmed up, then the median)."""
+    import triton.testing
 
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def _time_us(g: torch.cuda.CUDAGraph, reps: int = 50) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
+    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
 
 
 def main(argv=None) -> None:
@@ -78,7 +45,8 @@ def main(argv=None) -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     shape = OmegaConf.load(CONF / f"{args.model}.yaml").synthetic
     cfg = synthetic_config(args.model, shape)
-    model = FusedDecoder(cfg, gpu_weights(cfg, dt, dev), get_step_kernels("triton"), max_pos=args.position + 2)
+    weights = {k: v if k == ROPE_FREQS else v.to(dt) for k, v in random_weights(cfg, device=dev).items()}
+    model = FusedDecoder(cfg, weights, get_step_kernels("triton"), max_pos=args.position + 2)
     kv = ContiguousKVCache(cfg, 17, args.position + 2, dt, dev)
     bw = copy_bandwidth(dev)
     layer_bytes = model.weight_bytes() - model.lm_head.numel() * dt.itemsize - model.out_norm.numel() * dt.itemsize
@@ -93,7 +61,7 @@ def main(argv=None) -> None:
         ws = make_workspace(R, cfg.n_heads, cfg.head_dim, args.position + 2, device_num_sms(dev), dev)
         run = lambda: model.hidden(tokens, positions, slots, kv, buf, ws, max_len=args.position + 2)  # noqa: E731
         model.persistent = False
-        base = _time_us(_graph(run))
+        base = _time_us(run)
         ref = run().clone()
         line = [f"R={R}: kernel-per-op {base:.1f} us"]
         model.persistent = True
@@ -102,7 +70,7 @@ def main(argv=None) -> None:
         times_us = []
         for settings in grid:
             model._persistent = (kv, PersistentStep(model, kv, **settings))
-            us = _time_us(_graph(run))
+            us = _time_us(run)
             times_us.append(us)
             err = (run().float() - ref.float()).abs().max().item()
             k = model._persistent[1].compiled

@@ -505,11 +505,6 @@ class PersistentStep:
         return out
 
 
-def persistent_hidden_ref(model, tokens, positions, slots, kv, block_table=None) -> torch.Tensor:
-    """What the persistent step must compute: the model's kernel-per-op hidden rows with the torch reference kernels
-    (the caller builds `model` on torch_kernels())."""
-    return model.hidden(tokens, positions, slots, kv, model.buffers(tokens.shape[0]), block_table=block_table)
-
 
 def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float, int]]:
     """Each phase's time (us, summed over the layers, its barrier wait included) in one persistent launch of `rows`
