@@ -54,7 +54,8 @@ class EngineSpec:
     state_writeback: int = 0        # hybrid models: tokens per write of the whole state (0: the engine's default)
     threads: int = 0                # CPU threads for torch (0: torch's default)
     step: str = "kernels"           # kernels (one kernel per op) | persistent (dense models, steps of <= 16 rows:
-                                    # every layer in one persistent kernel, kernels/persistent_step.py)
+                                    # every layer in one persistent kernel, kernels/persistent_step.py) | auto (per
+                                    # row count the faster of the two, measured when the step's graphs are captured)
 
     @classmethod
     def of(cls, **kw) -> EngineSpec:
@@ -105,8 +106,8 @@ class EngineSpec:
         resolve_writeback(self.state_writeback)     # a negative period is refused here
         if self.threads < 0:
             raise ConfigError(f"engine.threads={self.threads}; 0 leaves torch's default, or give a positive count")
-        if self.step not in ("kernels", "persistent"):
-            raise ConfigError(f"engine.step={self.step!r}; choose kernels or persistent")
+        if self.step not in ("kernels", "persistent", "auto"):
+            raise ConfigError(f"engine.step={self.step!r}; choose kernels, persistent or auto")
         if self.step == "persistent" and backend != "triton":
             raise ConfigError("engine.step=persistent is a GPU kernel (its grid barriers need every program resident "
                               "at once); use engine.step=kernels on the CPU")
@@ -198,8 +199,7 @@ class Engine:
             return FusedQwen35Decoder(self.cfg, self.weights, kernels, self.spec.ctx + 1)
         from onepass.engine.fused_model import FusedDecoder
 
-        persistent = self.spec.step == "persistent"
-        return FusedDecoder(self.cfg, self.weights, kernels, self.spec.ctx + 1, persistent=persistent)
+        return FusedDecoder(self.cfg, self.weights, kernels, self.spec.ctx + 1, step=self.spec.step)
 
     LOAD_FIELDS = ("device", "dtype", "backend", "gemm", "weights", "ctx")   # what the loaded model was built for
 
@@ -213,8 +213,8 @@ class Engine:
         spec.resolve()
         spec.check_model(self.cfg)
         self.spec, self.state_dtype, self.state_writeback = spec, DTYPES[spec.state_dtype], spec.state_writeback
-        if hasattr(self.model, "persistent"):
-            self.model.persistent = spec.step == "persistent"
+        if hasattr(self.model, "set_step"):
+            self.model.set_step(spec.step)
         self.int4.name, self.int4.max_batch = spec.int4, spec.batch   # the step kernels hold this policy object
         self.launch = pdl.LaunchPolicy.for_engine(spec.pdl, spec.batch, self.cfg.arch, spec.ready_scales)
         if self.cfg.arch == "qwen35":

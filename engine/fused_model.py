@@ -51,11 +51,11 @@ class FusedBase(DecoderBase):
 
 class FusedDecoder(FusedBase):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int,
-                 persistent: bool = False):
-        """persistent: steps of up to PERSISTENT_ROWS rows run as one persistent kernel (kernels/persistent_step.py),
-        wider ones (a prompt's chunk) kernel by kernel."""
+                 step: str = "kernels"):
+        """step: the form of a step of up to PERSISTENT_ROWS rows (wider ones, a prompt's chunk, run kernel by
+        kernel): see set_step."""
         self.cfg, self.k = cfg, kernels
-        self.persistent = persistent
+        self.set_step(step)
         self._persistent: tuple | None = None   # (the KV cache, its PersistentStep)
         self._init_head(weights)
         self.rope = rope_cache(rope_inv_freq(cfg.head_dim, cfg.rope_theta, weights.get("rope_freqs.weight")), max_pos)
@@ -99,6 +99,25 @@ class FusedDecoder(FusedBase):
             "gate_up": e(rows, 2 * c.ffn_dim), "act": e(rows, c.ffn_dim),
         }
 
+    def set_step(self, step: str) -> None:
+        """kernels: one kernel per op; persistent: every layer in one persistent kernel (kernels/persistent_step.py);
+        auto: per row count, whichever a Step measured faster when it captured its graphs (`picks`: rows -> True
+        for the persistent form; `pick_us`: rows -> (kernel-per-op us, persistent us) as measured)."""
+        if not hasattr(self, "pick_us"):   # measured once per model: kept while its step form changes and back
+            self._measured: dict[int, bool] = {}
+            self.pick_us: dict[int, tuple[float, float]] = {}
+        self.persistent = step == "persistent"
+        self.picks: dict[int, bool] | None = self._measured if step == "auto" else None
+
+    def takes_persistent(self, rows: int) -> bool:
+        if rows > PERSISTENT_ROWS:
+            return False
+        return self.picks.get(rows, False) if self.picks is not None else self.persistent
+
+    def persistent_unsupported(self, kv) -> str | None:
+        """Why this model cannot take the persistent step over kv (None: it can)."""
+        return PersistentStep.unsupported(self, kv)
+
     def persistent_step(self, kv) -> PersistentStep:
         """The persistent step over this KV cache's tensors (built on its first step: the cache's tensors are where
         it writes)."""
@@ -112,7 +131,7 @@ class FusedDecoder(FusedBase):
         c, k, eps = self.cfg, self.k, self.cfg.norm_eps
         res, h, x = buf["residual"], buf["h"], buf["x"]
         k.embedding(tokens, self.embed, out=res)
-        if self.persistent and tokens.shape[0] <= PERSISTENT_ROWS:
+        if self.takes_persistent(tokens.shape[0]):
             return self.persistent_step(kv)(positions, slots, res, block_table)
         # img: the next GEMM's staged x, written by the kernel that makes x (k.x_image, kernels/x_image.py)
         for i, layer in enumerate(self.layers):

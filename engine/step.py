@@ -15,6 +15,7 @@ run of steps costs the host one graph launch each and nothing else.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +27,7 @@ from onepass.engine.sampler import SamplingParams
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
 from onepass.kernels.gdn import SpecRows
+from onepass.kernels.persistent_step import MAX_ROWS as PERSISTENT_ROWS
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LOCKSTEP_MAX = 8   # steps of one lockstep run: the host reads ids (and sees stop tokens) this often
@@ -144,6 +146,9 @@ class Step:
         if use_graphs:
             with pdl.applied(self.policy):
                 self._capture(buckets)
+        elif self.cuda:
+            with pdl.applied(self.policy):
+                self._pick_step_forms(self._layer_buckets(buckets), graphed=False)
 
     # -- what runs on the device ----------------------------------------------------------------------
     def _layers(self, r: int) -> None:
@@ -186,8 +191,49 @@ class Step:
         self.inp[POS, :r].add_(self.inp[FEED, :r])   # padded rows (FEED 0) stay at position 0
         self.inp[STEP, :r].add_(1)
 
+    def _layer_buckets(self, buckets: tuple[int, ...] | None) -> list[int]:
+        return [b for b in BUCKETS if b <= self.rows and (buckets is None or b in buckets)]
+
+    def _pick_step_forms(self, layer_buckets: list[int], graphed: bool, rounds: int = 3, reps: int = 10) -> None:
+        """engine.step=auto: for each bucket the persistent step may take, both forms of the layers (each captured
+        as a graph when `graphed`) run in turn, `rounds` x `reps` times each; the model keeps, for that many rows,
+        the form of the lower median (its picks, shared by every Step over it)."""
+        m = self.model
+        picks = getattr(m, "picks", None)
+        todo = [r for r in layer_buckets if picks is not None and r not in picks and r <= PERSISTENT_ROWS]
+        if not todo:
+            return
+        why = m.persistent_unsupported(self.kv)
+        for r in todo:
+            if why:
+                picks[r] = False
+                continue
+            runs = {}
+            for form in (False, True):
+                picks[r] = form
+                self._layers(r)            # compiles the form's kernels
+                runs[form] = functools.partial(self._layers, r)
+                if graphed:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        self._layers(r)
+                    runs[form] = g.replay
+            us = {False: [], True: []}
+            for _ in range(rounds):
+                for form, run in runs.items():
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(reps):
+                        run()
+                    b.record()
+                    b.synchronize()
+                    us[form].append(a.elapsed_time(b) * 1e3 / reps)
+            kernels_us, persistent_us = float(np.median(us[False])), float(np.median(us[True]))
+            picks[r] = persistent_us < kernels_us
+            m.pick_us[r] = (kernels_us, persistent_us)
+
     def _capture(self, buckets: tuple[int, ...] | None) -> None:
-        layer_buckets = [b for b in BUCKETS if b <= self.rows and (buckets is None or b in buckets)]
+        layer_buckets = self._layer_buckets(buckets)
         head_buckets = [b for b in BUCKETS if b <= self.sample_rows and (buckets is None or b in buckets)]
         lock = self.lock_rows
         self.flat.zero_()
@@ -196,6 +242,10 @@ class Step:
         self.inp[SLOT].fill_(self.scratch)  # warm-up and capture write only the scratch slot
         self.inp[SAMPLE_SLOT].fill_(self.scratch)
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._pick_step_forms(layer_buckets, graphed=True)
+        torch.cuda.current_stream().wait_stream(stream)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile every kernel at every shape before capture
             for r in layer_buckets:

@@ -11,6 +11,7 @@ import torch
 from onepass.engine.engine import Engine
 from onepass.engine.sampler import SamplingParams
 from onepass.engine.runner import StaticBatchResult, check_fits
+from onepass.engine.step import bucket_for
 from onepass.engine.tokenizer import Tokenizer
 from onepass.engine.verify import verify_greedy, verify_sampled
 from onepass.harness.build import build, draft_source, resolve_engine, sampling_params
@@ -197,8 +198,14 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
     if step_metrics:
         m = step_metrics
         perf += (f"; the kernel-per-op step in this job: {m['kernels_step_ms_p50']:.3f} ms/step, "
-                 f"{metrics['speedup_vs_kernels']:.2f}x to the persistent step; tokens agree for "
+                 f"{metrics['speedup_vs_kernels']:.2f}x to the {cfg.engine.step} step; tokens agree for "
                  f"{m['kernels_agree']:.0%} of the streams' length")
+        if "step_picked_persistent" in m:
+            picked = "persistent" if m["step_picked_persistent"] else "kernel-per-op"
+            perf += f"; auto picked the {picked} step for B={B}"
+            if "pick_kernels_us" in m:
+                perf += (f" (layers {m['pick_kernels_us']:.1f} us kernel-per-op, {m['pick_persistent_us']:.1f} us "
+                         "persistent, as measured at capture)")
     if spec_metrics:
         m = spec_metrics
         perf += (f"; drafts k={m['spec_k']:.0f}: {m['tokens_per_step']:.2f} tokens a slot a step, "
@@ -221,11 +228,19 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
 
 def _step_baseline(built: Engine, measure, run, warm, result: StaticBatchResult, metrics_of, prompt: int
                    ) -> dict[str, float]:
-    """With engine.step=persistent: the same batch through the kernel-per-op step (same engine, same process), timed
-    as the batch was; its step time, the persistent step's speed-up over it, and how far the two steps' greedy tokens
-    agree (their roundings differ: norms and attention sum in other orders)."""
-    if built.spec.step != "persistent":
+    """With engine.step=persistent or auto: the same batch through the kernel-per-op step (same engine, same
+    process), timed as the batch was; its step time, the speed-up over it, and how far the two steps' greedy tokens
+    agree (their roundings differ: norms and attention sum in other orders). With auto, also the form picked for the
+    batch's rows (`step_picked_persistent`) and the two forms' layer times that decided it."""
+    if built.spec.step not in ("persistent", "auto"):
         return {}
+    model = built.model
+    pick = {}
+    if built.spec.step == "auto" and getattr(model, "picks", None) is not None:
+        rows = bucket_for(len(result.outputs))
+        pick["step_picked_persistent"] = float(model.picks.get(rows, False))
+        if rows in model.pick_us:
+            pick["pick_kernels_us"], pick["pick_persistent_us"] = model.pick_us[rows]
     persistent = built.spec
     built.respec(replace(persistent, step="kernels"))
     try:
@@ -238,8 +253,9 @@ def _step_baseline(built: Engine, measure, run, warm, result: StaticBatchResult,
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         agree.append(n / max(len(a), 1))
     out = {"kernels_step_ms_p50": m["step_ms_p50"], "kernels_tok_s": m["throughput_tok_s"],
-           "kernels_agree": sum(agree) / max(len(agree), 1)}
-    if built.device.type == "cuda":   # each phase's time in one more launch, against its bytes' floor
+           "kernels_agree": sum(agree) / max(len(agree), 1), **pick}
+    took_persistent = built.spec.step == "persistent" or pick.get("step_picked_persistent") == 1.0
+    if built.device.type == "cuda" and took_persistent:   # each phase's time in one more launch, against its floor
         from onepass.kernels.persistent_step import phase_profile
 
         bw = copy_bandwidth(built.device)

@@ -3,7 +3,11 @@ random bf16 weights made on the GPU, each step form's layers captured as one CUD
 setting's time per step of the layers (the LM head is the same in both forms), the weights' floor at the card's copy
 rate, and the largest difference of the final residual rows from the kernel-per-op step's (kernels/PROBES.md).
 
-    python -m onepass.harness.persistent_probe --model llama-3.2-1b --rows 1,16 --block-k 256,512 --warps 4,8
+    python -m onepass.harness.persistent_probe --model llama-3.2-1b --rows 1,16 \
+        --forms "block_k=512,num_warps=8;stages=4,block_k=256,flat=1"
+
+Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages, flat); the others keep
+their defaults.
 """
 from __future__ import annotations
 
@@ -33,14 +37,22 @@ def _time_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
 
 
+def _form(text: str) -> dict:
+    """'block_k=256,stages=4,flat=1' -> PersistentStep settings."""
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        out[key.strip()] = bool(int(value)) if key.strip() == "flat" else int(value)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--position", type=int, default=100, help="every row's position (its keys 0..position are read)")
-    ap.add_argument("--block-k", default="512")
-    ap.add_argument("--warps", default="8")
-    ap.add_argument("--block-n-attn", default="32", help="positions a step of the attention loop")
+    ap.add_argument("--forms", default="block_k=512,num_warps=8",
+                    help="settings to time, ';' between forms, ',' between a form's settings")
     args = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
     shape = OmegaConf.load(CONF / f"{args.model}.yaml").synthetic
@@ -63,21 +75,26 @@ def main(argv=None) -> None:
         model.persistent = False
         base = _time_us(run)
         ref = run().clone()
-        line = [f"R={R}: kernel-per-op {base:.1f} us"]
         model.persistent = True
-        grid = [dict(block_k=int(bk), num_warps=int(nw), block_n_attn=int(bn)) for bk in args.block_k.split(",")
-                for nw in args.warps.split(",") for bn in args.block_n_attn.split(",")]
+        grid = [_form(f) for f in args.forms.split(";")]
         times_us = []
         for settings in grid:
-            model._persistent = (kv, PersistentStep(model, kv, **settings))
-            us = _time_us(run)
+            try:
+                model._persistent = (kv, PersistentStep(model, kv, **settings))
+                us = _time_us(run)
+            except Exception as e:   # a form whose tiles do not fit (shared memory, registers): said, and skipped
+                times_us.append(float("inf"))
+                print(f"[probe] R={R} persistent {settings}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
             times_us.append(us)
             err = (run().float() - ref.float()).abs().max().item()
             k = model._persistent[1].compiled
-            line.append(f"persistent {settings} {us:.1f} us ({base / us:.2f}x, "
-                        f"{layer_bytes / bw * 1e6 / us:.0%} of floor, max |diff| {err:.3g}; "
-                        f"{getattr(k, 'n_regs', '?')} registers, {getattr(k, 'n_spills', '?')} spilled)")
-        print("[probe] " + "; ".join(line), flush=True)
+            ptx = k.asm["ptx"]
+            print(f"[probe] R={R} persistent {settings} {us:.1f} us ({base / us:.2f}x, "
+                  f"{layer_bytes / bw * 1e6 / us:.0%} of floor, max |diff| {err:.3g}; "
+                  f"{getattr(k, 'n_regs', '?')} registers, {getattr(k, 'n_spills', '?')} spilled, "
+                  f"{ptx.count('cp.async.ca') + ptx.count('cp.async.cg')} cp.async in the PTX)", flush=True)
+        print(f"[probe] R={R}: kernel-per-op {base:.1f} us", flush=True)
         best = min(zip(times_us, grid), key=lambda t: t[0])[1]
         model.persistent = True
         model._persistent = (kv, PersistentStep(model, kv, timed=True, **best))

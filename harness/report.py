@@ -586,6 +586,8 @@ def latency(df: pd.DataFrame):
         "kernel-per-op ms": _opt(df, "metrics.kernels_step_ms_p50"),
         "x kernel-per-op": _opt(df, "metrics.speedup_vs_kernels"),
         "tokens agree": _opt(df, "metrics.kernels_agree"),
+        "auto picked": [("persistent" if v else "kernel-per-op") if pd.notna(v) else "—"
+                        for v in _opt(df, "metrics.step_picked_persistent")],
         "HF static tok/s": _opt(df, "metrics.peer_tok_s"),
         "verified": check(num(df, "metrics.verify_ok")),
         "flags": flags(df),
@@ -594,7 +596,8 @@ def latency(df: pd.DataFrame):
     md = _md(d, {"step ms": ".3f", "tok/s": ",.0f", "floor ms": ".3f", "floor reached": ".0%",
                  "kernel-per-op ms": ".3f", "x kernel-per-op": ".2f", "tokens agree": ".0%", "HF static tok/s": ",.0f"})
     n = _newest(d.assign(_start=_start(df)), ["card", "model", "weights", "step", "B"])
-    head = n[["card", "model", "B", "step ms", "floor reached", "kernel-per-op ms", "x kernel-per-op", "verified"]]
+    head = n.assign(model=n["model"] + " (" + n["step"] + ")")[
+        ["card", "model", "B", "step ms", "floor reached", "kernel-per-op ms", "x kernel-per-op", "verified"]]
     headline = _md(head, {"step ms": ".3f", "floor reached": ".0%", "kernel-per-op ms": ".3f",
                           "x kernel-per-op": ".2f"})
     # where the targets stand, and where a persistent step's time goes: each phase summed over the layers against its

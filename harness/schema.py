@@ -149,7 +149,8 @@ class EngineCfg:
     gemm: str = "triton"  # triton (batch-invariant) | cublas (torch.matmul), for the triton backend
     cuda_graphs: bool = True  # one CUDA graph per row bucket (triton backend)
     threads: int = 0  # CPU threads for torch; 0 = leave torch's default
-    # kernels (one kernel per op) | persistent (dense llama/qwen3, steps of <= 16 rows as one persistent kernel)
+    # kernels (one kernel per op) | persistent (dense llama/qwen3, steps of <= 16 rows as one persistent kernel) |
+    # auto (per row count the faster of the two, measured when the step's graphs are captured)
     step: str = "kernels"
     # dequant (GGUF -> dtype at load) | packed (Q4_0/Q4_1/Q4_K/Q8_0 projections stay quantized)
     weights: str = "dequant"

@@ -67,21 +67,76 @@ def _rstd(ss, R, eps, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BR: tl.constexpr
 
 
 @triton.jit
-def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr = 0):
-    """[BR, BN] fp32 = X @ W[n0:n0+BN]^T over K. NORM: X = rms_norm(x) in w's dtype, formed chunk by chunk from x
-    (the residual), rstd [BR] and the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype).
-    PAIR > 0: the tile is 2 * BN rows, n0.. and PAIR + n0.. (gate and up of a fused gate|up weight in one loop).
-    Double-buffered by hand: chunk k+1's loads are issued before chunk k's product, so two chunks of weights are in
-    flight (one program an SM has no other warps to hide a load's latency behind)."""
+def _residual_tile(res, ss, acc, t, R, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """res[:, tile t] += acc (rounded to res's dtype first, as the kernel path's GEMM output is); the new tile's sums
+    of squares per row into ss[t]."""
     rows = tl.arange(0, BR)
+    cols = t * BN + tl.arange(0, BN)
+    m = rows[:, None] < R
+    p = res + rows[:, None] * DIM + cols[None, :]
+    old = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    new = (old + acc.to(res.dtype.element_ty).to(tl.float32)).to(res.dtype.element_ty)
+    tl.store(p, new, mask=m)
+    nf = new.to(tl.float32)
+    tl.store(ss + t * BR + rows, tl.sum(nf * nf, axis=1))
+
+
+@triton.jit
+def _phase_ss(res, ss, R, pid, nprog, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    rows = tl.arange(0, BR)
+    for t in range(pid, DIM // BN, nprog):
+        cols = t * BN + tl.arange(0, BN)
+        v = tl.load(res + rows[:, None] * DIM + cols[None, :], mask=rows[:, None] < R, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        tl.store(ss + t * BR + rows, tl.sum(v * v, axis=1))
+
+
+@triton.jit
+def _tile_cols(n0, BN: tl.constexpr, PAIR: tl.constexpr):
+    """A work item's weight rows: n0..n0+BN, and with PAIR > 0 also PAIR+n0.. (gate and up of a fused gate|up)."""
     if PAIR > 0:
         j = tl.arange(0, 2 * BN)
         cols = tl.where(j < BN, n0 + j, PAIR + n0 + j - BN)
-        acc = tl.zeros([BR, 2 * BN], tl.float32)
     else:
         cols = n0 + tl.arange(0, BN)
-        acc = tl.zeros([BR, BN], tl.float32)
+    return cols
+
+
+@triton.jit
+def _chunk_dot(x, sx, w, cols, N, K, k0, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr, BR: tl.constexpr,
+               BK: tl.constexpr):
+    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32. NORM: X = rms_norm(x) in w's dtype, formed from x (the
+    residual), rstd [BR] and the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype)."""
+    rows = tl.arange(0, BR)
+    kk = k0 + tl.arange(0, BK)
+    km = kk[None, :] < K
+    xv = tl.load(x + rows[:, None] * sx + kk[None, :], mask=(rows[:, None] < R) & km, other=0.0)
+    wv = tl.load(w + cols[:, None].to(tl.int64) * K + kk[None, :], mask=(cols[:, None] < N) & km, other=0.0)
+    if NORM:
+        g = tl.load(nw + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(w.dtype.element_ty)
+    else:
+        xa = xv.to(w.dtype.element_ty)
+    if IEEE:
+        return tl.dot(xa, tl.trans(wv), input_precision="ieee")
+    else:
+        return tl.dot(xa, tl.trans(wv))
+
+
+@triton.jit
+def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr, STAGES: tl.constexpr):
+    """One work item: [BR, BN] (PAIR: [BR, 2 BN]) fp32 = X @ W[cols]^T over K, a loop over K chunks. STAGES = 0:
+    double-buffered by hand (chunk k+1's loads issued before chunk k's product, in registers); STAGES > 0: left to
+    Triton's pipeliner with that many stages (copies into shared memory)."""
+    cols = _tile_cols(n0, BN, PAIR)
+    if STAGES > 0:
+        acc = tl.zeros([BR, cols.shape[0]], tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            acc += _chunk_dot(x, sx, w, cols, N, K, k0, R, rstd, nw, NORM, IEEE, BR, BK)
+        return acc
+    rows = tl.arange(0, BR)
+    acc = tl.zeros([BR, cols.shape[0]], tl.float32)
     rm = rows[:, None] < R
     cm = cols[:, None] < N
     ks = tl.arange(0, BK)
@@ -109,40 +164,58 @@ def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.con
 
 
 @triton.jit
-def _residual_tile(res, ss, acc, t, R, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """res[:, tile t] += acc (rounded to res's dtype first, as the kernel path's GEMM output is); the new tile's sums
-    of squares per row into ss[t]."""
+def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr,
+              BR: tl.constexpr, BN: tl.constexpr):
+    """Work item t's result: KIND 0 stored to out [rows, NOUT] (q|k|v); 1 added to the residual (o, down) with the
+    tile's sums of squares; 2 gate|up pairs made silu(gate) * up into out [rows, NOUT] (swiglu_ref's rounding: each
+    rounded to the dtype first)."""
     rows = tl.arange(0, BR)
     cols = t * BN + tl.arange(0, BN)
-    m = rows[:, None] < R
-    p = res + rows[:, None] * DIM + cols[None, :]
-    old = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    new = (old + acc.to(res.dtype.element_ty).to(tl.float32)).to(res.dtype.element_ty)
-    tl.store(p, new, mask=m)
-    nf = new.to(tl.float32)
-    tl.store(ss + t * BR + rows, tl.sum(nf * nf, axis=1))
+    if KIND == 0:
+        tl.store(out + rows[:, None] * NOUT + cols[None, :], acc.to(out.dtype.element_ty),
+                 mask=(rows[:, None] < R) & (cols[None, :] < NOUT))
+    elif KIND == 1:
+        _residual_tile(res, ss, acc, t, R, DIM, BR, BN)
+    else:
+        dt = out.dtype.element_ty
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BN]), [0, 2, 1]))
+        gf = gate.to(dt).to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))) * up.to(dt).to(tl.float32)
+        tl.store(out + rows[:, None] * NOUT + cols[None, :], a.to(dt), mask=rows[:, None] < R)
 
 
 @triton.jit
-def _phase_ss(res, ss, R, pid, nprog, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    rows = tl.arange(0, BR)
-    for t in range(pid, DIM // BN, nprog):
-        cols = t * BN + tl.arange(0, BN)
-        v = tl.load(res + rows[:, None] * DIM + cols[None, :], mask=rows[:, None] < R, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        tl.store(ss + t * BR + rows, tl.sum(v * v, axis=1))
+def _gemm_phase(x, sx, w, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr, K: tl.constexpr,
+                NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
+                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+    """The program's work items t = pid, pid + nprog, .. of cdiv(NOUT, BN) over the weight w [N, K]. FLAT: all of
+    them as one loop over (item, K chunk), so Triton's pipeliner keeps STAGES chunks in flight across items too
+    (it drains at every item boundary otherwise)."""
+    PAIR: tl.constexpr = NOUT if KIND == 2 else 0
+    NT: tl.constexpr = (NOUT + BN - 1) // BN
+    if FLAT:
+        KCH: tl.constexpr = (K + BK - 1) // BK
+        acc = tl.zeros([BR, _tile_cols(0, BN, PAIR).shape[0]], tl.float32)
+        for i in tl.range(0, (NT - pid + nprog - 1) // nprog * KCH, num_stages=STAGES):
+            t = pid + (i // KCH) * nprog
+            acc += _chunk_dot(x, sx, w, _tile_cols(t * BN, BN, PAIR), N, K, (i % KCH) * BK, R, rstd, nw, NORM,
+                              IEEE, BR, BK)
+            if i % KCH == KCH - 1:
+                _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+                acc = tl.zeros_like(acc)
+    else:
+        for t in range(pid, NT, nprog):
+            acc = _tile_gemm(x, sx, w, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR, STAGES)
+            _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
 
 
 @triton.jit
 def _phase_qkv(res, ss, qkv, w, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
-               IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+               IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+               FLAT: tl.constexpr):
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    rows = tl.arange(0, BR)
-    for t in range(pid, tl.cdiv(NQKV, BN), nprog):
-        acc = _tile_gemm(res, DIM, w, t * BN, NQKV, DIM, R, rstd, nw, True, IEEE, BR, BN, BK)
-        cols = t * BN + tl.arange(0, BN)
-        tl.store(qkv + rows[:, None] * NQKV + cols[None, :], acc.to(qkv.dtype.element_ty),
-                 mask=(rows[:, None] < R) & (cols[None, :] < NQKV))
+    _gemm_phase(res, DIM, w, nw, rstd, qkv, res, ss, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0, True, IEEE, BR, BN, BK,
+                STAGES, FLAT)
 
 
 @triton.jit
@@ -254,35 +327,25 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
 
 @triton.jit
 def _phase_o(attn, res, ss, w, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
-             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    for t in range(pid, DIM // BN, nprog):
-        acc = _tile_gemm(attn, QD, w, t * BN, DIM, QD, R, None, None, False, IEEE, BR, BN, BK)
-        _residual_tile(res, ss, acc, t, R, DIM, BR, BN)
+             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+    _gemm_phase(attn, QD, w, None, None, res, res, ss, R, pid, nprog, DIM, QD, DIM, DIM, 1, False, IEEE, BR, BN, BK,
+                STAGES, FLAT)
 
 
 @triton.jit
 def _phase_ffn(res, ss, act, w, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM], each rounded to
-    the dtype first (swiglu_ref's rounding)."""
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+    """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]."""
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    rows = tl.arange(0, BR)
-    dt = act.dtype.element_ty
-    for t in range(pid, F // BN, nprog):
-        both = _tile_gemm(res, DIM, w, t * BN, 2 * F, DIM, R, rstd, nw, True, IEEE, BR, BN, BK, F)
-        gate, up = tl.split(tl.permute(tl.reshape(both, [BR, 2, BN]), [0, 2, 1]))
-        gf = gate.to(dt).to(tl.float32)
-        a = (gf / (1.0 + tl.exp(-gf))) * up.to(dt).to(tl.float32)
-        cols = t * BN + tl.arange(0, BN)
-        tl.store(act + rows[:, None] * F + cols[None, :], a.to(dt), mask=rows[:, None] < R)
+    _gemm_phase(res, DIM, w, nw, rstd, act, res, ss, R, pid, nprog, 2 * F, DIM, F, DIM, 2, True, IEEE, BR, BN, BK,
+                STAGES, FLAT)
 
 
 @triton.jit
 def _phase_down(act, res, ss, w, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    for t in range(pid, DIM // BN, nprog):
-        acc = _tile_gemm(act, F, w, t * BN, DIM, F, R, None, None, False, IEEE, BR, BN, BK)
-        _residual_tile(res, ss, acc, t, R, DIM, BR, BN)
+                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+    _gemm_phase(act, F, w, None, None, res, res, ss, R, pid, nprog, DIM, F, DIM, DIM, 1, False, IEEE, BR, BN, BK,
+                STAGES, FLAT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -303,7 +366,7 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     STAGES: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -317,17 +380,18 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
         wgu = w_gu + tl.load(o + 2)
         wd = w_down + tl.load(o + 3)
         _phase_qkv(res, ss, qkv, w_qkv + tl.load(o), n_attn + tl.load(o + 4), R, eps, pid, nprog, DIM, NQKV, IEEE,
-                   BR, BN, BK)
+                   BR, BN, BK, STAGES, FLAT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_attn(qkv, attn, kc + tl.load(o + 8), vc + tl.load(o + 9), n_q + tl.load(o + 6), n_k + tl.load(o + 7),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                     H, KVH, D, GB, PAGED, QK_NORM, BNA)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_o(attn, res, ss, wo, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK)
+        _phase_o(attn, res, ss, wo, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FLAT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_ffn(res, ss, act, wgu, n_ffn + tl.load(o + 5), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+        _phase_ffn(res, ss, act, wgu, n_ffn + tl.load(o + 5), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
+                   FLAT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_down(act, res, ss, wd, R, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+        _phase_down(act, res, ss, wd, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
@@ -336,23 +400,24 @@ def _one_phase(res, ss, qkv, attn, act, w, nw, kc, vc, n_q, n_k, rope, positions
                kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, PDL: tl.constexpr = False):
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, STAGES: tl.constexpr,
+               FLAT: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if PHASE == 0:
         _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     elif PHASE == 1:
-        _phase_qkv(res, ss, qkv, w, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK)
+        _phase_qkv(res, ss, qkv, w, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK, STAGES, FLAT)
     elif PHASE == 2:
         _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
                     kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, BNA)
     elif PHASE == 3:
-        _phase_o(attn, res, ss, w, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK)
+        _phase_o(attn, res, ss, w, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FLAT)
     elif PHASE == 4:
-        _phase_ffn(res, ss, act, w, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+        _phase_ffn(res, ss, act, w, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT)
     else:
-        _phase_down(act, res, ss, w, R, pid, nprog, DIM, F, IEEE, BR, BN, BK)
+        _phase_down(act, res, ss, w, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -378,9 +443,14 @@ class PersistentStep:
     where they are. `unsupported(model, kv)` says why a model cannot take it (None: it can)."""
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None, block_k: int = 512,
-                 block_n_attn: int = 32, num_warps: int = 8, timed: bool = False):
+                 block_n_attn: int = 32, num_warps: int = 8, stages: int = 0, flat: bool = False,
+                 timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
-        once, or a barrier never opens. block_k, num_warps: the fastest measured on the H100 (kernels/PROBES.md)."""
+        once, or a barrier never opens. block_k, num_warps, stages (0: the K loop double-buffered by hand; more:
+        Triton's pipeliner with that many stages), flat (each phase's items and K chunks as one pipelined loop):
+        the fastest measured on the H100 (kernels/PROBES.md)."""
+        if flat and stages < 2:
+            raise ConfigError(f"persistent step: flat needs stages >= 2 (a pipelined loop), got {stages}")
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
@@ -389,6 +459,7 @@ class PersistentStep:
         c = model.cfg
         self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
+        self.stages, self.flat = stages, flat
         dev, dt = model.embed.device, model.dtype
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -449,7 +520,7 @@ class PersistentStep:
         return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
                     GB=_pow2(c.n_heads // c.n_kv_heads), PAGED=paged, QK_NORM=self.qk_norm,
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
-                    BNA=self.block_n_attn)
+                    BNA=self.block_n_attn, STAGES=self.stages, FLAT=self.flat)
 
     def __call__(self, positions: torch.Tensor, slots: torch.Tensor, res: torch.Tensor,
                  block_table: torch.Tensor | None = None) -> torch.Tensor:

@@ -48,7 +48,8 @@ def test_smollm2_persistent_step_matches_the_kernel_per_op_step(smollm2_path):
         ids = tok.encode_chat(text)
         outs = {}
         for persistent in (False, True):
-            fused = FusedDecoder(cfg16, w16, get_step_kernels("triton"), max_pos=600, persistent=persistent)
+            fused = FusedDecoder(cfg16, w16, get_step_kernels("triton"), max_pos=600,
+                                 step="persistent" if persistent else "kernels")
             outs[persistent] = run_static(fused, ContiguousKVCache(cfg16, 2, 512, torch.float16, "cuda"), [ids], 64,
                                           use_graphs=True).outputs[0]
         assert outs[True] == outs[False], f"{text!r}: {tok.decode(outs[True])!r} vs {tok.decode(outs[False])!r}"

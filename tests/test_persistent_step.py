@@ -63,10 +63,15 @@ def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
     return res
 
 
+GEMM_FORMS = {   # the K loop's forms, with K chunks small enough that every item takes several
+    "hand": dict(block_k=32), "pipelined": dict(stages=3, block_k=32), "flat": dict(stages=3, flat=True, block_k=16),
+}
+
+
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged):
+def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged, form=None):
     """Three rows of three slots at different positions: the final residual rows and every layer's cache entries."""
     model = _model(tiny_ggufs[arch])
     kv = _cache(model.cfg, paged)
@@ -75,7 +80,7 @@ def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged):
     tokens = torch.randint(3, 200, (3,), generator=_gen(4)).to(DEV)
     positions, slots = torch.tensor([5, 1, 7], device=DEV), torch.tensor([0, 1, 2], device=DEV)
     ref = model.hidden(tokens, positions, slots, kv, model.buffers(3), block_table=kv.block_table if paged else None)
-    got = _step(model, mine, tokens, positions, slots, paged, "phased")
+    got = _step(model, mine, tokens, positions, slots, paged, "phased", **GEMM_FORMS.get(form, {}))
     tol = TOL[DT]
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol, msg=_msg(f"{arch} residual rows"))
     for layer in range(model.cfg.n_layers):
@@ -83,6 +88,14 @@ def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged):
                                    msg=_msg(f"layer {layer} keys"))
         torch.testing.assert_close(mine.v[layer].float(), kv.v[layer].float(), rtol=tol, atol=tol,
                                    msg=_msg(f"layer {layer} values"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("form", GEMM_FORMS)
+def test_gemm_forms_match_the_references(tiny_ggufs, arch, form):
+    """Each form of the GEMM phases' K loop (by hand, Triton-pipelined, one flat loop over items and chunks)."""
+    test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, False, form)
 
 
 @needs_kernel
@@ -161,7 +174,7 @@ def test_engine_step_setting_is_checked_before_a_model_loads(tiny_ggufs):
     from onepass.engine.engine import EngineSpec
     from onepass.engine.gguf_loader import read_config
 
-    with pytest.raises(ConfigError, match="engine.step='fused'; choose kernels or persistent"):
+    with pytest.raises(ConfigError, match="engine.step='fused'; choose kernels, persistent or auto"):
         EngineSpec(step="fused").resolve()
     with pytest.raises(ConfigError, match="engine.step=persistent is a GPU kernel"):
         EngineSpec(device="cpu", step="persistent").resolve()
@@ -169,3 +182,42 @@ def test_engine_step_setting_is_checked_before_a_model_loads(tiny_ggufs):
     EngineSpec(step="persistent").check_model(cfg)
     with pytest.raises(ConfigError, match="not 'qwen35'"):
         EngineSpec(step="persistent").check_model(type(cfg)(**{**cfg.__dict__, "arch": "qwen35"}))
+
+
+def test_auto_step_takes_the_form_measured_for_each_row_count(tiny_ggufs):
+    """engine.step=auto: a row count takes the persistent step only where a Step measured it faster (the model's
+    picks); unmeasured counts, wider steps and the CPU take the kernel-per-op step; the picks outlive a change of
+    form and back."""
+    from onepass.engine.engine import EngineSpec
+
+    EngineSpec(device="cpu", step="auto").resolve()     # the CPU runs auto as kernel-per-op
+    cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64, step="auto")
+    assert model.picks == {} and not model.takes_persistent(1)
+    model.picks[4] = True
+    assert model.takes_persistent(4) and not model.takes_persistent(2) and not model.takes_persistent(32)
+    model.set_step("kernels")
+    assert model.picks is None and not model.takes_persistent(4)
+    model.set_step("persistent")
+    assert model.takes_persistent(2) and not model.takes_persistent(17)
+    model.set_step("auto")
+    assert model.picks == {4: True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_auto_step_measures_both_forms_at_capture(tiny_ggufs):
+    """A graphed static batch under engine.step=auto times both forms for every bucket of up to 16 rows, keeps the
+    faster, and its greedy tokens equal the kernel-per-op step's (fp32: the forms round alike)."""
+    from onepass.engine.runner import run_static
+
+    cfg, w, _ = load_gguf(tiny_ggufs["qwen3"], dtype=torch.float32, device=DEV, progress=False)
+    prompts = [torch.randint(3, 200, (6,), generator=_gen(9 + i)).tolist() for i in range(3)]
+    outs = {}
+    for step in ("kernels", "auto"):
+        model = FusedDecoder(cfg, w, get_step_kernels("triton"), max_pos=64, step=step)
+        outs[step] = run_static(model, ContiguousKVCache(cfg, 4, 48, torch.float32, DEV), prompts, 12).outputs
+    assert 4 in model.picks and set(model.picks) <= {1, 2, 4, 8, 16}, model.picks   # B = 3: the 4-row bucket
+    assert all(k > 0 and p > 0 for k, p in model.pick_us.values()), model.pick_us
+    assert all(model.picks[r] == (p < k) for r, (k, p) in model.pick_us.items())
+    assert outs["auto"] == outs["kernels"]
