@@ -157,7 +157,7 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
     "static_scaling": ("params.model.name", "params.engine.gemm", "params.batch.size"),
     "serving_full": ("params.scheduler.mode", "params.scheduler.prefill", "params.batch.size"),
     "spec_decode": ("params.model.name", "params.speculative.method", "params.speculative.k",
-                    "params.speculative.acceptance", "params.batch.size"),
+                    "params.speculative.acceptance", "params.workload.name", "params.batch.size"),
     "latency": ("params.model.name", "params.engine.weights", "params.engine.step", "params.batch.size"),
 }
 # Every table's row key also holds the card (tags.device): a rerun on another device is recorded beside the rows it
@@ -1152,11 +1152,14 @@ def serving_qwen3(df: pd.DataFrame):
 def spec_decode(df: pd.DataFrame):
     method = (df["params.speculative.method"] if "params.speculative.method" in df
               else pd.Series("?", index=df.index))
-    acc = num(df, "params.speculative.acceptance").where(method.isin(["scripted", "mtp_scripted"]))
+    scripted = method.isin(["scripted", "mtp_scripted"])
+    acc = num(df, "params.speculative.acceptance").where(scripted)
+    # measured acceptance depends on the prompt: those rows name their workload
+    workload = df["params.workload.name"] if "params.workload.name" in df else pd.Series("?", index=df.index)
     d = pd.DataFrame({
         "card": device_label(df),
         "model": df["params.model.name"],
-        "drafts": method,
+        "drafts": method.where(scripted, method + " (" + workload + ")"),
         "B": num(df, "params.batch.size").astype(int),
         "k": num(df, "params.speculative.k").astype(int),
         "acceptance set": acc,
