@@ -144,8 +144,10 @@ def test_refuses_what_it_cannot_run(tiny_ggufs):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged):
-    """One launch with grid barriers computes exactly what one launch per phase does, at R = 1, 5 and 16."""
+@pytest.mark.parametrize("form", GEMM_FORMS)
+def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged, form):
+    """One launch with grid barriers computes exactly what one launch per phase does, at R = 1, 5 and 16, in each form
+    of the GEMM phases' K loop."""
     model = _model(tiny_ggufs[arch])
     kv = _cache(model.cfg, paged, slots=16)
     _history(model, kv, [3 + s % 5 for s in range(16)], paged)
@@ -154,8 +156,8 @@ def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged):
         slots = torch.arange(R, device=DEV)
         positions = torch.tensor([3 + s % 5 for s in range(R)], device=DEV)
         a, b = _clone(kv), _clone(kv)
-        one = _step(model, a, tokens, positions, slots, paged, "persistent")
-        phased = _step(model, b, tokens, positions, slots, paged, "phased")
+        one = _step(model, a, tokens, positions, slots, paged, "persistent", **GEMM_FORMS[form])
+        phased = _step(model, b, tokens, positions, slots, paged, "phased", **GEMM_FORMS[form])
         assert torch.equal(one, phased), _msg(f"{arch} R={R}")
         for layer in range(model.cfg.n_layers):
             assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
