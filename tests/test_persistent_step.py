@@ -64,7 +64,8 @@ def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
 
 
 GEMM_FORMS = {   # the K loop's forms, with K chunks small enough that every item takes several
-    "hand": dict(block_k=32), "pipelined": dict(stages=3, block_k=32), "flat": dict(stages=3, flat=True, block_k=16),
+    "hand": dict(block_k=32, stages=0, flat=False), "pipelined": dict(stages=3, flat=False, block_k=32),
+    "flat": dict(stages=3, flat=True, block_k=16),
 }
 
 
