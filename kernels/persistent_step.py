@@ -444,8 +444,8 @@ class PersistentStep:
     kernel-per-op `hidden`. Built once per (model, KV cache): it reads the model's weights and the cache's tensors
     where they are. `unsupported(model, kv)` says why a model cannot take it (None: it can)."""
 
-    def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None, block_k: int = 512,
-                 block_n_attn: int = 32, num_warps: int = 8, stages: int = 0, flat: bool = False,
+    def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None, block_k: int = 256,
+                 block_n_attn: int = 32, num_warps: int = 8, stages: int = 4, flat: bool = True,
                  timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
         once, or a barrier never opens. block_k, num_warps, stages (0: the K loop double-buffered by hand; more:
