@@ -111,9 +111,6 @@ class EngineSpec:
         if self.step == "persistent" and backend != "triton":
             raise ConfigError("engine.step=persistent is a GPU kernel (its grid barriers need every program resident "
                               "at once); use engine.step=kernels on the CPU")
-        if self.step == "persistent" and self.weights == "packed":
-            raise ConfigError("engine.step=persistent reads dense weights; use engine.weights=dequant, or "
-                              "engine.step=kernels for packed weights")
         return dev, dtype, backend
 
     def check_model(self, cfg: ModelConfig) -> None:

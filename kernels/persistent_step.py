@@ -27,11 +27,15 @@ import torch
 
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
+from onepass.kernels.int4_gemm import FMT_CODE, _decode
+from onepass.kernels.quant_pack import PackedWeight
 from onepass.kernels.triton_compat import tl, triton
 
 MAX_ROWS = 16          # rows padded to one 16-row tile (tl.dot's smallest M)
 BLOCK_N = 16           # output columns per work item
-N_TABLE = 10           # per-layer offsets: qkv, o, gate_up, down, attn_norm, ffn_norm, q_norm, k_norm, k cache, v cache
+# per-layer offsets: qkv, o, gate_up, down (dense weights, or packed words), attn_norm, ffn_norm, q_norm, k_norm,
+# k cache, v cache, then (scales, mins, sub-scales) of qkv, o, gate_up and down (packed weights; else placeholders)
+N_TABLE: tl.constexpr = 22
 PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
 
 
@@ -105,20 +109,45 @@ def _tile_cols(n0, BN: tl.constexpr, PAIR: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dot(x, sx, w, cols, N, K, k0, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr, BR: tl.constexpr,
-               BK: tl.constexpr):
-    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32. NORM: X = rms_norm(x) in w's dtype, formed from x (the
-    residual), rstd [BR] and the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype)."""
+def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.constexpr):
+    """Rows `cols`, columns k0..k0+BK of a packed weight (kernels/quant_pack.py's layout: words [G, N, W], scales by
+    (group, row)) as fp32 values, unpack_ref's arithmetic (int4_gemm._decode); columns past K are 0."""
+    GPB: tl.constexpr = BK // 32
+    W: tl.constexpr = 8 if FMT == 3 else 4
+    NC: tl.constexpr = cols.shape[0]
+    g = k0 // 32 + tl.arange(0, GPB)
+    ok = (g[None, :] < K // 32) & (cols[:, None] < N)
+    # records (row, group) row-major, so the decoded [NC * GPB, 32] values are [NC, BK] in k order; a record past
+    # the weight reads record 0 and is zeroed below
+    rec = tl.reshape(tl.where(ok, g[None, :] * N + cols[:, None], 0), [NC * GPB])
+    srec = tl.reshape(tl.where(ok, (g[None, :] // 8) * N + cols[:, None], 0), [NC * GPB])
+    words = tl.load(qw + rec.to(tl.int64)[:, None] * W + tl.arange(0, W)[None, :])
+    vals = tl.reshape(_decode(words, rec, srec, s, c, sub, FMT, NC * GPB), [NC, BK])
+    kk = k0 + tl.arange(0, BK)
+    return tl.where(kk[None, :] < K, vals, 0.0)
+
+
+@triton.jit
+def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
+               BR: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr):
+    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype. W: dense w [N, K] (FMT < 0), or packed in the
+    format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K sub-scales wb), its values rounded to x's
+    dtype as the dequantized model holds them. NORM: X = rms_norm(x), formed from x (the residual), rstd [BR] and
+    the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype)."""
+    dt = x.dtype.element_ty
     rows = tl.arange(0, BR)
     kk = k0 + tl.arange(0, BK)
     km = kk[None, :] < K
     xv = tl.load(x + rows[:, None] * sx + kk[None, :], mask=(rows[:, None] < R) & km, other=0.0)
-    wv = tl.load(w + cols[:, None].to(tl.int64) * K + kk[None, :], mask=(cols[:, None] < N) & km, other=0.0)
+    if FMT < 0:
+        wv = tl.load(w + cols[:, None].to(tl.int64) * K + kk[None, :], mask=(cols[:, None] < N) & km, other=0.0)
+    else:
+        wv = _packed_chunk(w, ws, wc, wb, cols, N, K, k0, FMT, BK).to(dt)
     if NORM:
         g = tl.load(nw + kk, mask=kk < K, other=0.0).to(tl.float32)
-        xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(w.dtype.element_ty)
+        xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(dt)
     else:
-        xa = xv.to(w.dtype.element_ty)
+        xa = xv.to(dt)
     if IEEE:
         return tl.dot(xa, tl.trans(wv), input_precision="ieee")
     else:
@@ -126,16 +155,17 @@ def _chunk_dot(x, sx, w, cols, N, K, k0, R, rstd, nw, NORM: tl.constexpr, IEEE: 
 
 
 @triton.jit
-def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr, STAGES: tl.constexpr):
+def _tile_gemm(x, sx, w, ws, wc, wb, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr, STAGES: tl.constexpr,
+               FMT: tl.constexpr):
     """One work item: [BR, BN] (PAIR: [BR, 2 BN]) fp32 = X @ W[cols]^T over K, a loop over K chunks. STAGES = 0:
     double-buffered by hand (chunk k+1's loads issued before chunk k's product, in registers); STAGES > 0: left to
-    Triton's pipeliner with that many stages (copies into shared memory)."""
+    Triton's pipeliner with that many stages (copies into shared memory; packed weights take only this form)."""
     cols = _tile_cols(n0, BN, PAIR)
     if STAGES > 0:
         acc = tl.zeros([BR, cols.shape[0]], tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            acc += _chunk_dot(x, sx, w, cols, N, K, k0, R, rstd, nw, NORM, IEEE, BR, BK)
+            acc += _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM, IEEE, BR, BK, FMT)
         return acc
     rows = tl.arange(0, BR)
     acc = tl.zeros([BR, cols.shape[0]], tl.float32)
@@ -187,9 +217,10 @@ def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, D
 
 
 @triton.jit
-def _gemm_phase(x, sx, w, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr, K: tl.constexpr,
+def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr, K: tl.constexpr,
                 NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
+                FMT: tl.constexpr):
     """The program's work items t = pid, pid + nprog, .. of cdiv(NOUT, BN) over the weight w [N, K]. FLAT: all of
     them as one loop over (item, K chunk), so Triton's pipeliner keeps STAGES chunks in flight across items too
     (it drains at every item boundary otherwise)."""
@@ -200,24 +231,25 @@ def _gemm_phase(x, sx, w, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr
         acc = tl.zeros([BR, _tile_cols(0, BN, PAIR).shape[0]], tl.float32)
         for i in tl.range(0, (NT - pid + nprog - 1) // nprog * KCH, num_stages=STAGES):
             t = pid + (i // KCH) * nprog
-            acc += _chunk_dot(x, sx, w, _tile_cols(t * BN, BN, PAIR), N, K, (i % KCH) * BK, R, rstd, nw, NORM,
-                              IEEE, BR, BK)
+            acc += _chunk_dot(x, sx, w, ws, wc, wb, _tile_cols(t * BN, BN, PAIR), N, K, (i % KCH) * BK, R, rstd,
+                              nw, NORM, IEEE, BR, BK, FMT)
             if i % KCH == KCH - 1:
                 _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
                 acc = tl.zeros_like(acc)
     else:
         for t in range(pid, NT, nprog):
-            acc = _tile_gemm(x, sx, w, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR, STAGES)
+            acc = _tile_gemm(x, sx, w, ws, wc, wb, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR, STAGES,
+                             FMT)
             _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
 
 
 @triton.jit
-def _phase_qkv(res, ss, qkv, w, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
+def _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FLAT: tl.constexpr):
+               FLAT: tl.constexpr, FMT: tl.constexpr):
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    _gemm_phase(res, DIM, w, nw, rstd, qkv, res, ss, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0, True, IEEE, BR, BN, BK,
-                STAGES, FLAT)
+    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, qkv, res, ss, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0, True, IEEE,
+                BR, BN, BK, STAGES, FLAT, FMT)
 
 
 @triton.jit
@@ -328,26 +360,29 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
 
 
 @triton.jit
-def _phase_o(attn, res, ss, w, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
-             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
-    _gemm_phase(attn, QD, w, None, None, res, res, ss, R, pid, nprog, DIM, QD, DIM, DIM, 1, False, IEEE, BR, BN, BK,
-                STAGES, FLAT)
+def _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
+             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
+             FMT: tl.constexpr):
+    _gemm_phase(attn, QD, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, QD, DIM, DIM, 1, False, IEEE,
+                BR, BN, BK, STAGES, FLAT, FMT)
 
 
 @triton.jit
-def _phase_ffn(res, ss, act, w, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+def _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
+               IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+               FLAT: tl.constexpr, FMT: tl.constexpr):
     """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]."""
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    _gemm_phase(res, DIM, w, nw, rstd, act, res, ss, R, pid, nprog, 2 * F, DIM, F, DIM, 2, True, IEEE, BR, BN, BK,
-                STAGES, FLAT)
+    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, act, res, ss, R, pid, nprog, 2 * F, DIM, F, DIM, 2, True, IEEE,
+                BR, BN, BK, STAGES, FLAT, FMT)
 
 
 @triton.jit
-def _phase_down(act, res, ss, w, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
-    _gemm_phase(act, F, w, None, None, res, res, ss, R, pid, nprog, DIM, F, DIM, DIM, 1, False, IEEE, BR, BN, BK,
-                STAGES, FLAT)
+def _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
+                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
+                FMT: tl.constexpr):
+    _gemm_phase(act, F, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, F, DIM, DIM, 1, False, IEEE, BR,
+                BN, BK, STAGES, FLAT, FMT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -364,11 +399,12 @@ def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
 
 @triton.jit
 def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn, n_q, n_k,
-                     kc, vc, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale,
+                     kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down, c_down, b_down,
+                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale,
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-                     STAGES: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr = False):
+                     STAGES: tl.constexpr, FLAT: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -377,52 +413,73 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
     _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
-        o = offs + layer * 10
-        wo = w_o + tl.load(o + 1)
-        wgu = w_gu + tl.load(o + 2)
-        wd = w_down + tl.load(o + 3)
-        _phase_qkv(res, ss, qkv, w_qkv + tl.load(o), n_attn + tl.load(o + 4), R, eps, pid, nprog, DIM, NQKV, IEEE,
-                   BR, BN, BK, STAGES, FLAT)
+        o = offs + layer * N_TABLE
+        _phase_qkv(res, ss, qkv, w_qkv + tl.load(o), s_qkv + tl.load(o + 10), c_qkv + tl.load(o + 11),
+                   b_qkv + tl.load(o + 12), n_attn + tl.load(o + 4), R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK,
+                   STAGES, FLAT, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_attn(qkv, attn, kc + tl.load(o + 8), vc + tl.load(o + 9), n_q + tl.load(o + 6), n_k + tl.load(o + 7),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                     H, KVH, D, GB, PAGED, QK_NORM, BNA)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_o(attn, res, ss, wo, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FLAT)
+        _phase_o(attn, res, ss, w_o + tl.load(o + 1), s_o + tl.load(o + 13), c_o + tl.load(o + 14),
+                 b_o + tl.load(o + 15), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_ffn(res, ss, act, wgu, n_ffn + tl.load(o + 5), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
-                   FLAT)
+        _phase_ffn(res, ss, act, w_gu + tl.load(o + 2), s_gu + tl.load(o + 16), c_gu + tl.load(o + 17),
+                   b_gu + tl.load(o + 18), n_ffn + tl.load(o + 5), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK,
+                   STAGES, FLAT, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_down(act, res, ss, wd, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT)
+        _phase_down(act, res, ss, w_down + tl.load(o + 3), s_down + tl.load(o + 19), c_down + tl.load(o + 20),
+                    b_down + tl.load(o + 21), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
 @triton.jit
-def _one_phase(res, ss, qkv, attn, act, w, nw, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size,
-               kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
+def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride,
+               block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, STAGES: tl.constexpr,
-               FLAT: tl.constexpr, PDL: tl.constexpr = False):
+               FLAT: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if PHASE == 0:
         _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     elif PHASE == 1:
-        _phase_qkv(res, ss, qkv, w, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK, STAGES, FLAT)
+        _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK,
+                   STAGES, FLAT, FMT)
     elif PHASE == 2:
         _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
                     kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, BNA)
     elif PHASE == 3:
-        _phase_o(attn, res, ss, w, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FLAT)
+        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
     elif PHASE == 4:
-        _phase_ffn(res, ss, act, w, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT)
+        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
     else:
-        _phase_down(act, res, ss, w, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT)
+        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def _data(w) -> torch.Tensor:
+    return w.qweight if isinstance(w, PackedWeight) else w
+
+
+def _part(w, part: str) -> torch.Tensor:
+    """A packed weight's scales / mins / sub-scales; for what it lacks (and dense weights), a tensor of the list's
+    kind that the kernel never reads."""
+    if not isinstance(w, PackedWeight):
+        return w
+    return getattr(w, part) if getattr(w, part) is not None else w.scales
+
+
+def _nbytes(w) -> int:
+    return w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -456,6 +513,10 @@ class PersistentStep:
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
+        self.fmt = self.weight_format(model)
+        if self.fmt >= 0 and (stages < 2 or block_k % 32):
+            raise ConfigError(f"persistent step: packed weights are read in whole 32-weight groups by the pipelined "
+                              f"K loop: block_k must be a multiple of 32 and stages >= 2 (got {block_k}, {stages})")
         if mode not in ("persistent", "phased"):
             raise ConfigError(f"persistent step mode must be persistent or phased, got {mode!r}")
         c = model.cfg
@@ -469,14 +530,17 @@ class PersistentStep:
         L = c.n_layers
         lay = model.layers
         self.qk_norm = lay[0]["q_norm"] is not None
+        proj = {name: [x[name].weights[0] for x in lay] for name in PROJECTIONS}
         cols = {
-            "qkv": [x["qkv"].weights[0] for x in lay], "o": [x["o"].weights[0] for x in lay],
-            "gate_up": [x["gate_up"].weights[0] for x in lay], "down": [x["down"].weights[0] for x in lay],
+            **{name: [_data(w) for w in ws] for name, ws in proj.items()},
             "attn_norm": [x["attn_norm"] for x in lay], "ffn_norm": [x["ffn_norm"] for x in lay],
             "q_norm": [x["q_norm"] if self.qk_norm else x["attn_norm"] for x in lay],
             "k_norm": [x["k_norm"] if self.qk_norm else x["attn_norm"] for x in lay],
             "k": list(kv.k), "v": list(kv.v),
         }
+        for name, ws in proj.items():   # a packed weight's scales, mins, sub-scales (scales stand in for absent ones)
+            for part in ("scales", "mins", "sub"):
+                cols[f"{name}.{part}"] = [_part(w, part) for w in ws]
         self.layer0 = {name: ts[0] for name, ts in cols.items()}
         self.tensors = cols   # kept: the offsets point into them
         self.offs = torch.tensor([_offsets(ts) for ts in cols.values()], dtype=torch.int64).T.contiguous().to(dev)
@@ -489,17 +553,26 @@ class PersistentStep:
         self.clock = torch.zeros(1 + 5 * L, dtype=torch.int64, device=dev)
 
     @staticmethod
-    def unsupported(model, kv) -> str | None:
-        from onepass.kernels.quant_pack import PackedWeight
+    def weight_format(model) -> int:
+        """The projections' packed format (int4_gemm.FMT_CODE), or -1 for dense weights."""
+        w = model.layers[0]["qkv"].weights[0]
+        return FMT_CODE[w.fmt] if isinstance(w, PackedWeight) else -1
 
+    @staticmethod
+    def unsupported(model, kv) -> str | None:
         c = model.cfg
         if c.arch not in ("llama", "qwen3"):
             return f"architecture {c.arch!r} (it runs llama and qwen3)"
+        kinds = set()
         for layer in model.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in PROJECTIONS:
                 ws = layer[name].weights
-                if len(ws) != 1 or isinstance(ws[0], PackedWeight):
-                    return "weights kept packed (it reads dense bf16/fp16/fp32 weights)"
+                if len(ws) != 1:
+                    return f"a {name} projection of {len(ws)} parts (mixed formats dequantized apart)"
+                kinds.add(ws[0].fmt if isinstance(ws[0], PackedWeight) else "dense")
+        if len(kinds) > 1:
+            return (f"projections of several formats ({', '.join(sorted(kinds))}): it reads one packed format, or "
+                    "dense weights, throughout")
         if c.dim % BLOCK_N or c.ffn_dim % BLOCK_N:
             return f"dim {c.dim} and ffn_dim {c.ffn_dim} must be multiples of {BLOCK_N}"
         if c.head_dim & (c.head_dim - 1) or c.head_dim < 4:
@@ -522,7 +595,7 @@ class PersistentStep:
         return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
                     GB=_pow2(c.n_heads // c.n_kv_heads), PAGED=paged, QK_NORM=self.qk_norm,
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
-                    BNA=self.block_n_attn, STAGES=self.stages, FLAT=self.flat)
+                    BNA=self.block_n_attn, STAGES=self.stages, FLAT=self.flat, FMT=self.fmt)
 
     def __call__(self, positions: torch.Tensor, slots: torch.Tensor, res: torch.Tensor,
                  block_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -541,15 +614,18 @@ class PersistentStep:
             self.compiled = _persistent_step[(self.programs,)](
                 res, self.ss, self.qkv, self.attn, self.act, self.bar, self.clock, self.offs, l0["qkv"], l0["o"],
                 l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"], l0["k_norm"], l0["k"],
-                l0["v"], a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
+                l0["v"], *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
+                a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], R, c.n_layers, common["eps"], common["scale"], TIMED=self.timed, **k,
                 num_warps=self.num_warps, **pdl.triton_opts(res.device))
             return res
         grid = (self.programs,)
 
-        def phase(p, w=None, nw=None, kc=None, vc=None, qn=None, kn=None):
+        def phase(p, w=None, nw=None, kc=None, vc=None, qn=None, kn=None, i=0):
             kc = l0["k"] if kc is None else kc
-            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, w if w is not None else l0["qkv"],
+            name = {1: "qkv", 3: "o", 4: "gate_up", 5: "down"}.get(p, "qkv")
+            parts = [t[f"{name}.{part}"][i] for part in ("scales", "mins", "sub")]
+            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, w if w is not None else l0["qkv"], *parts,
                              nw if nw is not None else l0["attn_norm"], kc, vc if vc is not None else l0["v"],
                              qn if qn is not None else l0["q_norm"], kn if kn is not None else l0["k_norm"],
                              a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"],
@@ -559,11 +635,11 @@ class PersistentStep:
         t = self.tensors
         phase(0)
         for i in range(c.n_layers):
-            phase(1, w=t["qkv"][i], nw=t["attn_norm"][i])
+            phase(1, w=t["qkv"][i], nw=t["attn_norm"][i], i=i)
             phase(2, kc=t["k"][i], vc=t["v"][i], qn=t["q_norm"][i], kn=t["k_norm"][i])
-            phase(3, w=t["o"][i])
-            phase(4, w=t["gate_up"][i], nw=t["ffn_norm"][i])
-            phase(5, w=t["down"][i])
+            phase(3, w=t["o"][i], i=i)
+            phase(4, w=t["gate_up"][i], nw=t["ffn_norm"][i], i=i)
+            phase(5, w=t["down"][i], i=i)
         return res
 
     def phase_times_us(self) -> dict[str, float]:
@@ -590,13 +666,13 @@ def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float,
     positions = torch.full((rows,), position, dtype=torch.long, device=dev)
     slots = torch.arange(rows, device=dev)
     table = getattr(kv, "block_table", None)
+    res = model.buffers(rows)["residual"]
     for _ in range(3):      # the last launch's clock is read
-        step(positions, slots, model.embed[tokens].contiguous(), table)
+        model.k.embedding(tokens, model.embed, out=res)
+        step(positions, slots, res, table)
     torch.cuda.synchronize(dev)
     times = step.phase_times_us()
-    size = model.dtype.itemsize
-    t = step.tensors
-    weights = {p: sum(w.numel() for w in t[name]) * size for p, name in
+    weights = {p: sum(_nbytes(layer[name].weights[0]) for layer in model.layers) for p, name in
                (("qkv", "qkv"), ("o", "o"), ("ffn", "gate_up"), ("down", "down"))}
     weights["attn"] = rows * c.n_layers * 2 * (position + 1) * c.n_kv_heads * c.head_dim * kv.k[0].element_size()
     return {p: (times[p], weights[p]) for p in PHASES[1:]}

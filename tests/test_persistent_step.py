@@ -8,15 +8,18 @@ single row bit for bit (batch invariance).
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
 
 from onepass.engine.fused_model import FusedDecoder
 from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.gguf_writer import random_weights, write_gguf
 from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from onepass.kernels.backend import get_step_kernels
 from onepass.kernels.errors import ConfigError
+from tests.conftest import TINY_LLAMA, TINY_QWEN3
 from tests.interpreter import run_in_interpreter
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, needs_kernel
 
@@ -57,7 +60,8 @@ def _clone(kv):
 def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
     from onepass.kernels.persistent_step import PersistentStep
 
-    res = model.embed[tokens].clone()
+    res = model.buffers(len(tokens))["residual"]
+    model.k.embedding(tokens, model.embed, out=res)
     PersistentStep(model, kv, mode=mode, programs=3 if DEV.type == "cpu" else None, **settings)(
         positions, slots, res, kv.block_table if paged else None)
     return res
@@ -97,6 +101,39 @@ def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged, form
 def test_gemm_forms_match_the_references(tiny_ggufs, arch, form):
     """Each form of the GEMM phases' K loop (by hand, Triton-pipelined, one flat loop over items and chunks)."""
     test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, False, form)
+
+
+# packed formats on the tiny shapes (Q4_K needs rows of 256)
+WIDE_LLAMA = replace(TINY_LLAMA, dim=256, head_dim=64, ffn_dim=512, n_layers=1, name="wide-llama")
+PACKED = {"q4_0": TINY_LLAMA, "q4_1": TINY_QWEN3, "q8_0": TINY_LLAMA, "q4_k": WIDE_LLAMA}
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", PACKED)
+def test_packed_weights_read_as_their_dequantized_values(tmp_path, fmt):
+    """Weights kept packed (Q4_0/Q4_1/Q4_K/Q8_0) give exactly the step of the same file dequantized (the kernel
+    decodes each chunk to the values the dequantized model holds), which matches the kernel-per-op references."""
+    cfg = PACKED[fmt]
+    path = tmp_path / f"{fmt}.gguf"
+    write_gguf(path, cfg, random_weights(cfg, seed=5), weight_type=fmt)
+    dense, packed = (FusedDecoder(*load_gguf(path, dtype=DT, device=DEV, progress=False, keep_quantized=k)[:2],
+                                  get_step_kernels("torch"), max_pos=64) for k in (False, True))
+    kv = _cache(cfg, False)
+    _history(dense, kv, [5, 2], False)
+    tokens = torch.randint(3, 200, (2,), generator=_gen(8)).to(DEV)
+    positions, slots = torch.tensor([5, 2], device=DEV), torch.tensor([0, 1], device=DEV)
+    mode = "phased" if DEV.type == "cpu" else "persistent"
+    form = dict(stages=3, flat=True, block_k=32)
+    got = _step(packed, _clone(kv), tokens, positions, slots, False, mode, **form)
+    want = _step(dense, _clone(kv), tokens, positions, slots, False, mode, **form)
+    assert torch.equal(got, want), _msg(f"{fmt}: packed and dequantized steps differ")
+    ref = dense.hidden(tokens, positions, slots, _clone(kv), dense.buffers(2))
+    torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[DT], atol=TOL[DT], msg=_msg(f"{fmt} residual"))
+    with pytest.raises(ConfigError, match="block_k must be a multiple of 32 and stages >= 2"):
+        _step(packed, _clone(kv), tokens, positions, slots, False, mode, stages=0, flat=False)
+    packed.layers[0]["o"].weights = dense.layers[0]["o"].weights      # a file of mixed formats
+    with pytest.raises(ConfigError, match=f"projections of several formats \\(dense, {fmt}\\)"):
+        _step(packed, _clone(kv), tokens, positions, slots, False, mode, **form)
 
 
 @needs_kernel
