@@ -462,6 +462,8 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
 
 # ---------------------------------------------------------------------------------------------------------------------
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+DENSE_FORM = dict(block_k=512, stages=0, flat=False)
+PACKED_FORM = dict(block_k=256, stages=4, flat=True)
 
 
 def _data(w) -> torch.Tensor:
@@ -501,19 +503,24 @@ class PersistentStep:
     kernel-per-op `hidden`. Built once per (model, KV cache): it reads the model's weights and the cache's tensors
     where they are. `unsupported(model, kv)` says why a model cannot take it (None: it can)."""
 
-    def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None, block_k: int = 256,
-                 block_n_attn: int = 32, num_warps: int = 8, stages: int = 4, flat: bool = True,
-                 timed: bool = False):
+    def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
+                 block_k: int | None = None, block_n_attn: int = 32, num_warps: int = 8, stages: int | None = None,
+                 flat: bool | None = None, timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
-        once, or a barrier never opens. block_k, num_warps, stages (0: the K loop double-buffered by hand; more:
-        Triton's pipeliner with that many stages), flat (each phase's items and K chunks as one pipelined loop):
-        the fastest measured on the H100 (kernels/PROBES.md)."""
-        if flat and stages < 2:
-            raise ConfigError(f"persistent step: flat needs stages >= 2 (a pipelined loop), got {stages}")
+        once, or a barrier never opens. The K loop's form: block_k, num_warps, stages (0: double-buffered by hand;
+        more: Triton's pipeliner with that many stages), flat (each phase's items and K chunks as one pipelined
+        loop). Defaults: dense weights the fastest form measured on the H100 (kernels/PROBES.md); packed weights,
+        which only the pipelined forms read, the flat form (not measured yet)."""
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
         self.fmt = self.weight_format(model)
+        form = DENSE_FORM if self.fmt < 0 else PACKED_FORM
+        block_k = form["block_k"] if block_k is None else block_k
+        stages = form["stages"] if stages is None else stages
+        flat = form["flat"] if flat is None else flat
+        if flat and stages < 2:
+            raise ConfigError(f"persistent step: flat needs stages >= 2 (a pipelined loop), got {stages}")
         if self.fmt >= 0 and (stages < 2 or block_k % 32):
             raise ConfigError(f"persistent step: packed weights are read in whole 32-weight groups by the pipelined "
                               f"K loop: block_k must be a multiple of 32 and stages >= 2 (got {block_k}, {stages})")
