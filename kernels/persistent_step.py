@@ -46,11 +46,9 @@ def _grid_sync(bar, target):
     """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted."""
     tl.debug_barrier()                       # every warp's stores issued before the program arrives
     tl.atomic_add(bar, 1, sem="release", scope="gpu")
-    seen = tl.load(bar, volatile=True)       # spin on plain loads: 132 programs polling by atomics queue at one L2 line
+    seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
     while seen < target:
-        seen = tl.load(bar, volatile=True)
-    # an acquire read of the counter (every arrival is a release RMW on it): the others' writes are visible after it
-    tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+        seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
