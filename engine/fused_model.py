@@ -106,6 +106,7 @@ class FusedDecoder(FusedBase):
         if not hasattr(self, "pick_us"):   # measured once per model: kept while its step form changes and back
             self._measured: dict[int, bool] = {}
             self.pick_us: dict[int, tuple[float, float]] = {}
+            self.pick_why: str | None = None   # why auto could not measure the persistent form (None: it did)
         self.persistent = step == "persistent"
         self.picks: dict[int, bool] | None = self._measured if step == "auto" else None
 

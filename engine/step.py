@@ -207,17 +207,28 @@ class Step:
         for r in todo:
             if why:
                 picks[r] = False
+                m.pick_why = why
                 continue
             runs = {}
             for form in (False, True):
                 picks[r] = form
-                self._layers(r)            # compiles the form's kernels
+                try:
+                    self._layers(r)            # compiles the form's kernels
+                except Exception as e:         # a persistent form this GPU cannot build: auto keeps the other
+                    if not form:
+                        raise
+                    why = f"the persistent step did not build ({type(e).__name__}: {str(e)[:200]})"
+                    break
                 runs[form] = functools.partial(self._layers, r)
                 if graphed:
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g):
                         self._layers(r)
                     runs[form] = g.replay
+            if why:
+                picks[r] = False
+                m.pick_why = why
+                continue
             us = {False: [], True: []}
             for _ in range(rounds):
                 for form, run in runs.items():

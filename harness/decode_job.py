@@ -203,7 +203,9 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
         if "step_picked_persistent" in m:
             picked = "persistent" if m["step_picked_persistent"] else "kernel-per-op"
             perf += f"; auto picked the {picked} step for B={B}"
-            if "pick_kernels_us" in m:
+            if getattr(built.model, "pick_why", None):
+                perf += f" ({built.model.pick_why})"
+            elif "pick_kernels_us" in m:
                 perf += (f" (layers {m['pick_kernels_us']:.1f} us kernel-per-op, {m['pick_persistent_us']:.1f} us "
                          "persistent, as measured at capture)")
     if spec_metrics:

@@ -261,3 +261,27 @@ def test_auto_step_measures_both_forms_at_capture(tiny_ggufs):
     assert all(k > 0 and p > 0 for k, p in model.pick_us.values()), model.pick_us
     assert all(model.picks[r] == (p < k) for r, (k, p) in model.pick_us.items())
     assert outs["auto"] == outs["kernels"]
+
+
+def test_auto_step_keeps_the_kernel_per_op_form_where_the_persistent_one_cannot_run(tiny_ggufs, monkeypatch):
+    """auto never fails a run for the persistent form's sake: a model it cannot take, or a persistent kernel that
+    does not build on this GPU, leaves every bucket on the kernel-per-op step with the reason kept for the job's log."""
+    from onepass.engine.sampler import SamplingParams
+    from onepass.engine.step import Step
+
+    cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64, step="auto")
+    step = Step(model, ContiguousKVCache(cfg, 3, 16, torch.float32, "cpu"), 2, 2, SamplingParams(), paged=False,
+                use_graphs=False)
+
+    def no_build(kv):
+        raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(model, "persistent_step", no_build)
+    step._pick_step_forms([1, 2], graphed=False)
+    assert model.picks == {1: False, 2: False} and model.pick_us == {}
+    assert "did not build (RuntimeError: out of shared memory)" in model.pick_why
+    model._measured.clear()
+    monkeypatch.setattr(model, "persistent_unsupported", lambda kv: "a test's reason")
+    step._pick_step_forms([1], graphed=False)
+    assert model.picks == {1: False} and model.pick_why == "a test's reason"
