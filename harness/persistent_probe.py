@@ -4,9 +4,9 @@ setting's time per step of the layers (the LM head is the same in both forms), t
 rate, and the largest difference of the final residual rows from the kernel-per-op step's (kernels/PROBES.md).
 
     python -m onepass.harness.persistent_probe --model llama-3.2-1b --rows 1,16 \
-        --forms "block_k=512,num_warps=8;stages=4,block_k=256,flat=1"
+        --forms "block_k=512,num_warps=8,stages=0;stages=4,block_k=256"
 
-Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages, flat); the others keep
+Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages); the others keep
 their defaults.
 """
 from __future__ import annotations
@@ -38,11 +38,11 @@ def _time_us(fn) -> float:
 
 
 def _form(text: str) -> dict:
-    """'block_k=256,stages=4,flat=1' -> PersistentStep settings."""
+    """'block_k=256,stages=4' -> PersistentStep settings."""
     out = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        out[key.strip()] = bool(int(value)) if key.strip() == "flat" else int(value)
+        out[key.strip()] = int(value)
     return out
 
 

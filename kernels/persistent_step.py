@@ -153,18 +153,11 @@ def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM: tl.const
 
 
 @triton.jit
-def _tile_gemm(x, sx, w, ws, wc, wb, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr):
-    """One work item: [BR, BN] (PAIR: [BR, 2 BN]) fp32 = X @ W[cols]^T over K, a loop over K chunks. STAGES = 0:
-    double-buffered by hand (chunk k+1's loads issued before chunk k's product, in registers); STAGES > 0: left to
-    Triton's pipeliner with that many stages (copies into shared memory; packed weights take only this form)."""
+def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr):
+    """One work item of dense weights: [BR, BN] (PAIR: [BR, 2 BN]) fp32 = X @ W[cols]^T over K, its K loop
+    double-buffered by hand (chunk k+1's loads issued before chunk k's product, in registers)."""
     cols = _tile_cols(n0, BN, PAIR)
-    if STAGES > 0:
-        acc = tl.zeros([BR, cols.shape[0]], tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            acc += _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM, IEEE, BR, BK, FMT)
-        return acc
     rows = tl.arange(0, BR)
     acc = tl.zeros([BR, cols.shape[0]], tl.float32)
     rm = rows[:, None] < R
@@ -217,14 +210,15 @@ def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, D
 @triton.jit
 def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr, K: tl.constexpr,
                 NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
+                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                 FMT: tl.constexpr):
-    """The program's work items t = pid, pid + nprog, .. of cdiv(NOUT, BN) over the weight w [N, K]. FLAT: all of
-    them as one loop over (item, K chunk), so Triton's pipeliner keeps STAGES chunks in flight across items too
-    (it drains at every item boundary otherwise)."""
+    """The program's work items t = pid, pid + nprog, .. of cdiv(NOUT, BN) over the weight w [N, K]. STAGES = 0:
+    item by item, each K loop double-buffered by hand (_tile_gemm); STAGES > 0: all of them as one loop over (item,
+    K chunk) left to Triton's pipeliner, so STAGES chunks stay in flight across items too (a loop per item would
+    drain it at every item boundary)."""
     PAIR: tl.constexpr = NOUT if KIND == 2 else 0
     NT: tl.constexpr = (NOUT + BN - 1) // BN
-    if FLAT:
+    if STAGES > 0:
         KCH: tl.constexpr = (K + BK - 1) // BK
         acc = tl.zeros([BR, _tile_cols(0, BN, PAIR).shape[0]], tl.float32)
         for i in tl.range(0, (NT - pid + nprog - 1) // nprog * KCH, num_stages=STAGES):
@@ -236,18 +230,17 @@ def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: 
                 acc = tl.zeros_like(acc)
     else:
         for t in range(pid, NT, nprog):
-            acc = _tile_gemm(x, sx, w, ws, wc, wb, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR, STAGES,
-                             FMT)
+            acc = _tile_gemm(x, sx, w, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR)
             _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
 
 
 @triton.jit
 def _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FLAT: tl.constexpr, FMT: tl.constexpr):
+               FMT: tl.constexpr):
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
     _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, qkv, res, ss, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0, True, IEEE,
-                BR, BN, BK, STAGES, FLAT, FMT)
+                BR, BN, BK, STAGES, FMT)
 
 
 @triton.jit
@@ -359,28 +352,28 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
 
 @triton.jit
 def _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
-             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
+             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
              FMT: tl.constexpr):
     _gemm_phase(attn, QD, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, QD, DIM, DIM, 1, False, IEEE,
-                BR, BN, BK, STAGES, FLAT, FMT)
+                BR, BN, BK, STAGES, FMT)
 
 
 @triton.jit
 def _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FLAT: tl.constexpr, FMT: tl.constexpr):
+               FMT: tl.constexpr):
     """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]."""
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
     _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, act, res, ss, R, pid, nprog, 2 * F, DIM, F, DIM, 2, True, IEEE,
-                BR, BN, BK, STAGES, FLAT, FMT)
+                BR, BN, BK, STAGES, FMT)
 
 
 @triton.jit
 def _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
+                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                 FMT: tl.constexpr):
     _gemm_phase(act, F, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, F, DIM, DIM, 1, False, IEEE, BR,
-                BN, BK, STAGES, FLAT, FMT)
+                BN, BK, STAGES, FMT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -402,7 +395,7 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-                     STAGES: tl.constexpr, FLAT: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr = False):
+                     STAGES: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -414,21 +407,21 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
         o = offs + layer * N_TABLE
         _phase_qkv(res, ss, qkv, w_qkv + tl.load(o), s_qkv + tl.load(o + 10), c_qkv + tl.load(o + 11),
                    b_qkv + tl.load(o + 12), n_attn + tl.load(o + 4), R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK,
-                   STAGES, FLAT, FMT)
+                   STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_attn(qkv, attn, kc + tl.load(o + 8), vc + tl.load(o + 9), n_q + tl.load(o + 6), n_k + tl.load(o + 7),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                     H, KVH, D, GB, PAGED, QK_NORM, BNA)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, w_o + tl.load(o + 1), s_o + tl.load(o + 13), c_o + tl.load(o + 14),
-                 b_o + tl.load(o + 15), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
+                 b_o + tl.load(o + 15), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_ffn(res, ss, act, w_gu + tl.load(o + 2), s_gu + tl.load(o + 16), c_gu + tl.load(o + 17),
                    b_gu + tl.load(o + 18), n_ffn + tl.load(o + 5), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK,
-                   STAGES, FLAT, FMT)
+                   STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_down(act, res, ss, w_down + tl.load(o + 3), s_down + tl.load(o + 19), c_down + tl.load(o + 20),
-                    b_down + tl.load(o + 21), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
+                    b_down + tl.load(o + 21), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
@@ -438,7 +431,7 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, STAGES: tl.constexpr,
-               FLAT: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr = False):
+               FMT: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -446,22 +439,22 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
         _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     elif PHASE == 1:
         _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK,
-                   STAGES, FLAT, FMT)
+                   STAGES, FMT)
     elif PHASE == 2:
         _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
                     kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, BNA)
     elif PHASE == 3:
-        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
+        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT)
     elif PHASE == 4:
-        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
+        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
     else:
-        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FLAT, FMT)
+        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-DENSE_FORM = dict(block_k=512, stages=0, flat=False)
-PACKED_FORM = dict(block_k=256, stages=4, flat=True)
+DENSE_FORM = dict(block_k=512, stages=0)
+PACKED_FORM = dict(block_k=256, stages=4)
 
 
 def _data(w) -> torch.Tensor:
@@ -503,12 +496,13 @@ class PersistentStep:
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, num_warps: int = 8, stages: int | None = None,
-                 flat: bool | None = None, timed: bool = False):
+                 timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
-        once, or a barrier never opens. The K loop's form: block_k, num_warps, stages (0: double-buffered by hand;
-        more: Triton's pipeliner with that many stages), flat (each phase's items and K chunks as one pipelined
-        loop). Defaults: dense weights the fastest form measured on the H100 (kernels/PROBES.md); packed weights,
-        which only the pipelined forms read, the flat form (not measured yet)."""
+        once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
+        K loop double-buffered by hand; 2 or more: one loop over all of a program's (item, K chunk) pairs, left to
+        Triton's pipeliner with that many stages). Defaults: for dense weights the fastest form measured on the H100
+        (kernels/PROBES.md); packed weights, which only the pipelined loop reads, 4 stages of 256 (not measured
+        yet)."""
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
@@ -516,9 +510,8 @@ class PersistentStep:
         form = DENSE_FORM if self.fmt < 0 else PACKED_FORM
         block_k = form["block_k"] if block_k is None else block_k
         stages = form["stages"] if stages is None else stages
-        flat = form["flat"] if flat is None else flat
-        if flat and stages < 2:
-            raise ConfigError(f"persistent step: flat needs stages >= 2 (a pipelined loop), got {stages}")
+        if stages == 1 or stages < 0:
+            raise ConfigError(f"persistent step: stages={stages}; 0 (by hand) or >= 2 (a pipelined loop)")
         if self.fmt >= 0 and (stages < 2 or block_k % 32):
             raise ConfigError(f"persistent step: packed weights are read in whole 32-weight groups by the pipelined "
                               f"K loop: block_k must be a multiple of 32 and stages >= 2 (got {block_k}, {stages})")
@@ -527,7 +520,7 @@ class PersistentStep:
         c = model.cfg
         self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
-        self.stages, self.flat = stages, flat
+        self.stages = stages
         dev, dt = model.embed.device, model.dtype
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -600,7 +593,7 @@ class PersistentStep:
         return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
                     GB=_pow2(c.n_heads // c.n_kv_heads), PAGED=paged, QK_NORM=self.qk_norm,
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
-                    BNA=self.block_n_attn, STAGES=self.stages, FLAT=self.flat, FMT=self.fmt)
+                    BNA=self.block_n_attn, STAGES=self.stages, FMT=self.fmt)
 
     def __call__(self, positions: torch.Tensor, slots: torch.Tensor, res: torch.Tensor,
                  block_table: torch.Tensor | None = None) -> torch.Tensor:

@@ -68,8 +68,7 @@ def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
 
 
 GEMM_FORMS = {   # the K loop's forms, with K chunks small enough that every item takes several
-    "hand": dict(block_k=32, stages=0, flat=False), "pipelined": dict(stages=3, flat=False, block_k=32),
-    "flat": dict(stages=3, flat=True, block_k=16),
+    "hand": dict(block_k=32, stages=0), "pipelined": dict(stages=3, block_k=16),
 }
 
 
@@ -99,7 +98,7 @@ def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged, form
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("form", GEMM_FORMS)
 def test_gemm_forms_match_the_references(tiny_ggufs, arch, form):
-    """Each form of the GEMM phases' K loop (by hand, Triton-pipelined, one flat loop over items and chunks)."""
+    """Each form of the GEMM phases' K loop (by hand item by item, one pipelined loop over items and chunks)."""
     test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, False, form)
 
 
@@ -123,14 +122,14 @@ def test_packed_weights_read_as_their_dequantized_values(tmp_path, fmt):
     tokens = torch.randint(3, 200, (2,), generator=_gen(8)).to(DEV)
     positions, slots = torch.tensor([5, 2], device=DEV), torch.tensor([0, 1], device=DEV)
     mode = "phased" if DEV.type == "cpu" else "persistent"
-    form = dict(stages=3, flat=True, block_k=32)
+    form = dict(stages=3, block_k=32)
     got = _step(packed, _clone(kv), tokens, positions, slots, False, mode, **form)
     want = _step(dense, _clone(kv), tokens, positions, slots, False, mode, **form)
     assert torch.equal(got, want), _msg(f"{fmt}: packed and dequantized steps differ")
     ref = dense.hidden(tokens, positions, slots, _clone(kv), dense.buffers(2))
     torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[DT], atol=TOL[DT], msg=_msg(f"{fmt} residual"))
     with pytest.raises(ConfigError, match="block_k must be a multiple of 32 and stages >= 2"):
-        _step(packed, _clone(kv), tokens, positions, slots, False, mode, stages=0, flat=False)
+        _step(packed, _clone(kv), tokens, positions, slots, False, mode, stages=0)
     packed.layers[0]["o"].weights = dense.layers[0]["o"].weights      # a file of mixed formats
     with pytest.raises(ConfigError, match=f"projections of several formats \\(dense, {fmt}\\)"):
         _step(packed, _clone(kv), tokens, positions, slots, False, mode, **form)
