@@ -147,6 +147,7 @@ class Step:
             with pdl.applied(self.policy):
                 self._capture(buckets)
         elif self.cuda:
+            self.inp[SLOT].fill_(self.scratch)  # as in _capture: the timed steps write only the scratch slot
             with pdl.applied(self.policy):
                 self._pick_step_forms(self._layer_buckets(buckets), graphed=False)
 
