@@ -55,6 +55,10 @@ class FusedDecoder(FusedBase):
         """step: the form of a step of up to PERSISTENT_ROWS rows (wider ones, a prompt's chunk, run kernel by
         kernel): see set_step."""
         self.cfg, self.k = cfg, kernels
+        # engine.step=auto's measurements, kept while the step form changes and back (set_step)
+        self._measured: dict[int, bool] = {}
+        self.pick_us: dict[int, tuple[float, float]] = {}
+        self.pick_why: str | None = None   # why auto could not measure the persistent form (None: it did)
         self.set_step(step)
         self._persistent: tuple | None = None   # (the KV cache, its PersistentStep)
         self._init_head(weights)
@@ -103,10 +107,6 @@ class FusedDecoder(FusedBase):
         """kernels: one kernel per op; persistent: every layer in one persistent kernel (kernels/persistent_step.py);
         auto: per row count, whichever a Step measured faster when it captured its graphs (`picks`: rows -> True
         for the persistent form; `pick_us`: rows -> (kernel-per-op us, persistent us) as measured)."""
-        if not hasattr(self, "pick_us"):   # measured once per model: kept while its step form changes and back
-            self._measured: dict[int, bool] = {}
-            self.pick_us: dict[int, tuple[float, float]] = {}
-            self.pick_why: str | None = None   # why auto could not measure the persistent form (None: it did)
         self.persistent = step == "persistent"
         self.picks: dict[int, bool] | None = self._measured if step == "auto" else None
 

@@ -255,11 +255,8 @@ class Step:
         self.inp[SAMPLE_SLOT].fill_(self.scratch)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._pick_step_forms(layer_buckets, graphed=True)
-        torch.cuda.current_stream().wait_stream(stream)
-        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile every kernel at every shape before capture
+            self._pick_step_forms(layer_buckets, graphed=True)
             for r in layer_buckets:
                 self._layers(r)
             for n in head_buckets:

@@ -128,10 +128,9 @@ def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.const
 @triton.jit
 def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr):
-    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype. W: dense w [N, K] (FMT < 0), or packed in the
-    format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K sub-scales wb), its values rounded to x's
-    dtype as the dequantized model holds them. NORM: X = rms_norm(x), formed from x (the residual), rstd [BR] and
-    the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype)."""
+    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype (_norm_dot: NORM makes X = rms_norm(x)). W: dense
+    w [N, K] (FMT < 0), or packed in the format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K
+    sub-scales wb), its values rounded to x's dtype as the dequantized model holds them."""
     dt = x.dtype.element_ty
     rows = tl.arange(0, BR)
     kk = k0 + tl.arange(0, BK)
@@ -141,11 +140,18 @@ def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM: tl.const
         wv = tl.load(w + cols[:, None].to(tl.int64) * K + kk[None, :], mask=(cols[:, None] < N) & km, other=0.0)
     else:
         wv = _packed_chunk(w, ws, wc, wb, cols, N, K, k0, FMT, BK).to(dt)
+    return _norm_dot(xv, wv.to(dt), kk, K, rstd, nw, NORM, IEEE)
+
+
+@triton.jit
+def _norm_dot(xv, wv, kk, K, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr):
+    """xv [BR, BK] (columns kk) @ wv^T [BK, n] in fp32, x taken in wv's dtype. NORM: x = rms_norm(xv), from rstd
+    [BR] and the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype)."""
     if NORM:
         g = tl.load(nw + kk, mask=kk < K, other=0.0).to(tl.float32)
-        xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(dt)
+        xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(wv.dtype)
     else:
-        xa = xv.to(dt)
+        xa = xv.to(wv.dtype)
     if IEEE:
         return tl.dot(xa, tl.trans(wv), input_precision="ieee")
     else:
@@ -171,16 +177,7 @@ def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.con
         kn = k0 + BK + ks
         xn = tl.load(xp + kn[None, :], mask=rm & (kn[None, :] < K), other=0.0, cache_modifier=".cg")
         wn = tl.load(wp + kn[None, :], mask=cm & (kn[None, :] < K), other=0.0, eviction_policy="evict_first")
-        if NORM:
-            kk = k0 + ks
-            g = tl.load(nw + kk, mask=kk < K, other=0.0).to(tl.float32)
-            xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(w.dtype.element_ty)
-        else:
-            xa = xv.to(w.dtype.element_ty)
-        if IEEE:
-            acc += tl.dot(xa, tl.trans(wv), input_precision="ieee")
-        else:
-            acc += tl.dot(xa, tl.trans(wv))
+        acc += _norm_dot(xv, wv, k0 + ks, K, rstd, nw, NORM, IEEE)
         xv = xn
         wv = wn
     return acc
@@ -619,25 +616,22 @@ class PersistentStep:
             return res
         grid = (self.programs,)
 
-        def phase(p, w=None, nw=None, kc=None, vc=None, qn=None, kn=None, i=0):
-            kc = l0["k"] if kc is None else kc
-            name = {1: "qkv", 3: "o", 4: "gate_up", 5: "down"}.get(p, "qkv")
+        def phase(p, i=0):
+            """Phase p of layer i, given that layer's tensors (each phase reads the ones it needs)."""
+            name, norm = {3: ("o", "attn_norm"), 4: ("gate_up", "ffn_norm"), 5: ("down", "attn_norm")}.get(
+                p, ("qkv", "attn_norm"))
             parts = [t[f"{name}.{part}"][i] for part in ("scales", "mins", "sub")]
-            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, w if w is not None else l0["qkv"], *parts,
-                             nw if nw is not None else l0["attn_norm"], kc, vc if vc is not None else l0["v"],
-                             qn if qn is not None else l0["q_norm"], kn if kn is not None else l0["k_norm"],
-                             a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"],
-                             a["kc_s0"], a["kc_s1"], a["kc_s2"], R, common["eps"], common["scale"], PHASE=p, **k,
+            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, t[name][i], *parts, t[norm][i], t["k"][i],
+                             t["v"][i], t["q_norm"][i], t["k_norm"][i], a["rope"], a["positions"], a["slots"],
+                             a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"], a["kc_s1"], a["kc_s2"], R,
+                             common["eps"], common["scale"], PHASE=p, **k,
                              num_warps=self.num_warps, **pdl.triton_opts(res.device))
 
         t = self.tensors
         phase(0)
         for i in range(c.n_layers):
-            phase(1, w=t["qkv"][i], nw=t["attn_norm"][i], i=i)
-            phase(2, kc=t["k"][i], vc=t["v"][i], qn=t["q_norm"][i], kn=t["k_norm"][i])
-            phase(3, w=t["o"][i], i=i)
-            phase(4, w=t["gate_up"][i], nw=t["ffn_norm"][i], i=i)
-            phase(5, w=t["down"][i], i=i)
+            for p in range(1, 6):
+                phase(p, i)
         return res
 
     def phase_times_us(self) -> dict[str, float]:
