@@ -23,6 +23,8 @@ tests the persistent launch against it and against the kernel-per-op step.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from onepass.kernels import pdl
@@ -55,6 +57,32 @@ def _grid_sync(bar, target):
 @triton.jit
 def _now():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _l2_prefetch(w, t, NT, N, K, BN: tl.constexpr, PAIR: tl.constexpr):
+    """Ask the copy engine to bring work item t's dense weight rows (BN rows of K, PAIR: and their up rows) into L2,
+    one row a thread, without registers or a wait: the K loop that reads them later finds them there or in flight.
+    Nothing when t is past the phase's NT items."""
+    if t < NT:
+        n0 = t * BN
+        nbytes = K * w.dtype.element_ty.primitive_bitwidth // 8
+        asm: tl.constexpr = ("{ .reg .pred p; .reg .u32 i; .reg .u64 a; mov.u32 i, %tid.x; setp.lt.u32 p, i, $3; "
+                             "mul.wide.u32 a, i, $2; add.u64 a, $1, a; "
+                             "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }")
+        rows = tl.minimum(N - n0, BN)
+        tl.inline_asm_elementwise(asm, "=r,l,r,r", [w + n0.to(tl.int64) * K, nbytes, rows], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        if PAIR > 0:
+            tl.inline_asm_elementwise(asm, "=r,l,r,r", [w + (PAIR + n0).to(tl.int64) * K, nbytes, rows],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_first(w, pid, nprog, NT, N, K, BN: tl.constexpr, PAIR: tl.constexpr, PF: tl.constexpr):
+    """The program's first PF work items of a phase over w asked into L2 (nothing when PF is 0)."""
+    for j in tl.static_range(PF):
+        _l2_prefetch(w, pid + j * nprog, NT, N, K, BN, PAIR)
 
 
 @triton.jit
@@ -208,13 +236,15 @@ def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, D
 def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr, K: tl.constexpr,
                 NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
                 BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                FMT: tl.constexpr):
+                FMT: tl.constexpr, PF: tl.constexpr):
     """The program's work items t = pid, pid + nprog, .. of cdiv(NOUT, BN) over the weight w [N, K]. STAGES = 0:
     item by item, each K loop double-buffered by hand (_tile_gemm); STAGES > 0: all of them as one loop over (item,
     K chunk) left to Triton's pipeliner, so STAGES chunks stay in flight across items too (a loop per item would
-    drain it at every item boundary)."""
+    drain it at every item boundary). PF > 0 (dense weights): the program's next PF items' weights are kept asked
+    into L2 (_l2_prefetch) ahead of the item it computes."""
     PAIR: tl.constexpr = NOUT if KIND == 2 else 0
     NT: tl.constexpr = (NOUT + BN - 1) // BN
+    _prefetch_first(w, pid, nprog, NT, N, K, BN, PAIR, PF)
     if STAGES > 0:
         KCH: tl.constexpr = (K + BK - 1) // BK
         acc = tl.zeros([BR, _tile_cols(0, BN, PAIR).shape[0]], tl.float32)
@@ -225,19 +255,23 @@ def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: 
             if i % KCH == KCH - 1:
                 _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
                 acc = tl.zeros_like(acc)
+                if PF > 0:
+                    _l2_prefetch(w, t + PF * nprog, NT, N, K, BN, PAIR)
     else:
         for t in range(pid, NT, nprog):
             acc = _tile_gemm(x, sx, w, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR)
             _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+            if PF > 0:
+                _l2_prefetch(w, t + PF * nprog, NT, N, K, BN, PAIR)
 
 
 @triton.jit
 def _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr):
+               FMT: tl.constexpr, PF: tl.constexpr):
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
     _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, qkv, res, ss, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0, True, IEEE,
-                BR, BN, BK, STAGES, FMT)
+                BR, BN, BK, STAGES, FMT, PF)
 
 
 @triton.jit
@@ -350,31 +384,38 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
 @triton.jit
 def _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
              BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-             FMT: tl.constexpr):
+             FMT: tl.constexpr, PF: tl.constexpr):
     _gemm_phase(attn, QD, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, QD, DIM, DIM, 1, False, IEEE,
-                BR, BN, BK, STAGES, FMT)
+                BR, BN, BK, STAGES, FMT, PF)
 
 
 @triton.jit
 def _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr):
+               FMT: tl.constexpr, PF: tl.constexpr):
     """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]."""
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
     _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, act, res, ss, R, pid, nprog, 2 * F, DIM, F, DIM, 2, True, IEEE,
-                BR, BN, BK, STAGES, FMT)
+                BR, BN, BK, STAGES, FMT, PF)
 
 
 @triton.jit
 def _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
                 BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                FMT: tl.constexpr):
+                FMT: tl.constexpr, PF: tl.constexpr):
     _gemm_phase(act, F, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, F, DIM, DIM, 1, False, IEEE, BR,
-                BN, BK, STAGES, FMT)
+                BN, BK, STAGES, FMT, PF)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the two launch modes
+@triton.jit
+def _at(base, offs, j, AL: tl.constexpr):
+    """base + offs[j], the offset known to be a multiple of AL elements: without that, Triton cannot prove a layer
+    tensor's alignment and reads it 2 bytes a load."""
+    return base + tl.multiple_of(tl.load(offs + j), AL)
+
+
 @triton.jit
 def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
     """Grid barrier number n (every program's n-th arrival); with TIMED program 0 stamps the time it opened."""
@@ -392,33 +433,41 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-                     STAGES: tl.constexpr, FMT: tl.constexpr, PDL: tl.constexpr = False):
+                     STAGES: tl.constexpr, FMT: tl.constexpr, PF: tl.constexpr, AL: tl.constexpr,
+                     PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     QD: tl.constexpr = H * D
+    # PF > 0: each GEMM phase's first items are asked into L2 before the barrier (or attention) that precedes it
+    _prefetch_first(_at(w_qkv, offs, 0, AL), pid, nprog, NQKV // BN, NQKV, DIM, BN, 0, PF)
     _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
         o = offs + layer * N_TABLE
-        _phase_qkv(res, ss, qkv, w_qkv + tl.load(o), s_qkv + tl.load(o + 10), c_qkv + tl.load(o + 11),
-                   b_qkv + tl.load(o + 12), n_attn + tl.load(o + 4), R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK,
-                   STAGES, FMT)
+        _phase_qkv(res, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
+                   _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK,
+                   STAGES, FMT, PF)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_attn(qkv, attn, kc + tl.load(o + 8), vc + tl.load(o + 9), n_q + tl.load(o + 6), n_k + tl.load(o + 7),
+        _prefetch_first(_at(w_o, o, 1, AL), pid, nprog, DIM // BN, DIM, QD, BN, 0, PF)
+        _phase_attn(qkv, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                     H, KVH, D, GB, PAGED, QK_NORM, BNA)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_o(attn, res, ss, w_o + tl.load(o + 1), s_o + tl.load(o + 13), c_o + tl.load(o + 14),
-                 b_o + tl.load(o + 15), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_o(attn, res, ss, _at(w_o, o, 1, AL), _at(s_o, o, 13, AL), _at(c_o, o, 14, AL),
+                 _at(b_o, o, 15, AL), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT, PF)
+        _prefetch_first(_at(w_gu, o, 2, AL), pid, nprog, F // BN, 2 * F, DIM, BN, F, PF)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_ffn(res, ss, act, w_gu + tl.load(o + 2), s_gu + tl.load(o + 16), c_gu + tl.load(o + 17),
-                   b_gu + tl.load(o + 18), n_ffn + tl.load(o + 5), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK,
-                   STAGES, FMT)
+        _phase_ffn(res, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
+                   _at(b_gu, o, 18, AL), _at(n_ffn, o, 5, AL), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK,
+                   STAGES, FMT, PF)
+        _prefetch_first(_at(w_down, o, 3, AL), pid, nprog, DIM // BN, DIM, F, BN, 0, PF)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_down(act, res, ss, w_down + tl.load(o + 3), s_down + tl.load(o + 19), c_down + tl.load(o + 20),
-                    b_down + tl.load(o + 21), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_down(act, res, ss, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
+                    _at(b_down, o, 21, AL), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, PF)
+        if layer + 1 < L:
+            _prefetch_first(_at(w_qkv, o, N_TABLE, AL), pid, nprog, NQKV // BN, NQKV, DIM, BN, 0, PF)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
@@ -428,7 +477,7 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr, PDL: tl.constexpr = False):
+               FMT: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -436,16 +485,16 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
         _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     elif PHASE == 1:
         _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK,
-                   STAGES, FMT)
+                   STAGES, FMT, PF)
     elif PHASE == 2:
         _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
                     kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, BNA)
     elif PHASE == 3:
-        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT, PF)
     elif PHASE == 4:
-        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, PF)
     else:
-        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, PF)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -493,13 +542,14 @@ class PersistentStep:
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, num_warps: int = 8, stages: int | None = None,
-                 timed: bool = False):
+                 prefetch: int = 0, timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
         once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
         K loop double-buffered by hand; 2 or more: one loop over all of a program's (item, K chunk) pairs, left to
-        Triton's pipeliner with that many stages). Defaults: for dense weights the fastest form measured on the H100
-        (kernels/PROBES.md); packed weights, which only the pipelined loop reads, 4 stages of 256 (not measured
-        yet)."""
+        Triton's pipeliner with that many stages); prefetch: how many of a program's next work items' dense weights
+        are kept asked into L2 by the copy engine (Hopper's bulk prefetch; 0: none). Defaults: for dense weights
+        the fastest form measured on the H100 (kernels/PROBES.md); packed weights, which only the pipelined loop
+        reads, 4 stages of 256 (not measured yet)."""
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
@@ -512,12 +562,15 @@ class PersistentStep:
         if self.fmt >= 0 and (stages < 2 or block_k % 32):
             raise ConfigError(f"persistent step: packed weights are read in whole 32-weight groups by the pipelined "
                               f"K loop: block_k must be a multiple of 32 and stages >= 2 (got {block_k}, {stages})")
+        if prefetch < 0 or (prefetch and (self.fmt >= 0 or model.embed.device.type != "cuda")):
+            raise ConfigError(f"persistent step: prefetch={prefetch}; the L2 prefetch takes dense weights on a GPU "
+                              "(0 turns it off)")
         if mode not in ("persistent", "phased"):
             raise ConfigError(f"persistent step mode must be persistent or phased, got {mode!r}")
         c = model.cfg
         self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
-        self.stages = stages
+        self.stages, self.prefetch = stages, prefetch
         dev, dt = model.embed.device, model.dtype
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -540,6 +593,9 @@ class PersistentStep:
         self.tensors = cols   # kept: the offsets point into them
         self.offs = torch.tensor([_offsets(ts) for ts in cols.values()], dtype=torch.int64).T.contiguous().to(dev)
         assert self.offs.shape == (L, N_TABLE)
+        # the largest power of two (up to 16) dividing every offset: the kernel's alignment hint (_at)
+        g = math.gcd(*self.offs.flatten().tolist())
+        self.align = min(g & -g, 16) if g else 16
         self.ss = torch.zeros(c.dim // BLOCK_N, MAX_ROWS, dtype=torch.float32, device=dev)
         self.qkv = torch.zeros(MAX_ROWS, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, dtype=dt, device=dev)
         self.attn = torch.zeros(MAX_ROWS, c.n_heads * c.head_dim, dtype=dt, device=dev)
@@ -590,7 +646,7 @@ class PersistentStep:
         return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
                     GB=_pow2(c.n_heads // c.n_kv_heads), PAGED=paged, QK_NORM=self.qk_norm,
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
-                    BNA=self.block_n_attn, STAGES=self.stages, FMT=self.fmt)
+                    BNA=self.block_n_attn, STAGES=self.stages, FMT=self.fmt, PF=self.prefetch)
 
     def __call__(self, positions: torch.Tensor, slots: torch.Tensor, res: torch.Tensor,
                  block_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -611,7 +667,7 @@ class PersistentStep:
                 l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"], l0["k_norm"], l0["k"],
                 l0["v"], *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
-                a["kc_s1"], a["kc_s2"], R, c.n_layers, common["eps"], common["scale"], TIMED=self.timed, **k,
+                a["kc_s1"], a["kc_s2"], R, c.n_layers, common["eps"], common["scale"], TIMED=self.timed, AL=self.align, **k,
                 num_warps=self.num_warps, **pdl.triton_opts(res.device))
             return res
         grid = (self.programs,)
