@@ -37,7 +37,8 @@ MAX_ROWS = 16          # rows padded to one 16-row tile (tl.dot's smallest M)
 BLOCK_N = 16           # output columns per work item
 # per-layer offsets: qkv, o, gate_up, down (dense weights, or packed words), attn_norm, ffn_norm, q_norm, k_norm,
 # k cache, v cache, then (scales, mins, sub-scales) of qkv, o, gate_up and down (packed weights; else placeholders)
-N_TABLE: tl.constexpr = 22
+N_TABLE = 22
+_N_TABLE = tl.constexpr(N_TABLE)   # the jitted code's copy (a plain global is refused there)
 PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
 
 
@@ -445,7 +446,7 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
     _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
-        o = offs + layer * N_TABLE
+        o = offs + layer * _N_TABLE
         _phase_qkv(res, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
                    _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK,
                    STAGES, FMT, PF)
@@ -467,7 +468,7 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
         _phase_down(act, res, ss, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
                     _at(b_down, o, 21, AL), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, PF)
         if layer + 1 < L:
-            _prefetch_first(_at(w_qkv, o, N_TABLE, AL), pid, nprog, NQKV // BN, NQKV, DIM, BN, 0, PF)
+            _prefetch_first(_at(w_qkv, o, _N_TABLE, AL), pid, nprog, NQKV // BN, NQKV, DIM, BN, 0, PF)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
@@ -501,6 +502,10 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 DENSE_FORM = dict(block_k=512, stages=0)
 PACKED_FORM = dict(block_k=256, stages=4)
+
+
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+                 torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8"}
 
 
 def _data(w) -> torch.Tensor:
@@ -648,6 +653,45 @@ class PersistentStep:
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
                     BNA=self.block_n_attn, STAGES=self.stages, FMT=self.fmt, PF=self.prefetch)
 
+    def _persistent_args(self, positions, slots, res, block_table):
+        """The persistent kernel's arguments and constexprs for one launch."""
+        c = self.model.cfg
+        a, paged = self._args(positions, slots, block_table)
+        l0 = self.layer0
+        args = [res, self.ss, self.qkv, self.attn, self.act, self.bar, self.clock, self.offs, l0["qkv"], l0["o"],
+                l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"], l0["k_norm"], l0["k"],
+                l0["v"], *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
+                a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
+                a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
+        return args, dict(TIMED=self.timed, AL=self.align, **self._consts(paged))
+
+    def ptx(self, positions, slots, res, block_table=None, capability: int = 90) -> str:
+        """The persistent kernel as a launch on a GPU of that compute capability would compile it (its arguments'
+        types, pointers and integers known 16-byte divisible where they are), without a GPU: its PTX, to check how
+        it reads memory."""
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        args, consts = self._persistent_args(positions, slots, res, block_table)
+        names = list(_persistent_step.arg_names)
+        sig, attrs = {}, {}
+        for i, (name, v) in enumerate(zip(names, args)):
+            if isinstance(v, torch.Tensor):
+                sig[name] = "*" + _TRITON_DTYPE[v.dtype]
+                aligned = v.data_ptr() % 16 == 0
+            elif isinstance(v, float):
+                sig[name], aligned = "fp32", False
+            else:
+                sig[name], aligned = ("i32" if abs(v) < 2 ** 31 else "i64"), v % 16 == 0
+            if aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        consts = {**consts, "PDL": False}
+        sig.update({k: "constexpr" for k in consts})
+        src = ASTSource(_persistent_step, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                        attrs=attrs)
+        target = GPUTarget("cuda", capability, 32)
+        return triton.compile(src, target=target, options=dict(num_warps=self.num_warps)).asm["ptx"]
+
     def __call__(self, positions: torch.Tensor, slots: torch.Tensor, res: torch.Tensor,
                  block_table: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the rows whose embeddings are in res [R, dim] (R <= MAX_ROWS); res ends as the final
@@ -658,17 +702,12 @@ class PersistentStep:
         c = self.model.cfg
         a, paged = self._args(positions, slots, block_table)
         k = self._consts(paged)
-        l0 = self.layer0
         common = dict(eps=float(c.norm_eps), scale=float(c.head_dim) ** -0.5)
         if self.mode == "persistent":
             self.bar.zero_()
-            self.compiled = _persistent_step[(self.programs,)](
-                res, self.ss, self.qkv, self.attn, self.act, self.bar, self.clock, self.offs, l0["qkv"], l0["o"],
-                l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"], l0["k_norm"], l0["k"],
-                l0["v"], *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
-                a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
-                a["kc_s1"], a["kc_s2"], R, c.n_layers, common["eps"], common["scale"], TIMED=self.timed, AL=self.align, **k,
-                num_warps=self.num_warps, **pdl.triton_opts(res.device))
+            args, consts = self._persistent_args(positions, slots, res, block_table)
+            self.compiled = _persistent_step[(self.programs,)](*args, **consts, num_warps=self.num_warps,
+                                                              **pdl.triton_opts(res.device))
             return res
         grid = (self.programs,)
 

@@ -5,7 +5,7 @@ try:
     import triton.language as tl
 except ImportError:
     class _NoTriton:
-        constexpr = None
+        constexpr = staticmethod(lambda value=None: value)
 
         @staticmethod
         def jit(fn=None, **kwargs):

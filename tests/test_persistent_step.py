@@ -8,6 +8,8 @@ single row bit for bit (batch invariance).
 from __future__ import annotations
 
 import importlib.util
+import re
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -175,6 +177,33 @@ def test_refuses_what_it_cannot_run(tiny_ggufs):
     model.cfg = type(cfg)(**{**cfg.__dict__, "arch": "qwen35"})
     with pytest.raises(ConfigError, match="architecture 'qwen35'.*engine.step=kernels"):
         PersistentStep(model, kv)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.parametrize("form", ["hand", "pipelined"])
+def test_compiled_kernel_reads_weights_in_16_byte_loads(form):
+    """The persistent kernel as a Hopper launch would compile it (no GPU needed): every layer's tensors are reached by
+    an offset loaded at run time, and without an alignment hint on it Triton read each weight 2 bytes a load (and
+    the pipelined loop got no cp.async). Bf16 weights; K chunks that divide the rows."""
+    from onepass.kernels.persistent_step import PersistentStep
+
+    cfg = replace(WIDE_LLAMA, n_layers=2)
+    w = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() > 1 else v
+         for k, v in random_weights(cfg, seed=2).items()}
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
+    kv = ContiguousKVCache(cfg, 2, 32, torch.bfloat16, "cpu")
+    settings = dict(block_k=128, stages=0) if form == "hand" else dict(block_k=128, stages=3)
+    step = PersistentStep(model, kv, programs=4, **settings)
+    assert step.align == 16, "torch's allocations are 16-element aligned: the hint must say so"
+    res = model.buffers(2)["residual"]
+    ptx = step.ptx(torch.tensor([3, 4]), torch.tensor([0, 1]), res)
+    loads = re.findall(r"\b(ld\.global[\w:.]*|cp\.async\.c[ag]\.shared\.global[\w:.]*)", ptx)
+    if form == "hand":
+        weight_loads = [op for op in loads if "evict_first" in op]     # the K loop marks its weight reads so
+        assert weight_loads and all(".v4." in op for op in weight_loads), Counter(weight_loads)
+    else:   # weights through cp.async into shared memory; 2-byte plain loads were the unhinted weight reads
+        assert any(op.startswith("cp.async") for op in loads) and "ld.global.b16" not in loads, Counter(loads)
 
 
 @pytest.mark.gpu
