@@ -181,6 +181,7 @@ def test_refuses_what_it_cannot_run(tiny_ggufs):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
 @pytest.mark.parametrize("form", ["hand", "pipelined"])
 def test_compiled_kernel_reads_weights_in_16_byte_loads(form):
     """The persistent kernel as a Hopper launch would compile it (no GPU needed): every layer's tensors are reached by
