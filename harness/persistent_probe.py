@@ -6,8 +6,8 @@ rate, and the largest difference of the final residual rows from the kernel-per-
     python -m onepass.harness.persistent_probe --model llama-3.2-1b --rows 1,16 \
         --forms "block_k=512,num_warps=8,stages=0;stages=4,block_k=256"
 
-Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages); the others keep
-their defaults.
+Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages, prefetch); the others
+keep their defaults. Each form's phases are timed too (one timed launch: program 0's clock at every barrier).
 """
 from __future__ import annotations
 
@@ -94,15 +94,15 @@ def main(argv=None) -> None:
                   f"{layer_bytes / bw * 1e6 / us:.0%} of floor, max |diff| {err:.3g}; "
                   f"{getattr(k, 'n_regs', '?')} registers, {getattr(k, 'n_spills', '?')} spilled, "
                   f"{ptx.count('cp.async.ca') + ptx.count('cp.async.cg')} cp.async in the PTX)", flush=True)
-        print(f"[probe] R={R}: kernel-per-op {base:.1f} us", flush=True)
-        best = min(zip(times_us, grid), key=lambda t: t[0])[1]
-        model.persistent = True
-        model._persistent = (kv, PersistentStep(model, kv, timed=True, **best))
-        run()
-        torch.cuda.synchronize()
-        times = model._persistent[1].phase_times_us()
-        print(f"[probe] R={R} phases of {best} (us, summed over layers): "
-              + ", ".join(f"{p} {t:.1f}" for p, t in times.items()), flush=True)
+            model._persistent = (kv, PersistentStep(model, kv, timed=True, **settings))
+            run()
+            torch.cuda.synchronize()
+            times = model._persistent[1].phase_times_us()
+            print(f"[probe] R={R} phases of {settings} (us, summed over layers; a phase's barrier wait included): "
+                  + ", ".join(f"{p} {t:.1f}" for p, t in times.items()), flush=True)
+        fastest_us, fastest = min(zip(times_us, grid), key=lambda t: t[0])
+        print(f"[probe] R={R}: kernel-per-op {base:.1f} us; fastest persistent {fastest} {fastest_us:.1f} us",
+              flush=True)
 
 
 if __name__ == "__main__":
