@@ -17,7 +17,7 @@ def run_in_interpreter(test_file: str | Path, note: str = "", only_skipped: bool
     only the tests the parent skipped for it (tests/conftest.py), for files whose other tests never touch Triton."""
     child = {"ONEPASS_INTERPRETER_CHILD": "1"} if only_skipped else {}
     proc = subprocess.run([sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", "-k", "not subprocess"], cwd=ROOT,
+                           "-m", "not gpu and not compile_only", "-k", "not subprocess"], cwd=ROOT,
                           env={**os.environ, "TRITON_INTERPRET": "1", **child, **env}, capture_output=True,
                           text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-6000:]

@@ -179,6 +179,7 @@ def test_refuses_what_it_cannot_run(tiny_ggufs):
         PersistentStep(model, kv)
 
 
+@pytest.mark.compile_only
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (Linux-only dependency)")
 @pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
