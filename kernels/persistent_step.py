@@ -181,10 +181,16 @@ def _norm_dot(xv, wv, kk, K, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr):
         xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(wv.dtype)
     else:
         xa = xv.to(wv.dtype)
+    return _dot(xa, tl.trans(wv), IEEE)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in fp32 (IEEE: full fp32 products, for fp32 models)."""
     if IEEE:
-        return tl.dot(xa, tl.trans(wv), input_precision="ieee")
+        return tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(xa, tl.trans(wv))
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -297,7 +303,7 @@ def _head_norm_rope(a, b, nw, c, s, eps, D: tl.constexpr, QK_NORM: tl.constexpr)
 def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
                 kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, PAGED: tl.constexpr,
-                QK_NORM: tl.constexpr, BNA: tl.constexpr):
+                QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr, MMA: tl.constexpr):
     """Per (row, kv head): the group's q heads and the kv head normed (qwen3) and roped, k and v written to the cache
     at the row's (slot, position), then softmax(q k^T * scale) v over the slot's positions 0..pos (fp32 online
     softmax). Rows of a negative slot (padding) write zeros and touch no cache."""
@@ -347,39 +353,70 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
                     tl.store(vc + at + d2[None, :], tl.load(vp, cache_modifier=".cg"))
                     tl.store(vc + at + HALF + d2[None, :], tl.load(vp + HALF, cache_modifier=".cg"))
             tl.debug_barrier()               # the k, v just written are read back below by the program's other warps
-            qa = qa.to(tl.float32)
-            qb = qb.to(tl.float32)
-            m_i = tl.full([GB], float("-inf"), tl.float32)
-            l_i = tl.zeros([GB], tl.float32)
-            acc_a = tl.zeros([GB, HALF], tl.float32)
-            acc_b = tl.zeros([GB, HALF], tl.float32)
-            for n0 in range(0, pos + 1, BNA):
-                ns = n0 + tl.arange(0, BNA)
-                valid = ns <= pos
-                if PAGED:
-                    blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
-                    base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
-                else:
-                    base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
-                km = valid[:, None]
-                k_a = tl.load(kc + base[:, None] + d2[None, :], mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
-                k_b = tl.load(kc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
-                              cache_modifier=".cg").to(tl.float32)
-                sc = tl.sum(qa[:, None, :] * k_a[None, :, :], axis=2) + tl.sum(qb[:, None, :] * k_b[None, :, :], axis=2)
-                sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v_a = tl.load(vc + base[:, None] + d2[None, :], mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
-                v_b = tl.load(vc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
-                              cache_modifier=".cg").to(tl.float32)
-                acc_a = acc_a * alpha[:, None] + tl.sum(p[:, :, None] * v_a[None, :, :], axis=1)
-                acc_b = acc_b * alpha[:, None] + tl.sum(p[:, :, None] * v_b[None, :, :], axis=1)
-                m_i = m_new
-            dt = attn.dtype.element_ty
-            tl.store(out + d2[None, :], (acc_a / l_i[:, None]).to(dt), mask=gm[:, None])
-            tl.store(out + HALF + d2[None, :], (acc_b / l_i[:, None]).to(dt), mask=gm[:, None])
+            if not MMA:   # the form before the MMA one, kept while the probe compares them
+                qa = qa.to(tl.float32)
+                qb = qb.to(tl.float32)
+                m_i = tl.full([GB], float("-inf"), tl.float32)
+                l_i = tl.zeros([GB], tl.float32)
+                acc_a = tl.zeros([GB, HALF], tl.float32)
+                acc_b = tl.zeros([GB, HALF], tl.float32)
+                for n0 in range(0, pos + 1, BNA):
+                    ns = n0 + tl.arange(0, BNA)
+                    valid = ns <= pos
+                    if PAGED:
+                        blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
+                        base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
+                    else:
+                        base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
+                    km = valid[:, None]
+                    k_a = tl.load(kc + base[:, None] + d2[None, :], mask=km, other=0.0,
+                                  cache_modifier=".cg").to(tl.float32)
+                    k_b = tl.load(kc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
+                                  cache_modifier=".cg").to(tl.float32)
+                    sc = (tl.sum(qa[:, None, :] * k_a[None, :, :], axis=2)
+                          + tl.sum(qb[:, None, :] * k_b[None, :, :], axis=2))
+                    sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                    alpha = tl.exp(m_i - m_new)
+                    p = tl.exp(sc - m_new[:, None])
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    v_a = tl.load(vc + base[:, None] + d2[None, :], mask=km, other=0.0,
+                                  cache_modifier=".cg").to(tl.float32)
+                    v_b = tl.load(vc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
+                                  cache_modifier=".cg").to(tl.float32)
+                    acc_a = acc_a * alpha[:, None] + tl.sum(p[:, :, None] * v_a[None, :, :], axis=1)
+                    acc_b = acc_b * alpha[:, None] + tl.sum(p[:, :, None] * v_b[None, :, :], axis=1)
+                    m_i = m_new
+                dt = attn.dtype.element_ty
+                tl.store(out + d2[None, :], (acc_a / l_i[:, None]).to(dt), mask=gm[:, None])
+                tl.store(out + HALF + d2[None, :], (acc_b / l_i[:, None]).to(dt), mask=gm[:, None])
+            else:
+                # the group's heads as one [GB, D] tile (GB >= 16 rows: tl.dot's least), scores and values as MMAs
+                q = tl.reshape(tl.permute(tl.join(qa, qb), [0, 2, 1]), [GB, D])
+                dd = tl.arange(0, D)
+                m_i = tl.full([GB], float("-inf"), tl.float32)
+                l_i = tl.zeros([GB], tl.float32)
+                acc = tl.zeros([GB, D], tl.float32)
+                for n0 in range(0, pos + 1, BNA):
+                    ns = n0 + tl.arange(0, BNA)
+                    valid = ns <= pos
+                    if PAGED:
+                        blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
+                        base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
+                    else:
+                        base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
+                    km = valid[:, None]
+                    k = tl.load(kc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
+                    v = tl.load(vc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
+                    sc = _dot(q, tl.trans(k), IEEE)
+                    sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                    alpha = tl.exp(m_i - m_new)
+                    p = tl.exp(sc - m_new[:, None])
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+                    m_i = m_new
+                tl.store(out + dd[None, :], (acc / l_i[:, None]).to(attn.dtype.element_ty), mask=gm[:, None])
 
 
 @triton.jit
@@ -434,7 +471,7 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-                     STAGES: tl.constexpr, FMT: tl.constexpr, PF: tl.constexpr, AL: tl.constexpr,
+                     MMA: tl.constexpr, STAGES: tl.constexpr, FMT: tl.constexpr, PF: tl.constexpr, AL: tl.constexpr,
                      PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
@@ -454,7 +491,7 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
         _prefetch_first(_at(w_o, o, 1, AL), pid, nprog, DIM // BN, DIM, QD, BN, 0, PF)
         _phase_attn(qkv, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
-                    H, KVH, D, GB, PAGED, QK_NORM, BNA)
+                    H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, MMA)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, _at(w_o, o, 1, AL), _at(s_o, o, 13, AL), _at(c_o, o, 14, AL),
                  _at(b_o, o, 15, AL), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT, PF)
@@ -477,7 +514,8 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
                block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, STAGES: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, MMA: tl.constexpr,
+               STAGES: tl.constexpr,
                FMT: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
@@ -489,7 +527,7 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
                    STAGES, FMT, PF)
     elif PHASE == 2:
         _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
-                    kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, BNA)
+                    kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, MMA)
     elif PHASE == 3:
         _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT, PF)
     elif PHASE == 4:
@@ -547,14 +585,15 @@ class PersistentStep:
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, num_warps: int = 8, stages: int | None = None,
-                 prefetch: int = 0, timed: bool = False):
+                 prefetch: int = 0, attn_mma: int = 1, timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
         once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
         K loop double-buffered by hand; 2 or more: one loop over all of a program's (item, K chunk) pairs, left to
         Triton's pipeliner with that many stages); prefetch: how many of a program's next work items' dense weights
-        are kept asked into L2 by the copy engine (Hopper's bulk prefetch; 0: none). Defaults: for dense weights
-        the fastest form measured on the H100 (kernels/PROBES.md); packed weights, which only the pipelined loop
-        reads, 4 stages of 256 (not measured yet)."""
+        are kept asked into L2 by the copy engine (Hopper's bulk prefetch; 0: none); attn_mma: attention's scores and
+        values as tl.dot MMAs over the group's heads (1) or as fp32 lanes (0, the earlier form). Defaults: for dense
+        weights the fastest form measured on the H100 (kernels/PROBES.md); packed weights, which only the pipelined
+        loop reads, 4 stages of 256 (not measured yet)."""
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
@@ -575,7 +614,7 @@ class PersistentStep:
         c = model.cfg
         self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
-        self.stages, self.prefetch = stages, prefetch
+        self.stages, self.prefetch, self.attn_mma = stages, prefetch, attn_mma
         dev, dt = model.embed.device, model.dtype
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -631,8 +670,8 @@ class PersistentStep:
                     "dense weights, throughout")
         if c.dim % BLOCK_N or c.ffn_dim % BLOCK_N:
             return f"dim {c.dim} and ffn_dim {c.ffn_dim} must be multiples of {BLOCK_N}"
-        if c.head_dim & (c.head_dim - 1) or c.head_dim < 4:
-            return f"head_dim {c.head_dim} is not a power of two"
+        if c.head_dim & (c.head_dim - 1) or c.head_dim < 16:
+            return f"head_dim {c.head_dim} is not a power of two of at least 16"
         if c.n_heads % c.n_kv_heads:
             return f"{c.n_heads} heads over {c.n_kv_heads} kv heads"
         return None
@@ -649,9 +688,10 @@ class PersistentStep:
     def _consts(self, paged: bool):
         c = self.model.cfg
         return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
-                    GB=_pow2(c.n_heads // c.n_kv_heads), PAGED=paged, QK_NORM=self.qk_norm,
+                    GB=max(16 if self.attn_mma else 1, _pow2(c.n_heads // c.n_kv_heads)), PAGED=paged,
+                    QK_NORM=self.qk_norm,
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
-                    BNA=self.block_n_attn, STAGES=self.stages, FMT=self.fmt, PF=self.prefetch)
+                    BNA=self.block_n_attn, MMA=self.attn_mma, STAGES=self.stages, FMT=self.fmt, PF=self.prefetch)
 
     def _persistent_args(self, positions, slots, res, block_table):
         """The persistent kernel's arguments and constexprs for one launch."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from onepass.engine.fused_model import FusedDecoder
-from onepass.engine.gguf_loader import load_gguf
+from onepass.engine.gguf_loader import ROPE_FREQS, load_gguf
 from onepass.engine.gguf_writer import random_weights, write_gguf
 from onepass.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from onepass.kernels.backend import get_step_kernels
@@ -69,8 +69,9 @@ def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
     return res
 
 
-GEMM_FORMS = {   # the K loop's forms, with K chunks small enough that every item takes several
+GEMM_FORMS = {   # the K loop's forms, with K chunks small enough that every item takes several; attention in lanes
     "hand": dict(block_k=32, stages=0), "pipelined": dict(stages=3, block_k=16),
+    "lanes-attention": dict(attn_mma=0),
 }
 
 
@@ -191,8 +192,7 @@ def test_compiled_kernel_reads_weights_in_16_byte_loads(form):
     from onepass.kernels.persistent_step import PersistentStep
 
     cfg = replace(WIDE_LLAMA, n_layers=2)
-    w = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() > 1 else v
-         for k, v in random_weights(cfg, seed=2).items()}
+    w = {k: v if k == ROPE_FREQS else v.to(torch.bfloat16) for k, v in random_weights(cfg, seed=2).items()}
     model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
     kv = ContiguousKVCache(cfg, 2, 32, torch.bfloat16, "cpu")
     settings = dict(block_k=128, stages=0) if form == "hand" else dict(block_k=128, stages=3)
