@@ -353,70 +353,41 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
                     tl.store(vc + at + d2[None, :], tl.load(vp, cache_modifier=".cg"))
                     tl.store(vc + at + HALF + d2[None, :], tl.load(vp + HALF, cache_modifier=".cg"))
             tl.debug_barrier()               # the k, v just written are read back below by the program's other warps
-            if not MMA:   # the form before the MMA one, kept while the probe compares them
-                qa = qa.to(tl.float32)
-                qb = qb.to(tl.float32)
-                m_i = tl.full([GB], float("-inf"), tl.float32)
-                l_i = tl.zeros([GB], tl.float32)
-                acc_a = tl.zeros([GB, HALF], tl.float32)
-                acc_b = tl.zeros([GB, HALF], tl.float32)
-                for n0 in range(0, pos + 1, BNA):
-                    ns = n0 + tl.arange(0, BNA)
-                    valid = ns <= pos
-                    if PAGED:
-                        blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
-                        base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
-                    else:
-                        base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
-                    km = valid[:, None]
-                    k_a = tl.load(kc + base[:, None] + d2[None, :], mask=km, other=0.0,
-                                  cache_modifier=".cg").to(tl.float32)
-                    k_b = tl.load(kc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
-                                  cache_modifier=".cg").to(tl.float32)
-                    sc = (tl.sum(qa[:, None, :] * k_a[None, :, :], axis=2)
-                          + tl.sum(qb[:, None, :] * k_b[None, :, :], axis=2))
-                    sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                    alpha = tl.exp(m_i - m_new)
-                    p = tl.exp(sc - m_new[:, None])
-                    l_i = l_i * alpha + tl.sum(p, axis=1)
-                    v_a = tl.load(vc + base[:, None] + d2[None, :], mask=km, other=0.0,
-                                  cache_modifier=".cg").to(tl.float32)
-                    v_b = tl.load(vc + base[:, None] + HALF + d2[None, :], mask=km, other=0.0,
-                                  cache_modifier=".cg").to(tl.float32)
-                    acc_a = acc_a * alpha[:, None] + tl.sum(p[:, :, None] * v_a[None, :, :], axis=1)
-                    acc_b = acc_b * alpha[:, None] + tl.sum(p[:, :, None] * v_b[None, :, :], axis=1)
-                    m_i = m_new
-                dt = attn.dtype.element_ty
-                tl.store(out + d2[None, :], (acc_a / l_i[:, None]).to(dt), mask=gm[:, None])
-                tl.store(out + HALF + d2[None, :], (acc_b / l_i[:, None]).to(dt), mask=gm[:, None])
-            else:
-                # the group's heads as one [GB, D] tile (GB >= 16 rows: tl.dot's least), scores and values as MMAs
-                q = tl.reshape(tl.permute(tl.join(qa, qb), [0, 2, 1]), [GB, D])
-                dd = tl.arange(0, D)
-                m_i = tl.full([GB], float("-inf"), tl.float32)
-                l_i = tl.zeros([GB], tl.float32)
-                acc = tl.zeros([GB, D], tl.float32)
-                for n0 in range(0, pos + 1, BNA):
-                    ns = n0 + tl.arange(0, BNA)
-                    valid = ns <= pos
-                    if PAGED:
-                        blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
-                        base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
-                    else:
-                        base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
-                    km = valid[:, None]
-                    k = tl.load(kc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
-                    v = tl.load(vc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
+            # the group's heads as one [GB, D] tile; MMA: scores and values as tl.dots (GB >= 16 rows, tl.dot's
+            # least); else in fp32 lanes, a [heads, keys, dim] product summed across threads (the earlier form, kept
+            # while the probe compares them)
+            q = tl.reshape(tl.permute(tl.join(qa, qb), [0, 2, 1]), [GB, D])
+            dd = tl.arange(0, D)
+            m_i = tl.full([GB], float("-inf"), tl.float32)
+            l_i = tl.zeros([GB], tl.float32)
+            acc = tl.zeros([GB, D], tl.float32)
+            for n0 in range(0, pos + 1, BNA):
+                ns = n0 + tl.arange(0, BNA)
+                valid = ns <= pos
+                if PAGED:
+                    blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
+                    base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
+                else:
+                    base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
+                km = valid[:, None]
+                k = tl.load(kc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
+                v = tl.load(vc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
+                if MMA:
                     sc = _dot(q, tl.trans(k), IEEE)
-                    sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                    alpha = tl.exp(m_i - m_new)
-                    p = tl.exp(sc - m_new[:, None])
-                    l_i = l_i * alpha + tl.sum(p, axis=1)
-                    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-                    m_i = m_new
-                tl.store(out + dd[None, :], (acc / l_i[:, None]).to(attn.dtype.element_ty), mask=gm[:, None])
+                else:
+                    sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+                sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if MMA:
+                    pv = _dot(p.to(v.dtype), v, IEEE)
+                else:
+                    pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            tl.store(out + dd[None, :], (acc / l_i[:, None]).to(attn.dtype.element_ty), mask=gm[:, None])
 
 
 @triton.jit

@@ -101,7 +101,8 @@ def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged, form
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("form", GEMM_FORMS)
 def test_gemm_forms_match_the_references(tiny_ggufs, arch, form):
-    """Each form of the GEMM phases' K loop (by hand item by item, one pipelined loop over items and chunks)."""
+    """Each form of the GEMM phases' K loop (by hand item by item, one pipelined loop over items and chunks), and
+    attention in fp32 lanes instead of MMAs."""
     test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, False, form)
 
 
@@ -175,6 +176,8 @@ def test_refuses_what_it_cannot_run(tiny_ggufs):
     cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
     model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
     kv = ContiguousKVCache(cfg, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="prefetch=1; the L2 prefetch takes dense weights on a GPU"):
+        PersistentStep(model, kv, prefetch=1)        # Hopper's bulk prefetch: no CPU form
     model.cfg = type(cfg)(**{**cfg.__dict__, "arch": "qwen35"})
     with pytest.raises(ConfigError, match="architecture 'qwen35'.*engine.step=kernels"):
         PersistentStep(model, kv)
