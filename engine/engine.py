@@ -30,6 +30,7 @@ from onepass.engine.tokenizer import Tokenizer
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
 from onepass.kernels.int4_dispatch import POLICIES, Int4Policy
+from onepass.kernels.persistent_step import parse_form
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +57,8 @@ class EngineSpec:
     step: str = "kernels"           # kernels (one kernel per op) | persistent (dense models, steps of <= 16 rows:
                                     # every layer in one persistent kernel, kernels/persistent_step.py) | auto (per
                                     # row count the faster of the two, measured when the step's graphs are captured)
+    persistent_form: str = ""       # the persistent step's settings, e.g. "block_k=512,stages=3" ("": its defaults;
+                                    # kernels/persistent_step.py FORM_SETTINGS)
 
     @classmethod
     def of(cls, **kw) -> EngineSpec:
@@ -108,6 +111,7 @@ class EngineSpec:
             raise ConfigError(f"engine.threads={self.threads}; 0 leaves torch's default, or give a positive count")
         if self.step not in ("kernels", "persistent", "auto"):
             raise ConfigError(f"engine.step={self.step!r}; choose kernels, persistent or auto")
+        parse_form(self.persistent_form)   # an unknown setting is refused here, before anything loads
         if self.step == "persistent" and backend != "triton":
             raise ConfigError("engine.step=persistent is a GPU kernel (its grid barriers need every program resident "
                               "at once); use engine.step=kernels on the CPU")
@@ -196,14 +200,15 @@ class Engine:
             return FusedQwen35Decoder(self.cfg, self.weights, kernels, self.spec.ctx + 1)
         from onepass.engine.fused_model import FusedDecoder
 
-        return FusedDecoder(self.cfg, self.weights, kernels, self.spec.ctx + 1, step=self.spec.step)
+        return FusedDecoder(self.cfg, self.weights, kernels, self.spec.ctx + 1, step=self.spec.step,
+                            persistent_form=self.spec.persistent_form)
 
     LOAD_FIELDS = ("device", "dtype", "backend", "gemm", "weights", "ctx")   # what the loaded model was built for
 
     def respec(self, spec: EngineSpec) -> Engine:
         """This engine, its weights and model kept, run from now on under `spec`, which may differ from its own
-        only in run-time settings (batch, kernel policy, graphs, PDL, the step's form, the recurrent state's dtype and
-        period)."""
+        only in run-time settings (batch, kernel policy, graphs, PDL, the step's form and the persistent step's
+        settings, the recurrent state's dtype and period)."""
         if diff := [f for f in self.LOAD_FIELDS if getattr(spec, f) != getattr(self.spec, f)]:
             raise ConfigError(f"respec cannot change {', '.join(diff)}: the model was loaded for them; build a new "
                               "Engine")
@@ -211,7 +216,7 @@ class Engine:
         spec.check_model(self.cfg)
         self.spec, self.state_dtype, self.state_writeback = spec, DTYPES[spec.state_dtype], spec.state_writeback
         if hasattr(self.model, "set_step"):
-            self.model.set_step(spec.step)
+            self.model.set_step(spec.step, spec.persistent_form)
         self.int4.name, self.int4.max_batch = spec.int4, spec.batch   # the step kernels hold this policy object
         self.launch = pdl.LaunchPolicy.for_engine(spec.pdl, spec.batch, self.cfg.arch, spec.ready_scales)
         if self.cfg.arch == "qwen35":

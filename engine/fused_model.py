@@ -16,7 +16,7 @@ from onepass.engine.models.base import DecoderBase
 from onepass.engine.projection import Projection
 from onepass.kernels.backend import StepKernels
 from onepass.kernels.persistent_step import MAX_ROWS as PERSISTENT_ROWS
-from onepass.kernels.persistent_step import PersistentStep
+from onepass.kernels.persistent_step import PersistentStep, parse_form
 from onepass.kernels.quant_pack import PackedWeight
 from onepass.kernels.rope import rope_cache, rope_inv_freq
 
@@ -51,16 +51,17 @@ class FusedBase(DecoderBase):
 
 class FusedDecoder(FusedBase):
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: StepKernels, max_pos: int,
-                 step: str = "kernels"):
+                 step: str = "kernels", persistent_form: str = ""):
         """step: the form of a step of up to PERSISTENT_ROWS rows (wider ones, a prompt's chunk, run kernel by
-        kernel): see set_step."""
+        kernel), persistent_form: the persistent step's settings: see set_step."""
         self.cfg, self.k = cfg, kernels
+        self._persistent: tuple | None = None   # (the KV cache, its PersistentStep)
+        self.persistent_form: dict[str, int] = {}
         # engine.step=auto's measurements, kept while the step form changes and back (set_step)
         self._measured: dict[int, bool] = {}
         self.pick_us: dict[int, tuple[float, float]] = {}
         self.pick_why: str | None = None   # why auto could not measure the persistent form (None: it did)
-        self.set_step(step)
-        self._persistent: tuple | None = None   # (the KV cache, its PersistentStep)
+        self.set_step(step, persistent_form)
         self._init_head(weights)
         self.rope = rope_cache(rope_inv_freq(cfg.head_dim, cfg.rope_theta, weights.get("rope_freqs.weight")), max_pos)
         self.rope = self.rope.to(self.embed.device)
@@ -103,10 +104,18 @@ class FusedDecoder(FusedBase):
             "gate_up": e(rows, 2 * c.ffn_dim), "act": e(rows, c.ffn_dim),
         }
 
-    def set_step(self, step: str) -> None:
-        """kernels: one kernel per op; persistent: every layer in one persistent kernel (kernels/persistent_step.py);
-        auto: per row count, whichever a Step measured faster when it captured its graphs (`picks`: rows -> True
-        for the persistent form; `pick_us`: rows -> (kernel-per-op us, persistent us) as measured)."""
+    def set_step(self, step: str, persistent_form: str = "") -> None:
+        """kernels: one kernel per op; persistent: every layer in one persistent kernel (kernels/persistent_step.py,
+        in the settings of persistent_form, e.g. 'block_k=512,stages=3'; '': its defaults); auto: per row count,
+        whichever a Step measured faster when it captured its graphs (`picks`: rows -> True for the persistent form;
+        `pick_us`: rows -> (kernel-per-op us, persistent us) as measured). Another persistent form drops the built
+        step and auto's measurements."""
+        form = parse_form(persistent_form)
+        if form != self.persistent_form:
+            self.persistent_form, self._persistent = form, None
+            self._measured.clear()
+            self.pick_us.clear()
+            self.pick_why = None
         self.persistent = step == "persistent"
         self.picks: dict[int, bool] | None = self._measured if step == "auto" else None
 
@@ -123,7 +132,7 @@ class FusedDecoder(FusedBase):
         """The persistent step over this KV cache's tensors (built on its first step: the cache's tensors are where
         it writes)."""
         if self._persistent is None or self._persistent[0] is not kv:
-            self._persistent = (kv, PersistentStep(self, kv))
+            self._persistent = (kv, PersistentStep(self, kv, **self.persistent_form))
         return self._persistent[1]
 
     def hidden(self, tokens, positions, slots, kv, buf, attn_ws=None, block_table=None, max_len=None) -> torch.Tensor:

@@ -25,13 +25,14 @@ def spec_of(cfg) -> EngineSpec:
     return EngineSpec(device=e.device, dtype=e.dtype, backend=e.backend, gemm=e.gemm, weights=e.weights, int4=e.int4,
                       batch=cfg.batch.size, ctx=kvc.ctx, cuda_graphs=e.cuda_graphs, pdl=e.pdl,
                       ready_scales=e.ready_scales, state_dtype=kvc.state_dtype,
-                      state_writeback=int(kvc.state_writeback), threads=e.threads, step=e.step)
+                      state_writeback=int(kvc.state_writeback), threads=e.threads, step=e.step,
+                      persistent_form=e.persistent_form)
 
 
 def resolve_engine(e) -> tuple[torch.device, torch.dtype, str]:
     """(device, dtype, backend) of an engine group, every setting checked."""
     return EngineSpec(device=e.device, dtype=e.dtype, backend=e.backend, gemm=e.gemm, weights=e.weights,
-                      int4=e.int4, threads=e.threads, step=e.step).resolve()
+                      int4=e.int4, threads=e.threads, step=e.step, persistent_form=e.persistent_form).resolve()
 
 
 _LOADED: dict = {}  # the last model built (its config and load settings, its engine), reused by a sweep's next job

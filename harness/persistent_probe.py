@@ -25,7 +25,7 @@ from onepass.harness.roofline import copy_bandwidth
 from onepass.harness.synth import synthetic_config
 from onepass.kernels.backend import get_step_kernels
 from onepass.kernels.decode_attention import device_num_sms, make_workspace
-from onepass.kernels.persistent_step import PersistentStep
+from onepass.kernels.persistent_step import PersistentStep, parse_form
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 
@@ -35,15 +35,6 @@ def _time_us(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
-
-
-def _form(text: str) -> dict:
-    """'block_k=256,stages=4' -> PersistentStep settings."""
-    out = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        out[key.strip()] = int(value)
-    return out
 
 
 def main(argv=None) -> None:
@@ -76,7 +67,7 @@ def main(argv=None) -> None:
         base = _time_us(run)
         ref = run().clone()
         model.persistent = True
-        grid = [_form(f) for f in args.forms.split(";")]
+        grid = [parse_form(f) for f in args.forms.split(";")]
         times_us = []
         for settings in grid:
             try:

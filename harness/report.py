@@ -158,7 +158,8 @@ ROW_KEYS: dict[str, tuple[str, ...]] = {
     "serving_full": ("params.scheduler.mode", "params.scheduler.prefill", "params.batch.size"),
     "spec_decode": ("params.model.name", "params.speculative.method", "params.speculative.k",
                     "params.speculative.acceptance", "params.workload.name", "params.batch.size"),
-    "latency": ("params.model.name", "params.engine.weights", "params.engine.step", "params.batch.size"),
+    "latency": ("params.model.name", "params.engine.weights", "params.engine.step", "params.engine.persistent_form",
+                "params.batch.size"),
 }
 # Every table's row key also holds the card (tags.device): a rerun on another device is recorded beside the rows it
 # re-measures, never in their place.
@@ -170,7 +171,8 @@ DEVICE_TABLES = {"hybrid_27b", "static_scaling", "int4_e2e", "serving_full", "sp
 ROW_KEY_DEFAULTS = {DEVICE_KEY: "unknown device",
                     "params.engine.pdl": "False",    # PDL came in with engine.pdl (kernels/pdl.py)
                     "metrics.state_writeback": "1",   # the state written every token until kv_cache.state_writeback
-                    "params.engine.ready_scales": "False"}   # Q4_K's ready scale words came with engine.ready_scales
+                    "params.engine.ready_scales": "False",   # Q4_K's ready scale words came with engine.ready_scales
+                    "params.engine.persistent_form": ""}   # the persistent step's defaults, before it took settings
 
 
 def merge_runs(name: str, recorded: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
@@ -577,7 +579,9 @@ def latency(df: pd.DataFrame):
         "card": device_label(df),
         "model": df["params.model.name"],
         "weights": df["params.engine.weights"],
-        "step": df["params.engine.step"],
+        "step": [f"{step} ({form})" if isinstance(form, str) and form and step != "kernels" else step
+                 for step, form in zip(df["params.engine.step"], df.get("params.engine.persistent_form",
+                                                                        pd.Series("", index=df.index)))],
         "B": num(df, "params.batch.size").astype(int),
         "step ms": num(df, "metrics.step_ms_p50"),
         "tok/s": num(df, "metrics.throughput_tok_s"),
@@ -602,7 +606,7 @@ def latency(df: pd.DataFrame):
                           "x kernel-per-op": ".2f"})
     # where the targets stand, and where a persistent step's time goes: each phase summed over the layers against its
     # bytes' floor
-    ones = n[(n["B"] == 1) & (n["step"] == "persistent")]
+    ones = n[(n["B"] == 1) & n["step"].str.startswith("persistent")]
     standing = ("Targets (issue 61): at B = 1 a dense bf16 model's persistent step reaches >= "
                 f"{LATENCY_FLOOR_TARGET:.0%} of its floor (the H200 figure; the same fraction on other cards), and no "
                 "row is slower than the kernel-per-op step. "

@@ -152,6 +152,9 @@ class EngineCfg:
     # kernels (one kernel per op) | persistent (dense llama/qwen3, steps of <= 16 rows as one persistent kernel) |
     # auto (per row count the faster of the two, measured when the step's graphs are captured)
     step: str = "kernels"
+    # the persistent step's settings, e.g. "block_k=512,stages=3" (kernels/persistent_step.py FORM_SETTINGS); "": the
+    # defaults it was measured fastest with
+    persistent_form: str = ""
     # dequant (GGUF -> dtype at load) | packed (Q4_0/Q4_1/Q4_K/Q8_0 projections stay quantized)
     weights: str = "dequant"
     # programmatic dependent launch between a step's kernels where the GPU has it (sm_90+; kernels/pdl.py);

@@ -517,6 +517,26 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
                  torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8"}
 
 
+# the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "prefetch", "attn_mma")
+
+
+def parse_form(text: str) -> dict[str, int]:
+    """'block_k=512,stages=3' -> {'block_k': 512, 'stages': 3} ('' -> {}: every setting its default). Settings outside
+    FORM_SETTINGS, or not integers, are refused by name; whether a form compiles is PersistentStep's to check."""
+    out = {}
+    for item in filter(None, (i.strip() for i in (text or "").split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if key not in FORM_SETTINGS or not eq:
+            raise ConfigError(f"persistent step form {text!r}: {item!r} is not one of "
+                              f"{', '.join(k + '=<int>' for k in FORM_SETTINGS)}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"persistent step form {text!r}: {key} takes an integer, got {value!r}") from None
+    return out
+
+
 def _data(w) -> torch.Tensor:
     return w.qweight if isinstance(w, PackedWeight) else w
 
@@ -758,7 +778,7 @@ def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float,
     decode rows at `position` (slots 0..rows-1 of kv, whose entries at that position it overwrites), beside the bytes
     the phase must read: its weights, or for attention the rows' keys and values 0..position."""
     c = model.cfg
-    step = PersistentStep(model, kv, timed=True)
+    step = PersistentStep(model, kv, timed=True, **model.persistent_form)
     dev = model.embed.device
     tokens = torch.zeros(rows, dtype=torch.long, device=dev)
     positions = torch.full((rows,), position, dtype=torch.long, device=dev)

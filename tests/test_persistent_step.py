@@ -257,6 +257,31 @@ def test_engine_step_setting_is_checked_before_a_model_loads(tiny_ggufs):
         EngineSpec(step="persistent").check_model(type(cfg)(**{**cfg.__dict__, "arch": "qwen35"}))
 
 
+def test_persistent_form_setting(tiny_ggufs):
+    """engine.persistent_form: settings parsed by name, a misspelled or non-integer one refused before a model loads;
+    the model builds its persistent step in them, and another form drops the built step and auto's measurements."""
+    from onepass.engine.engine import EngineSpec
+    from onepass.kernels.persistent_step import parse_form
+
+    assert parse_form("") == {} and parse_form(" block_k=256, stages=3 ") == {"block_k": 256, "stages": 3}
+    with pytest.raises(ConfigError, match="'blockk=256' is not one of block_k=<int>, num_warps=<int>"):
+        EngineSpec(persistent_form="blockk=256").resolve()
+    with pytest.raises(ConfigError, match="stages takes an integer, got 'two'"):
+        EngineSpec(persistent_form="stages=two").resolve()
+    cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64, step="auto",
+                         persistent_form="block_k=32,stages=2")
+    kv = ContiguousKVCache(cfg, 2, 16, torch.float32, "cpu")
+    step = model.persistent_step(kv)
+    assert (step.block_k, step.stages) == (32, 2) and model.persistent_step(kv) is step
+    model.picks[4], model.pick_us[4] = True, (2.0, 1.0)
+    model.set_step("auto", "block_k=32,stages=2")          # the same form: kept
+    assert model.persistent_step(kv) is step and model.picks == {4: True}
+    model.set_step("auto", "block_k=64,stages=0")
+    assert model.picks == {} and model.pick_us == {}
+    assert (model.persistent_step(kv).block_k, model.persistent_step(kv).stages) == (64, 0)
+
+
 def test_auto_step_takes_the_form_measured_for_each_row_count(tiny_ggufs):
     """engine.step=auto: a row count takes the persistent step only where a Step measured it faster (the model's
     picks); unmeasured counts, wider steps and the CPU take the kernel-per-op step; the picks outlive a change of
