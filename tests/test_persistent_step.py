@@ -321,6 +321,39 @@ def test_auto_step_measures_both_forms_at_capture(tiny_ggufs):
     assert outs["auto"] == outs["kernels"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("mode,prefill,layout,prefix", [("continuous", "chunked", "paged", "auto"),
+                                                        ("continuous", "token", "contiguous", "off"),
+                                                        ("static", "chunked", "paged", "off")])
+def test_persistent_step_serves_every_schedule(tiny_ggufs, mode, prefill, layout, prefix):
+    """Under each scheduler mode, graphed: a step's decode rows (up to 16) take the persistent kernel, prompt chunks
+    and wider steps the kernel-per-op path, paged caches and reused prefix blocks included; every request's tokens
+    equal the kernel-per-op engine's (fp32: the two forms round alike), with slots refilled mid-run."""
+    from onepass.engine.block_manager import BlockManager
+    from onepass.engine.runner import Runner
+    from onepass.engine.sampler import SamplingParams
+    from onepass.engine.scheduler import Request, Scheduler
+
+    cfg, w, _ = load_gguf(tiny_ggufs["llama"], dtype=torch.float32, device=DEV, progress=False)
+    g = _gen(11)
+    shared = torch.randint(3, 200, (9,), generator=g).tolist()
+    prompts = [(shared if i % 2 else []) + torch.randint(3, 200, (2 + i,), generator=g).tolist() for i in range(7)]
+    max_new = [4 + (5 * i) % 9 for i in range(7)]
+    outs = {}
+    for step in ("kernels", "persistent"):
+        model = FusedDecoder(cfg, w, get_step_kernels("triton"), max_pos=65, step=step)
+        bm = BlockManager(48, 4, prefix_caching=prefix == "auto") if layout == "paged" else None
+        kv = (PagedKVCache(cfg, 48, 4, 3, 64, torch.float32, DEV) if layout == "paged"
+              else ContiguousKVCache(cfg, 4, 64, torch.float32, DEV))
+        runner = Runner(model, kv, Scheduler(3, mode, prefill, 16, bm, 64), SamplingParams())
+        res = runner.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
+        assert not res.rejected
+        outs[step] = {r.rid: r.output for r in res.finished}
+    assert model._persistent is not None, "no step took the persistent kernel"
+    assert outs["persistent"] == outs["kernels"] and len(outs["kernels"]) == 7
+
+
 def test_auto_step_keeps_the_kernel_per_op_form_where_the_persistent_one_cannot_run(tiny_ggufs, monkeypatch):
     """auto never fails a run for the persistent form's sake: a model it cannot take, or a persistent kernel that
     does not build on this GPU, leaves every bucket on the kernel-per-op step with the reason kept for the job's log."""
