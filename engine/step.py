@@ -149,7 +149,7 @@ class Step:
         elif self.cuda:
             self.inp[SLOT].fill_(self.scratch)  # as in _capture: the timed steps write only the scratch slot
             with pdl.applied(self.policy):
-                self._pick_step_forms(self._layer_buckets(buckets), graphed=False)
+                self._pick_step_forms(self._pick_buckets(self._layer_buckets(buckets)), graphed=False)
 
     # -- what runs on the device ----------------------------------------------------------------------
     def _layers(self, r: int) -> None:
@@ -194,6 +194,11 @@ class Step:
 
     def _layer_buckets(self, buckets: tuple[int, ...] | None) -> list[int]:
         return [b for b in BUCKETS if b <= self.rows and (buckets is None or b in buckets)]
+
+    def _pick_buckets(self, layer_buckets: list[int]) -> list[int]:
+        """The row counts whose layers run: the captured buckets and the lockstep's rows (a static batch with batched
+        prefill captures no other: without them auto would run its lockstep unmeasured)."""
+        return sorted(set(layer_buckets) | {self.lock_rows})
 
     def _pick_step_forms(self, layer_buckets: list[int], graphed: bool, rounds: int = 3, reps: int = 10) -> None:
         """engine.step=auto: for each bucket the persistent step may take, both forms of the layers (each captured
@@ -256,7 +261,7 @@ class Step:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile every kernel at every shape before capture
-            self._pick_step_forms(layer_buckets, graphed=True)
+            self._pick_step_forms(self._pick_buckets(layer_buckets), graphed=True)
             for r in layer_buckets:
                 self._layers(r)
             for n in head_buckets:

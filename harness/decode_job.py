@@ -208,6 +208,8 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
             elif "pick_kernels_us" in m:
                 perf += (f" (layers {m['pick_kernels_us']:.1f} us kernel-per-op, {m['pick_persistent_us']:.1f} us "
                          "persistent, as measured at capture)")
+            else:
+                perf += " (not measured: auto's fallback)"
     if spec_metrics:
         m = spec_metrics
         perf += (f"; drafts k={m['spec_k']:.0f}: {m['tokens_per_step']:.2f} tokens a slot a step, "

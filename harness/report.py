@@ -590,8 +590,12 @@ def latency(df: pd.DataFrame):
         "kernel-per-op ms": _opt(df, "metrics.kernels_step_ms_p50"),
         "x kernel-per-op": _opt(df, "metrics.speedup_vs_kernels"),
         "tokens agree": _opt(df, "metrics.kernels_agree"),
-        "auto picked": [("persistent" if v else "kernel-per-op") if pd.notna(v) else "—"
-                        for v in _opt(df, "metrics.step_picked_persistent")],
+        # a pick without the two forms' times was not measured (the persistent form could not be built, or, in rows
+        # recorded before auto measured a static batch's lockstep rows, it never timed them) and is auto's fallback
+        "auto picked": [("persistent" if v else "kernel-per-op") + ("" if pd.notna(us) else " (not measured)")
+                        if pd.notna(v) else "—"
+                        for v, us in zip(_opt(df, "metrics.step_picked_persistent"),
+                                         _opt(df, "metrics.pick_kernels_us"))],
         "HF static tok/s": _opt(df, "metrics.peer_tok_s"),
         "verified": check(num(df, "metrics.verify_ok")),
         "flags": flags(df),
