@@ -61,32 +61,6 @@ def _now():
 
 
 @triton.jit
-def _l2_prefetch(w, t, NT, N, K, BN: tl.constexpr, PAIR: tl.constexpr):
-    """Ask the copy engine to bring work item t's dense weight rows (BN rows of K, PAIR: and their up rows) into L2,
-    one row a thread, without registers or a wait: the K loop that reads them later finds them there or in flight.
-    Nothing when t is past the phase's NT items."""
-    if t < NT:
-        n0 = t * BN
-        nbytes = K * w.dtype.element_ty.primitive_bitwidth // 8
-        asm: tl.constexpr = ("{ .reg .pred p; .reg .u32 i; .reg .u64 a; mov.u32 i, %tid.x; setp.lt.u32 p, i, $3; "
-                             "mul.wide.u32 a, i, $2; add.u64 a, $1, a; "
-                             "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }")
-        rows = tl.minimum(N - n0, BN)
-        tl.inline_asm_elementwise(asm, "=r,l,r,r", [w + n0.to(tl.int64) * K, nbytes, rows], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-        if PAIR > 0:
-            tl.inline_asm_elementwise(asm, "=r,l,r,r", [w + (PAIR + n0).to(tl.int64) * K, nbytes, rows],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_first(w, pid, nprog, NT, N, K, BN: tl.constexpr, PAIR: tl.constexpr, PF: tl.constexpr):
-    """The program's first PF work items of a phase over w asked into L2 (nothing when PF is 0)."""
-    for j in tl.static_range(PF):
-        _l2_prefetch(w, pid + j * nprog, NT, N, K, BN, PAIR)
-
-
-@triton.jit
 def _rstd(ss, R, eps, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BR: tl.constexpr):
     """1 / rms of each row from the per-tile sums of squares ss [DIM // BLOCK_N, BR], summed in a fixed order."""
     NT: tl.constexpr = DIM // BLOCK_N
@@ -243,15 +217,13 @@ def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, D
 def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr, K: tl.constexpr,
                 NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
                 BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                FMT: tl.constexpr, PF: tl.constexpr):
+                FMT: tl.constexpr):
     """The program's work items t = pid, pid + nprog, .. of cdiv(NOUT, BN) over the weight w [N, K]. STAGES = 0:
     item by item, each K loop double-buffered by hand (_tile_gemm); STAGES > 0: all of them as one loop over (item,
     K chunk) left to Triton's pipeliner, so STAGES chunks stay in flight across items too (a loop per item would
-    drain it at every item boundary). PF > 0 (dense weights): the program's next PF items' weights are kept asked
-    into L2 (_l2_prefetch) ahead of the item it computes."""
+    drain it at every item boundary)."""
     PAIR: tl.constexpr = NOUT if KIND == 2 else 0
     NT: tl.constexpr = (NOUT + BN - 1) // BN
-    _prefetch_first(w, pid, nprog, NT, N, K, BN, PAIR, PF)
     if STAGES > 0:
         KCH: tl.constexpr = (K + BK - 1) // BK
         acc = tl.zeros([BR, _tile_cols(0, BN, PAIR).shape[0]], tl.float32)
@@ -262,23 +234,19 @@ def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: 
             if i % KCH == KCH - 1:
                 _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
                 acc = tl.zeros_like(acc)
-                if PF > 0:
-                    _l2_prefetch(w, t + PF * nprog, NT, N, K, BN, PAIR)
     else:
         for t in range(pid, NT, nprog):
             acc = _tile_gemm(x, sx, w, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR)
             _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
-            if PF > 0:
-                _l2_prefetch(w, t + PF * nprog, NT, N, K, BN, PAIR)
 
 
 @triton.jit
 def _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr, PF: tl.constexpr):
+               FMT: tl.constexpr):
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
     _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, qkv, res, ss, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0, True, IEEE,
-                BR, BN, BK, STAGES, FMT, PF)
+                BR, BN, BK, STAGES, FMT)
 
 
 @triton.jit
@@ -303,7 +271,7 @@ def _head_norm_rope(a, b, nw, c, s, eps, D: tl.constexpr, QK_NORM: tl.constexpr)
 def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
                 kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, PAGED: tl.constexpr,
-                QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr, MMA: tl.constexpr):
+                QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr):
     """Per (row, kv head): the group's q heads and the kv head normed (qwen3) and roped, k and v written to the cache
     at the row's (slot, position), then softmax(q k^T * scale) v over the slot's positions 0..pos (fp32 online
     softmax). Rows of a negative slot (padding) write zeros and touch no cache."""
@@ -353,9 +321,7 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
                     tl.store(vc + at + d2[None, :], tl.load(vp, cache_modifier=".cg"))
                     tl.store(vc + at + HALF + d2[None, :], tl.load(vp + HALF, cache_modifier=".cg"))
             tl.debug_barrier()               # the k, v just written are read back below by the program's other warps
-            # the group's heads as one [GB, D] tile; MMA: scores and values as tl.dots (GB >= 16 rows, tl.dot's
-            # least); else in fp32 lanes, a [heads, keys, dim] product summed across threads (the earlier form, kept
-            # while the probe compares them)
+            # the group's heads as one [GB, D] tile, scores and values as tl.dots (GB >= 16 rows, tl.dot's least)
             q = tl.reshape(tl.permute(tl.join(qa, qb), [0, 2, 1]), [GB, D])
             dd = tl.arange(0, D)
             m_i = tl.full([GB], float("-inf"), tl.float32)
@@ -372,20 +338,13 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
                 km = valid[:, None]
                 k = tl.load(kc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
                 v = tl.load(vc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
-                if MMA:
-                    sc = _dot(q, tl.trans(k), IEEE)
-                else:
-                    sc = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+                sc = _dot(q, tl.trans(k), IEEE)
                 sc = tl.where(valid[None, :], sc * scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(sc - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                if MMA:
-                    pv = _dot(p.to(v.dtype), v, IEEE)
-                else:
-                    pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-                acc = acc * alpha[:, None] + pv
+                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
                 m_i = m_new
             tl.store(out + dd[None, :], (acc / l_i[:, None]).to(attn.dtype.element_ty), mask=gm[:, None])
 
@@ -393,27 +352,27 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
 @triton.jit
 def _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
              BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-             FMT: tl.constexpr, PF: tl.constexpr):
+             FMT: tl.constexpr):
     _gemm_phase(attn, QD, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, QD, DIM, DIM, 1, False, IEEE,
-                BR, BN, BK, STAGES, FMT, PF)
+                BR, BN, BK, STAGES, FMT)
 
 
 @triton.jit
 def _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr, PF: tl.constexpr):
+               FMT: tl.constexpr):
     """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]."""
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
     _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, act, res, ss, R, pid, nprog, 2 * F, DIM, F, DIM, 2, True, IEEE,
-                BR, BN, BK, STAGES, FMT, PF)
+                BR, BN, BK, STAGES, FMT)
 
 
 @triton.jit
 def _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
                 BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                FMT: tl.constexpr, PF: tl.constexpr):
+                FMT: tl.constexpr):
     _gemm_phase(act, F, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, F, DIM, DIM, 1, False, IEEE, BR,
-                BN, BK, STAGES, FMT, PF)
+                BN, BK, STAGES, FMT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -442,41 +401,34 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-                     MMA: tl.constexpr, STAGES: tl.constexpr, FMT: tl.constexpr, PF: tl.constexpr, AL: tl.constexpr,
+                     STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr,
                      PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     QD: tl.constexpr = H * D
-    # PF > 0: each GEMM phase's first items are asked into L2 before the barrier (or attention) that precedes it
-    _prefetch_first(_at(w_qkv, offs, 0, AL), pid, nprog, NQKV // BN, NQKV, DIM, BN, 0, PF)
     _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
         o = offs + layer * _N_TABLE
         _phase_qkv(res, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
                    _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK,
-                   STAGES, FMT, PF)
+                   STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _prefetch_first(_at(w_o, o, 1, AL), pid, nprog, DIM // BN, DIM, QD, BN, 0, PF)
         _phase_attn(qkv, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
-                    H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, MMA)
+                    H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, _at(w_o, o, 1, AL), _at(s_o, o, 13, AL), _at(c_o, o, 14, AL),
-                 _at(b_o, o, 15, AL), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT, PF)
-        _prefetch_first(_at(w_gu, o, 2, AL), pid, nprog, F // BN, 2 * F, DIM, BN, F, PF)
+                 _at(b_o, o, 15, AL), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_ffn(res, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
                    _at(b_gu, o, 18, AL), _at(n_ffn, o, 5, AL), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK,
-                   STAGES, FMT, PF)
-        _prefetch_first(_at(w_down, o, 3, AL), pid, nprog, DIM // BN, DIM, F, BN, 0, PF)
+                   STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_down(act, res, ss, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
-                    _at(b_down, o, 21, AL), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, PF)
-        if layer + 1 < L:
-            _prefetch_first(_at(w_qkv, o, _N_TABLE, AL), pid, nprog, NQKV // BN, NQKV, DIM, BN, 0, PF)
+                    _at(b_down, o, 21, AL), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
@@ -485,9 +437,9 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
                block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr, MMA: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
                STAGES: tl.constexpr,
-               FMT: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr = False):
+               FMT: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -495,16 +447,16 @@ def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rop
         _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     elif PHASE == 1:
         _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK,
-                   STAGES, FMT, PF)
+                   STAGES, FMT)
     elif PHASE == 2:
         _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
-                    kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, MMA)
+                    kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA)
     elif PHASE == 3:
-        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT, PF)
+        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT)
     elif PHASE == 4:
-        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, PF)
+        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
     else:
-        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, PF)
+        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -518,7 +470,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "prefetch", "attn_mma")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -576,13 +528,11 @@ class PersistentStep:
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, num_warps: int = 8, stages: int | None = None,
-                 prefetch: int = 0, attn_mma: int = 1, timed: bool = False):
+                 timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
         once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
         K loop double-buffered by hand; 2 or more: one loop over all of a program's (item, K chunk) pairs, left to
-        Triton's pipeliner with that many stages); prefetch: how many of a program's next work items' dense weights
-        are kept asked into L2 by the copy engine (Hopper's bulk prefetch; 0: none); attn_mma: attention's scores and
-        values as tl.dot MMAs over the group's heads (1) or as fp32 lanes (0, the earlier form). Defaults: for dense
+        Triton's pipeliner with that many stages); block_n_attn: keys an attention step reads. Defaults: for dense
         weights the fastest form measured on the H100 (kernels/PROBES.md); packed weights, which only the pipelined
         loop reads, 4 stages of 256 (not measured yet)."""
         why = self.unsupported(model, kv)
@@ -597,15 +547,12 @@ class PersistentStep:
         if self.fmt >= 0 and (stages < 2 or block_k % 32):
             raise ConfigError(f"persistent step: packed weights are read in whole 32-weight groups by the pipelined "
                               f"K loop: block_k must be a multiple of 32 and stages >= 2 (got {block_k}, {stages})")
-        if prefetch < 0 or (prefetch and (self.fmt >= 0 or model.embed.device.type != "cuda")):
-            raise ConfigError(f"persistent step: prefetch={prefetch}; the L2 prefetch takes dense weights on a GPU "
-                              "(0 turns it off)")
         if mode not in ("persistent", "phased"):
             raise ConfigError(f"persistent step mode must be persistent or phased, got {mode!r}")
         c = model.cfg
         self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
-        self.stages, self.prefetch, self.attn_mma = stages, prefetch, attn_mma
+        self.stages = stages
         dev, dt = model.embed.device, model.dtype
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -679,10 +626,10 @@ class PersistentStep:
     def _consts(self, paged: bool):
         c = self.model.cfg
         return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
-                    GB=max(16 if self.attn_mma else 1, _pow2(c.n_heads // c.n_kv_heads)), PAGED=paged,
+                    GB=max(16, _pow2(c.n_heads // c.n_kv_heads)), PAGED=paged,
                     QK_NORM=self.qk_norm,
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
-                    BNA=self.block_n_attn, MMA=self.attn_mma, STAGES=self.stages, FMT=self.fmt, PF=self.prefetch)
+                    BNA=self.block_n_attn, STAGES=self.stages, FMT=self.fmt)
 
     def _persistent_args(self, positions, slots, res, block_table):
         """The persistent kernel's arguments and constexprs for one launch."""

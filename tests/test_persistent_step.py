@@ -69,9 +69,8 @@ def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
     return res
 
 
-GEMM_FORMS = {   # the K loop's forms, with K chunks small enough that every item takes several; attention in lanes
+GEMM_FORMS = {   # the K loop's forms, with K chunks small enough that every item takes several
     "hand": dict(block_k=32, stages=0), "pipelined": dict(stages=3, block_k=16),
-    "lanes-attention": dict(attn_mma=0),
 }
 
 
@@ -101,8 +100,7 @@ def test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, paged, form
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("form", GEMM_FORMS)
 def test_gemm_forms_match_the_references(tiny_ggufs, arch, form):
-    """Each form of the GEMM phases' K loop (by hand item by item, one pipelined loop over items and chunks), and
-    attention in fp32 lanes instead of MMAs."""
+    """Each form of the GEMM phases' K loop: by hand item by item, one pipelined loop over items and chunks."""
     test_phases_match_the_kernel_per_op_references(tiny_ggufs, arch, False, form)
 
 
@@ -176,8 +174,8 @@ def test_refuses_what_it_cannot_run(tiny_ggufs):
     cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
     model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
     kv = ContiguousKVCache(cfg, 2, 16, torch.float32, "cpu")
-    with pytest.raises(ConfigError, match="prefetch=1; the L2 prefetch takes dense weights on a GPU"):
-        PersistentStep(model, kv, prefetch=1)        # Hopper's bulk prefetch: no CPU form
+    with pytest.raises(ConfigError, match="stages=1; 0 \\(by hand\\) or >= 2"):
+        PersistentStep(model, kv, stages=1)
     model.cfg = type(cfg)(**{**cfg.__dict__, "arch": "qwen35"})
     with pytest.raises(ConfigError, match="architecture 'qwen35'.*engine.step=kernels"):
         PersistentStep(model, kv)
@@ -312,8 +310,8 @@ def test_auto_step_measures_both_forms_at_capture(tiny_ggufs):
     cfg, w, _ = load_gguf(tiny_ggufs["qwen3"], dtype=torch.float32, device=DEV, progress=False)
     prompts = [torch.randint(3, 200, (6,), generator=_gen(9 + i)).tolist() for i in range(3)]
     outs = {}
-    for step in ("kernels", "auto"):
-        model = FusedDecoder(cfg, w, get_step_kernels("triton"), max_pos=64, step=step)
+    for step in ("kernels", "auto"):   # fp32 projections through cuBLAS (the Triton GEMM takes 16-bit inputs)
+        model = FusedDecoder(cfg, w, get_step_kernels("triton", "cublas"), max_pos=64, step=step)
         outs[step] = run_static(model, ContiguousKVCache(cfg, 4, 48, torch.float32, DEV), prompts, 12).outputs
     assert 4 in model.picks and set(model.picks) <= {1, 2, 4, 8, 16}, model.picks   # B = 3: the 4-row bucket
     assert all(k > 0 and p > 0 for k, p in model.pick_us.values()), model.pick_us
@@ -342,7 +340,7 @@ def test_persistent_step_serves_every_schedule(tiny_ggufs, mode, prefill, layout
     max_new = [4 + (5 * i) % 9 for i in range(7)]
     outs = {}
     for step in ("kernels", "persistent"):
-        model = FusedDecoder(cfg, w, get_step_kernels("triton"), max_pos=65, step=step)
+        model = FusedDecoder(cfg, w, get_step_kernels("triton", "cublas"), max_pos=65, step=step)   # fp32: cuBLAS
         bm = BlockManager(48, 4, prefix_caching=prefix == "auto") if layout == "paged" else None
         kv = (PagedKVCache(cfg, 48, 4, 3, 64, torch.float32, DEV) if layout == "paged"
               else ContiguousKVCache(cfg, 4, 64, torch.float32, DEV))
@@ -368,6 +366,9 @@ def test_auto_step_keeps_the_kernel_per_op_form_where_the_persistent_one_cannot_
     def no_build(kv):
         raise RuntimeError("out of shared memory")
 
+    # a static batch with batched prefill captures no layer bucket, only its lockstep's rows: those are measured too
+    assert step._pick_buckets([]) == [step.lock_rows] and step._pick_buckets([1, 2, 4]) == sorted({1, 2, 4,
+                                                                                                     step.lock_rows})
     monkeypatch.setattr(model, "persistent_step", no_build)
     step._pick_step_forms([1, 2], graphed=False)
     assert model.picks == {1: False, 2: False} and model.pick_us == {}
