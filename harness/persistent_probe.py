@@ -6,8 +6,8 @@ rate, and the largest difference of the final residual rows from the kernel-per-
     python -m onepass.harness.persistent_probe --model llama-3.2-1b --rows 1,16 \
         --forms "block_k=512,num_warps=8,stages=0;stages=4,block_k=256"
 
-Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages); the
-others keep their defaults. Each form's phases are timed too (one timed launch: program 0's clock at every barrier).
+Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages); the others keep their
+defaults. Each form's phases are timed too (one timed launch: program 0's clock at every barrier).
 """
 from __future__ import annotations
 

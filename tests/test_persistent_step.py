@@ -366,10 +366,11 @@ def test_auto_step_keeps_the_kernel_per_op_form_where_the_persistent_one_cannot_
     def no_build(kv):
         raise RuntimeError("out of shared memory")
 
-    # a static batch with batched prefill captures no layer bucket, only its lockstep's rows: those are measured too
-    assert step._pick_buckets([]) == [step.lock_rows] and step._pick_buckets([1, 2, 4]) == sorted({1, 2, 4,
-                                                                                                     step.lock_rows})
     monkeypatch.setattr(model, "persistent_step", no_build)
+    # a static batch with batched prefill captures no layer bucket: its lockstep's rows (2 slots: 2) are timed still
+    step._pick_step_forms(step._pick_buckets([]), graphed=False)
+    assert model.picks == {2: False} and step._pick_buckets([1, 4]) == [1, 2, 4]
+    model._measured.clear()
     step._pick_step_forms([1, 2], graphed=False)
     assert model.picks == {1: False, 2: False} and model.pick_us == {}
     assert "did not build (RuntimeError: out of shared memory)" in model.pick_why
