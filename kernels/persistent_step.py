@@ -34,7 +34,7 @@ from onepass.kernels.quant_pack import PackedWeight
 from onepass.kernels.triton_compat import tl, triton
 
 MAX_ROWS = 16          # rows padded to one 16-row tile (tl.dot's smallest M)
-BLOCK_N = 16           # output columns per work item
+BLOCK_N = 32           # weight rows per work item: output columns (gate|up: BLOCK_N // 2 of each), residual tile width
 # per-layer offsets: qkv, o, gate_up, down (dense weights, or packed words), attn_norm, ffn_norm, q_norm, k_norm,
 # k cache, v cache, then (scales, mins, sub-scales) of qkv, o, gate_up and down (packed weights; else placeholders)
 N_TABLE = 22
@@ -138,7 +138,8 @@ def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM: tl.const
     rows = tl.arange(0, BR)
     kk = k0 + tl.arange(0, BK)
     km = kk[None, :] < K
-    xv = tl.load(x + rows[:, None] * sx + kk[None, :], mask=(rows[:, None] < R) & km, other=0.0)
+    xv = tl.load(x + rows[:, None] * sx + kk[None, :], mask=(rows[:, None] < R) & km, other=0.0,
+                 cache_modifier=".cg")
     if FMT < 0:
         wv = tl.load(w + cols[:, None].to(tl.int64) * K + kk[None, :], mask=(cols[:, None] < N) & km, other=0.0)
     else:
@@ -214,25 +215,52 @@ def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, D
 
 
 @triton.jit
-def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: tl.constexpr, K: tl.constexpr,
-                NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                FMT: tl.constexpr):
-    """The program's work items t = pid, pid + nprog, .. of cdiv(NOUT, BN) over the weight w [N, K]. STAGES = 0:
-    item by item, each K loop double-buffered by hand (_tile_gemm); STAGES > 0: all of them as one loop over (item,
-    K chunk) left to Triton's pipeliner, so STAGES chunks stay in flight across items too (a loop per item would
-    drain it at every item boundary)."""
+def _unit_done(acc, t, s, R, out, res, ss, part, cnt, KIND: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr,
+               BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
+    """Split s of item t has its K range's product in acc. With S = 1 it is the item's result; else it is stored to
+    part, and the split that arrives last at the item's counter sums all S in split order (a fixed order, so the
+    result never depends on which program came last) and finishes the item, then resets the counter for the next
+    layer."""
+    if S == 1:
+        _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+    else:
+        NC: tl.constexpr = acc.shape[1]
+        tile = tl.arange(0, BR)[:, None] * NC + tl.arange(0, NC)[None, :]
+        base = part + t * (S * BR * NC)
+        tl.store(base + s * (BR * NC) + tile, acc)
+        tl.debug_barrier()                   # every warp's part stored before the program counts itself
+        seen = tl.atomic_add(cnt + t, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if seen == S - 1:
+            tot = tl.zeros_like(acc)
+            for j in range(S):
+                tot += tl.load(base + j * (BR * NC) + tile, cache_modifier=".cg")
+            tl.atomic_xchg(cnt + t, 0, sem="relaxed", scope="gpu")
+            _epilogue(tot, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+
+
+@triton.jit
+def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, part, cnt, R, pid, nprog, N: tl.constexpr,
+                K: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr,
+                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                FMT: tl.constexpr, S: tl.constexpr):
+    """The cdiv(NOUT, BN) items over the weight w [N, K], each cut into S splits of its K range: the program's units
+    u = pid, pid + nprog, .. of items x S (item u // S, split u % S). STAGES = 0: unit by unit, each K loop
+    double-buffered by hand (_tile_gemm; S = 1); STAGES > 0: all of them as one loop over (unit, K chunk) left to
+    Triton's pipeliner, so STAGES chunks stay in flight across units too (a loop per unit would drain it at every
+    unit boundary)."""
     PAIR: tl.constexpr = NOUT if KIND == 2 else 0
     NT: tl.constexpr = (NOUT + BN - 1) // BN
     if STAGES > 0:
-        KCH: tl.constexpr = (K + BK - 1) // BK
+        KCH: tl.constexpr = (K // S + BK - 1) // BK
         acc = tl.zeros([BR, _tile_cols(0, BN, PAIR).shape[0]], tl.float32)
-        for i in tl.range(0, (NT - pid + nprog - 1) // nprog * KCH, num_stages=STAGES):
-            t = pid + (i // KCH) * nprog
-            acc += _chunk_dot(x, sx, w, ws, wc, wb, _tile_cols(t * BN, BN, PAIR), N, K, (i % KCH) * BK, R, rstd,
-                              nw, NORM, IEEE, BR, BK, FMT)
+        for i in tl.range(0, (NT * S - pid + nprog - 1) // nprog * KCH, num_stages=STAGES):
+            u = pid + (i // KCH) * nprog
+            t = u // S
+            acc += _chunk_dot(x, sx, w, ws, wc, wb, _tile_cols(t * BN, BN, PAIR), N, K,
+                              (u % S) * (K // S) + (i % KCH) * BK, R, rstd, nw, NORM, IEEE, BR, BK, FMT)
             if i % KCH == KCH - 1:
-                _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+                _unit_done(acc, t, u % S, R, out, res, ss, part, cnt, KIND, NOUT, DIM, BR, BN, S)
                 acc = tl.zeros_like(acc)
     else:
         for t in range(pid, NT, nprog):
@@ -241,12 +269,12 @@ def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, R, pid, nprog, N: 
 
 
 @triton.jit
-def _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
+def _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr):
+               FMT: tl.constexpr, S: tl.constexpr):
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, qkv, res, ss, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0, True, IEEE,
-                BR, BN, BK, STAGES, FMT)
+    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, qkv, res, ss, part, cnt, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0,
+                True, IEEE, BR, BN, BK, STAGES, FMT, S)
 
 
 @triton.jit
@@ -350,29 +378,30 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
 
 
 @triton.jit
-def _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr, IEEE: tl.constexpr,
-             BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-             FMT: tl.constexpr):
-    _gemm_phase(attn, QD, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, QD, DIM, DIM, 1, False, IEEE,
-                BR, BN, BK, STAGES, FMT)
+def _phase_o(attn, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr,
+             IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+             FMT: tl.constexpr, S: tl.constexpr):
+    _gemm_phase(attn, QD, w, ws, wc, wb, None, None, res, res, ss, part, cnt, R, pid, nprog, DIM, QD, DIM, DIM, 1,
+                False, IEEE, BR, BN, BK, STAGES, FMT, S)
 
 
 @triton.jit
-def _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
+def _phase_ffn(res, ss, act, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-               FMT: tl.constexpr):
-    """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]."""
+               FMT: tl.constexpr, S: tl.constexpr):
+    """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]: an item's BN
+    weight rows are BN // 2 of gate and the same columns of up."""
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, act, res, ss, R, pid, nprog, 2 * F, DIM, F, DIM, 2, True, IEEE,
-                BR, BN, BK, STAGES, FMT)
+    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, act, res, ss, part, cnt, R, pid, nprog, 2 * F, DIM, F, DIM, 2,
+                True, IEEE, BR, BN // 2, BK, STAGES, FMT, S)
 
 
 @triton.jit
-def _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr, IEEE: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                FMT: tl.constexpr):
-    _gemm_phase(act, F, w, ws, wc, wb, None, None, res, res, ss, R, pid, nprog, DIM, F, DIM, DIM, 1, False, IEEE, BR,
-                BN, BK, STAGES, FMT)
+def _phase_down(act, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
+                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                FMT: tl.constexpr, S: tl.constexpr):
+    _gemm_phase(act, F, w, ws, wc, wb, None, None, res, res, ss, part, cnt, R, pid, nprog, DIM, F, DIM, DIM, 1, False,
+                IEEE, BR, BN, BK, STAGES, FMT, S)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -395,14 +424,14 @@ def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
 
 
 @triton.jit
-def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn, n_q, n_k,
+def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn, n_q, n_k,
                      kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down, c_down, b_down,
                      rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale,
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-                     STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr, S_QKV: tl.constexpr,
+                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -413,56 +442,60 @@ def _persistent_step(res, ss, qkv, attn, act, bar, clock, offs, w_qkv, w_o, w_gu
     for layer in range(L):
         o = offs + layer * _N_TABLE
         _phase_qkv(res, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
-                   _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK,
-                   STAGES, FMT)
+                   _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE,
+                   BR, BN, BK, STAGES, FMT, S_QKV)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_attn(qkv, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                     H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, _at(w_o, o, 1, AL), _at(s_o, o, 13, AL), _at(c_o, o, 14, AL),
-                 _at(b_o, o, 15, AL), R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT)
+                 _at(b_o, o, 15, AL), part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT, S_O)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_ffn(res, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
-                   _at(b_gu, o, 18, AL), _at(n_ffn, o, 5, AL), R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK,
-                   STAGES, FMT)
+                   _at(b_gu, o, 18, AL), _at(n_ffn, o, 5, AL), part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR,
+                   BN, BK, STAGES, FMT, S_GU)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_down(act, res, ss, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
-                    _at(b_down, o, 21, AL), R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
+                    _at(b_down, o, 21, AL), part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
+                    S_DOWN)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
 @triton.jit
-def _one_phase(res, ss, qkv, attn, act, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride,
+def _one_phase(res, ss, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride,
                block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
-               STAGES: tl.constexpr,
-               FMT: tl.constexpr, PDL: tl.constexpr = False):
+               STAGES: tl.constexpr, FMT: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if PHASE == 0:
         _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
     elif PHASE == 1:
-        _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE, BR, BN, BK,
-                   STAGES, FMT)
+        _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE,
+                   BR, BN, BK, STAGES, FMT, S)
     elif PHASE == 2:
         _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
                     kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA)
     elif PHASE == 3:
-        _phase_o(attn, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_o(attn, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT,
+                 S)
     elif PHASE == 4:
-        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
+                   FMT, S)
     else:
-        _phase_down(act, res, ss, w, ws, wc, wb, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT)
+        _phase_down(act, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
+                    S)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-DENSE_FORM = dict(block_k=512, stages=0)
-PACKED_FORM = dict(block_k=256, stages=4)
+DENSE_FORM = dict(block_k=256, stages=4, num_warps=4)    # block_k halved for fp32 weights
+PACKED_FORM = dict(block_k=256, stages=4, num_warps=4)
+BALANCE = 90   # a GEMM phase's K range is cut until its units fill this percentage of the programs' rounds (_splits)
 
 
 _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
@@ -470,7 +503,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -509,6 +542,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _splits(items: int, K: int, block_k: int, programs: int, balance: int) -> int:
+    """Into how many K ranges a GEMM phase's items are cut: the least power of two at which the units (items x
+    splits) fill `balance` percent or more of the programs' rounds (64 items on 132 programs fill 48%; cut in two,
+    97%), every range whole K chunks. Cutting costs each unit a partial product's store and load, so no further than
+    that. 1: uncut."""
+    def fill(s: int) -> float:
+        units = items * s
+        return units / (-(-units // programs) * programs)
+
+    s = 1
+    if balance > 0 and K % block_k == 0:
+        while fill(s) * 100 < balance and (K // block_k) % (2 * s) == 0:
+            s *= 2
+    return s
+
+
 def _offsets(tensors: list[torch.Tensor]) -> list[int]:
     """Each tensor's element offset from the first (all of one dtype): the kernel adds it to the first's pointer."""
     base, size = tensors[0].data_ptr(), tensors[0].element_size()
@@ -527,21 +576,23 @@ class PersistentStep:
     where they are. `unsupported(model, kv)` says why a model cannot take it (None: it can)."""
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
-                 block_k: int | None = None, block_n_attn: int = 32, num_warps: int = 8, stages: int | None = None,
-                 timed: bool = False):
+                 block_k: int | None = None, block_n_attn: int = 32, num_warps: int | None = None,
+                 stages: int | None = None, balance: int = BALANCE, timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
         once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
-        K loop double-buffered by hand; 2 or more: one loop over all of a program's (item, K chunk) pairs, left to
-        Triton's pipeliner with that many stages); block_n_attn: keys an attention step reads. Defaults: for dense
-        weights the fastest form measured on the H100 (kernels/PROBES.md); packed weights, which only the pipelined
-        loop reads, 4 stages of 256 (not measured yet)."""
+        K loop double-buffered by hand; 2 or more: one loop over all of a program's (unit, K chunk) pairs, left to
+        Triton's pipeliner with that many stages), balance (how evenly the K splits must spread a phase's units
+        over the programs, in percent: _splits; 0: no split); block_n_attn: keys an attention step reads. Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md
+        has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
         self.fmt = self.weight_format(model)
         form = DENSE_FORM if self.fmt < 0 else PACKED_FORM
-        block_k = form["block_k"] if block_k is None else block_k
+        if block_k is None:   # a chunk of the same bytes in fp32, so its stages fit in shared memory
+            block_k = form["block_k"] // (2 if model.dtype == torch.float32 else 1)
         stages = form["stages"] if stages is None else stages
+        num_warps = form["num_warps"] if num_warps is None else num_warps
         if stages == 1 or stages < 0:
             raise ConfigError(f"persistent step: stages={stages}; 0 (by hand) or >= 2 (a pipelined loop)")
         if self.fmt >= 0 and (stages < 2 or block_k % 32):
@@ -582,6 +633,15 @@ class PersistentStep:
         self.qkv = torch.zeros(MAX_ROWS, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, dtype=dt, device=dev)
         self.attn = torch.zeros(MAX_ROWS, c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.act = torch.zeros(MAX_ROWS, c.ffn_dim, dtype=dt, device=dev)
+        # each GEMM phase's K splits (the hand-buffered loop runs whole items), and the splits' partial products and
+        # arrival counters (_unit_done)
+        items = {"qkv": (c.n_heads + 2 * c.n_kv_heads) * c.head_dim // BLOCK_N, "o": c.dim // BLOCK_N,
+                 "gate_up": c.ffn_dim // (BLOCK_N // 2), "down": c.dim // BLOCK_N}
+        depth = {"qkv": c.dim, "o": c.n_heads * c.head_dim, "gate_up": c.dim, "down": c.ffn_dim}
+        self.splits = {p: _splits(n, depth[p], block_k, programs, balance if stages else 0) for p, n in items.items()}
+        self.part = torch.zeros(max(n * self.splits[p] for p, n in items.items()) * MAX_ROWS * BLOCK_N,
+                                dtype=torch.float32, device=dev)
+        self.cnt = torch.zeros(max(items.values()), dtype=torch.int32, device=dev)
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
         self.clock = torch.zeros(1 + 5 * L, dtype=torch.int64, device=dev)
 
@@ -636,17 +696,19 @@ class PersistentStep:
         c = self.model.cfg
         a, paged = self._args(positions, slots, block_table)
         l0 = self.layer0
-        args = [res, self.ss, self.qkv, self.attn, self.act, self.bar, self.clock, self.offs, l0["qkv"], l0["o"],
+        args = [res, self.ss, self.qkv, self.attn, self.act, self.part, self.cnt, self.bar, self.clock, self.offs, l0["qkv"], l0["o"],
                 l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"], l0["k_norm"], l0["k"],
                 l0["v"], *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
-        return args, dict(TIMED=self.timed, AL=self.align, **self._consts(paged))
+        sp = self.splits
+        return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
+                          S_DOWN=sp["down"], **self._consts(paged))
 
-    def ptx(self, positions, slots, res, block_table=None, capability: int = 90) -> str:
+    def compile_for(self, positions, slots, res, block_table=None, capability: int = 90):
         """The persistent kernel as a launch on a GPU of that compute capability would compile it (its arguments'
-        types, pointers and integers known 16-byte divisible where they are), without a GPU: its PTX, to check how
-        it reads memory."""
+        types, pointers and integers known 16-byte divisible where they are), without a GPU: its PTX (`.asm`), to
+        check how it reads memory, and shared memory (`.metadata.shared`), to check that it fits."""
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
@@ -668,7 +730,7 @@ class PersistentStep:
         src = ASTSource(_persistent_step, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                         attrs=attrs)
         target = GPUTarget("cuda", capability, 32)
-        return triton.compile(src, target=target, options=dict(num_warps=self.num_warps)).asm["ptx"]
+        return triton.compile(src, target=target, options=dict(num_warps=self.num_warps))
 
     def __call__(self, positions: torch.Tensor, slots: torch.Tensor, res: torch.Tensor,
                  block_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -694,10 +756,11 @@ class PersistentStep:
             name, norm = {3: ("o", "attn_norm"), 4: ("gate_up", "ffn_norm"), 5: ("down", "attn_norm")}.get(
                 p, ("qkv", "attn_norm"))
             parts = [t[f"{name}.{part}"][i] for part in ("scales", "mins", "sub")]
-            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, t[name][i], *parts, t[norm][i], t["k"][i],
-                             t["v"][i], t["q_norm"][i], t["k_norm"][i], a["rope"], a["positions"], a["slots"],
+            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, self.part, self.cnt, t[name][i], *parts,
+                             t[norm][i], t["k"][i], t["v"][i], t["q_norm"][i], t["k_norm"][i], a["rope"],
+                             a["positions"], a["slots"],
                              a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"], a["kc_s1"], a["kc_s2"], R,
-                             common["eps"], common["scale"], PHASE=p, **k,
+                             common["eps"], common["scale"], PHASE=p, S=self.splits.get(name, 1), **k,
                              num_warps=self.num_warps, **pdl.triton_opts(res.device))
 
         t = self.tensors

@@ -200,13 +200,32 @@ def test_compiled_kernel_reads_weights_in_16_byte_loads(form):
     step = PersistentStep(model, kv, programs=4, **settings)
     assert step.align == 16, "torch's allocations are 16-element aligned: the hint must say so"
     res = model.buffers(2)["residual"]
-    ptx = step.ptx(torch.tensor([3, 4]), torch.tensor([0, 1]), res)
+    ptx = step.compile_for(torch.tensor([3, 4]), torch.tensor([0, 1]), res).asm["ptx"]
     loads = re.findall(r"\b(ld\.global[\w:.]*|cp\.async\.c[ag]\.shared\.global[\w:.]*)", ptx)
     if form == "hand":
         weight_loads = [op for op in loads if "evict_first" in op]     # the K loop marks its weight reads so
         assert weight_loads and all(".v4." in op for op in weight_loads), Counter(weight_loads)
-    else:   # weights through cp.async into shared memory; 2-byte plain loads were the unhinted weight reads
-        assert any(op.startswith("cp.async") for op in loads) and "ld.global.b16" not in loads, Counter(loads)
+    else:   # weights through cp.async into shared memory, 16 bytes a copy (unhinted, they were 2-byte plain loads)
+        copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)
+        assert copies and set(copies) == {"0x10"}, Counter(copies)
+
+
+@pytest.mark.compile_only
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_default_form_fits_hopper_shared_memory(dtype):
+    """The default form's pipeline stages, compiled for Hopper, fit its 227 KB of shared memory a block, in bf16 and
+    fp32 (whose chunks are halved to the same bytes): fp32 steps of 512-wide chunks failed to launch on the H100."""
+    from onepass.kernels.persistent_step import PersistentStep
+
+    cfg = replace(WIDE_LLAMA, n_layers=2)
+    w = {k: v if k == ROPE_FREQS else v.to(dtype) for k, v in random_weights(cfg, seed=2).items()}
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
+    step = PersistentStep(model, ContiguousKVCache(cfg, 2, 32, dtype, "cpu"), programs=4)
+    shared = step.compile_for(torch.tensor([3, 4]), torch.tensor([0, 1]), model.buffers(2)["residual"]).metadata.shared
+    assert 0 < shared <= 232448, f"{dtype}: {shared} B of shared memory"
 
 
 @pytest.mark.gpu
