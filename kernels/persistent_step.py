@@ -55,6 +55,20 @@ def _grid_sync(bar, target):
     tl.debug_barrier()
 
 
+# whether triton.jit compiles (False under TRITON_INTERPRET=1 when triton was imported): inline assembly or not
+_COMPILED = tl.constexpr(type(_grid_sync).__name__ != "InterpretedFunction")
+
+
+@triton.jit
+def _cta_sync():
+    """Every warp of the program meets here (bar.sync). Compiled, as inline assembly: tl.debug_barrier would keep
+    Triton from pipelining the loop it stands in. The interpreter runs no assembly (nor needs the barrier)."""
+    if _COMPILED:
+        tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()
+
+
 @triton.jit
 def _now():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -228,12 +242,12 @@ def _unit_done(acc, t, s, R, out, res, ss, part, cnt, KIND: tl.constexpr, NOUT: 
         tile = tl.arange(0, BR)[:, None] * NC + tl.arange(0, NC)[None, :]
         base = part + t * (S * BR * NC)
         tl.store(base + s * (BR * NC) + tile, acc)
-        tl.debug_barrier()                   # every warp's part stored before the program counts itself
+        _cta_sync()                          # every warp's part stored before the program counts itself
         seen = tl.atomic_add(cnt + t, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
+        _cta_sync()
         if seen == S - 1:
             tot = tl.zeros_like(acc)
-            for j in range(S):
+            for j in tl.static_range(S):    # unrolled: a loop inside the K loop would keep it from being pipelined
                 tot += tl.load(base + j * (BR * NC) + tile, cache_modifier=".cg")
             tl.atomic_xchg(cnt + t, 0, sem="relaxed", scope="gpu")
             _epilogue(tot, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)

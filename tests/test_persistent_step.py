@@ -214,6 +214,27 @@ def test_compiled_kernel_reads_weights_in_16_byte_loads(form):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (Linux-only dependency)")
 @pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
+def test_split_phases_stay_pipelined():
+    """Phases whose K ranges are cut in splits keep their weight reads in the pipelined cp.async loop: a CTA barrier
+    in the split's bookkeeping (tl.debug_barrier) once kept Triton from pipelining it, and the reads went plain."""
+    from onepass.kernels.persistent_step import PersistentStep
+
+    cfg = replace(WIDE_LLAMA, n_layers=2)
+    w = {k: v if k == ROPE_FREQS else v.to(torch.bfloat16) for k, v in random_weights(cfg, seed=2).items()}
+    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
+    kv = ContiguousKVCache(cfg, 2, 32, torch.bfloat16, "cpu")
+    copies = {}
+    for balance in (0, 90):
+        step = PersistentStep(model, kv, programs=3, block_k=64, balance=balance)
+        ptx = step.compile_for(torch.tensor([3, 4]), torch.tensor([0, 1]), model.buffers(2)["residual"]).asm["ptx"]
+        copies[balance] = (ptx.count("cp.async.cg.shared.global"), step.splits)
+    assert max(copies[90][1].values()) > 1 and copies[90][0] >= copies[0][0], copies
+
+
+@pytest.mark.compile_only
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (Linux-only dependency)")
+@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_default_form_fits_hopper_shared_memory(dtype):
     """The default form's pipeline stages, compiled for Hopper, fit its 227 KB of shared memory a block, in bf16 and
@@ -354,14 +375,15 @@ def test_persistent_step_serves_every_schedule(tiny_ggufs, mode, prefill, layout
 
     cfg, w, _ = load_gguf(tiny_ggufs["llama"], dtype=torch.float32, device=DEV, progress=False)
     g = _gen(11)
-    shared = torch.randint(3, 200, (9,), generator=g).tolist()
+    shared = torch.randint(3, 200, (20,), generator=g).tolist()    # a whole 16-token block to reuse
     prompts = [(shared if i % 2 else []) + torch.randint(3, 200, (2 + i,), generator=g).tolist() for i in range(7)]
     max_new = [4 + (5 * i) % 9 for i in range(7)]
     outs = {}
     for step in ("kernels", "persistent"):
         model = FusedDecoder(cfg, w, get_step_kernels("triton", "cublas"), max_pos=65, step=step)   # fp32: cuBLAS
-        bm = BlockManager(48, 4, prefix_caching=prefix == "auto") if layout == "paged" else None
-        kv = (PagedKVCache(cfg, 48, 4, 3, 64, torch.float32, DEV) if layout == "paged"
+        # blocks of 16: the kernel-per-op step's paged attention reads no smaller ones
+        bm = BlockManager(24, 16, prefix_caching=prefix == "auto") if layout == "paged" else None
+        kv = (PagedKVCache(cfg, 24, 16, 3, 64, torch.float32, DEV) if layout == "paged"
               else ContiguousKVCache(cfg, 4, 64, torch.float32, DEV))
         runner = Runner(model, kv, Scheduler(3, mode, prefill, 16, bm, 64), SamplingParams())
         res = runner.run([Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, max_new))])
