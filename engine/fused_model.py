@@ -57,8 +57,9 @@ class FusedDecoder(FusedBase):
         self.cfg, self.k = cfg, kernels
         self._persistent: tuple | None = None   # (the KV cache, its PersistentStep)
         self.persistent_form: dict[str, int] = {}
-        # engine.step=auto's measurements, kept while the step form changes and back (set_step)
-        self._measured: dict[int, bool] = {}
+        # engine.step=auto's decision and measurements, kept while the step form changes and back (set_step)
+        self.choice: bool | None = None    # True: the persistent form, for every step of up to PERSISTENT_ROWS rows
+        self.pick_rows: tuple[int, ...] = ()   # the row counts whose times decided it
         self.pick_us: dict[int, tuple[float, float]] = {}
         self.pick_why: str | None = None   # why auto could not measure the persistent form (None: it did)
         self.set_step(step, persistent_form)
@@ -106,23 +107,23 @@ class FusedDecoder(FusedBase):
 
     def set_step(self, step: str, persistent_form: str = "") -> None:
         """kernels: one kernel per op; persistent: every layer in one persistent kernel (kernels/persistent_step.py,
-        in the settings of persistent_form, e.g. 'block_k=512,stages=3'; '': its defaults); auto: per row count,
-        whichever a Step measured faster when it captured its graphs (`picks`: rows -> True for the persistent form;
-        `pick_us`: rows -> (kernel-per-op us, persistent us) as measured). Another persistent form drops the built
-        step and auto's measurements."""
+        in the settings of persistent_form, e.g. 'block_k=256,stages=3'; '': its defaults); auto: whichever form the
+        first Step to capture measured faster over the row counts it runs (`choice`, decided over `pick_rows`;
+        `pick_us`: rows -> (kernel-per-op us, persistent us) as measured). One form for every row count, never one
+        per count: a request's tokens must not depend on how many rows share its step, and the two forms round
+        differently. Another persistent form drops the built step and auto's decision."""
         form = parse_form(persistent_form)
         if form != self.persistent_form:
             self.persistent_form, self._persistent = form, None
-            self._measured.clear()
+            self.choice, self.pick_rows, self.pick_why = None, (), None
             self.pick_us.clear()
-            self.pick_why = None
         self.persistent = step == "persistent"
-        self.picks: dict[int, bool] | None = self._measured if step == "auto" else None
+        self.auto = step == "auto"
 
     def takes_persistent(self, rows: int) -> bool:
         if rows > PERSISTENT_ROWS:
             return False
-        return self.picks.get(rows, False) if self.picks is not None else self.persistent
+        return bool(self.choice) if self.auto else self.persistent
 
     def persistent_unsupported(self, kv) -> str | None:
         """Why this model cannot take the persistent step over kv (None: it can)."""

@@ -201,53 +201,58 @@ class Step:
         return sorted(set(layer_buckets) | {self.lock_rows})
 
     def _pick_step_forms(self, layer_buckets: list[int], graphed: bool, rounds: int = 3, reps: int = 10) -> None:
-        """engine.step=auto: for each bucket the persistent step may take, both forms of the layers (each captured
-        as a graph when `graphed`) run in turn, `rounds` x `reps` times each; the model keeps, for that many rows,
-        the form of the lower median (its picks, shared by every Step over it)."""
+        """engine.step=auto: for each bucket the persistent step may take and the model has no times for, both forms
+        of the layers (each captured as a graph when `graphed`) run in turn, `rounds` x `reps` times each (their
+        medians: the model's pick_us). The first Step to measure decides for the model, once: the persistent form
+        for every row count if its times summed over the buckets measured are the lower (FusedDecoder.set_step says
+        why one form for all)."""
         m = self.model
-        picks = getattr(m, "picks", None)
-        todo = [r for r in layer_buckets if picks is not None and r not in picks and r <= PERSISTENT_ROWS]
-        if not todo:
+        if not getattr(m, "auto", False):
             return
-        why = m.persistent_unsupported(self.kv)
-        for r in todo:
-            if why:
-                picks[r] = False
-                m.pick_why = why
-                continue
-            runs = {}
-            for form in (False, True):
-                picks[r] = form
-                try:
-                    self._layers(r)            # compiles the form's kernels
-                except Exception as e:         # a persistent form this GPU cannot build: auto keeps the other
-                    if not form:
-                        raise
-                    why = f"the persistent step did not build ({type(e).__name__}: {str(e)[:200]})"
+        todo = [r for r in layer_buckets if r not in m.pick_us and r <= PERSISTENT_ROWS]
+        why = m.persistent_unsupported(self.kv) if todo else None
+        decided = m.choice
+        try:
+            for r in todo:
+                if why:
                     break
-                runs[form] = functools.partial(self._layers, r)
-                if graphed:
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        self._layers(r)
-                    runs[form] = g.replay
-            if why:
-                picks[r] = False
-                m.pick_why = why
-                continue
-            us = {False: [], True: []}
-            for _ in range(rounds):
-                for form, run in runs.items():
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(reps):
-                        run()
-                    b.record()
-                    b.synchronize()
-                    us[form].append(a.elapsed_time(b) * 1e3 / reps)
-            kernels_us, persistent_us = float(np.median(us[False])), float(np.median(us[True]))
-            picks[r] = persistent_us < kernels_us
-            m.pick_us[r] = (kernels_us, persistent_us)
+                runs = {}
+                for form in (False, True):
+                    m.choice = form
+                    try:
+                        self._layers(r)            # compiles the form's kernels
+                    except Exception as e:         # a persistent form this GPU cannot build: auto keeps the other
+                        if not form:
+                            raise
+                        why = f"the persistent step did not build ({type(e).__name__}: {str(e)[:200]})"
+                        break
+                    runs[form] = functools.partial(self._layers, r)
+                    if graphed:
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            self._layers(r)
+                        runs[form] = g.replay
+                if why:
+                    break
+                us = {False: [], True: []}
+                for _ in range(rounds):
+                    for form, run in runs.items():
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        for _ in range(reps):
+                            run()
+                        b.record()
+                        b.synchronize()
+                        us[form].append(a.elapsed_time(b) * 1e3 / reps)
+                m.pick_us[r] = (float(np.median(us[False])), float(np.median(us[True])))
+        finally:
+            m.choice = decided
+        if why:
+            m.pick_why = why
+            m.choice = False if m.choice is None else m.choice
+        elif m.choice is None and todo:
+            m.pick_rows = tuple(todo)
+            m.choice = sum(m.pick_us[r][1] for r in todo) < sum(m.pick_us[r][0] for r in todo)
 
     def _capture(self, buckets: tuple[int, ...] | None) -> None:
         layer_buckets = self._layer_buckets(buckets)

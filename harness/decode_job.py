@@ -207,7 +207,8 @@ def decode_run(cfg, usage: JobUsage) -> RunRecord:
                 perf += f" ({built.model.pick_why})"
             elif "pick_kernels_us" in m:
                 perf += (f" (layers {m['pick_kernels_us']:.1f} us kernel-per-op, {m['pick_persistent_us']:.1f} us "
-                         "persistent, as measured at capture)")
+                         "persistent, as measured at capture; decided over rows "
+                         f"{','.join(map(str, built.model.pick_rows))}, one form for every row count)")
             else:
                 perf += " (not measured: auto's fallback)"
     if spec_metrics:
@@ -240,9 +241,9 @@ def _step_baseline(built: Engine, measure, run, warm, result: StaticBatchResult,
         return {}
     model = built.model
     pick = {}
-    if built.spec.step == "auto" and getattr(model, "picks", None) is not None:
+    if built.spec.step == "auto" and getattr(model, "auto", False):
         rows = bucket_for(len(result.outputs))
-        pick["step_picked_persistent"] = float(model.picks.get(rows, False))
+        pick["step_picked_persistent"] = float(model.takes_persistent(rows))
         if rows in model.pick_us:
             pick["pick_kernels_us"], pick["pick_persistent_us"] = model.pick_us[rows]
     persistent = built.spec

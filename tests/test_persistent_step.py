@@ -312,32 +312,33 @@ def test_persistent_form_setting(tiny_ggufs):
     kv = ContiguousKVCache(cfg, 2, 16, torch.float32, "cpu")
     step = model.persistent_step(kv)
     assert (step.block_k, step.stages) == (32, 2) and model.persistent_step(kv) is step
-    model.picks[4], model.pick_us[4] = True, (2.0, 1.0)
+    model.choice, model.pick_us[4] = True, (2.0, 1.0)
     model.set_step("auto", "block_k=32,stages=2")          # the same form: kept
-    assert model.persistent_step(kv) is step and model.picks == {4: True}
+    assert model.persistent_step(kv) is step and model.choice is True
     model.set_step("auto", "block_k=64,stages=0")
-    assert model.picks == {} and model.pick_us == {}
+    assert model.choice is None and model.pick_us == {}
     assert (model.persistent_step(kv).block_k, model.persistent_step(kv).stages) == (64, 0)
 
 
-def test_auto_step_takes_the_form_measured_for_each_row_count(tiny_ggufs):
-    """engine.step=auto: a row count takes the persistent step only where a Step measured it faster (the model's
-    picks); unmeasured counts, wider steps and the CPU take the kernel-per-op step; the picks outlive a change of
-    form and back."""
+def test_auto_step_takes_one_form_for_every_row_count(tiny_ggufs):
+    """engine.step=auto: once decided, every step of up to 16 rows takes the same form (a request's tokens must not
+    depend on how many rows share its step: at per-count picks, a batch of 4 on one form diverged from its single
+    stream on the other); undecided, wider steps and the CPU take the kernel-per-op step; the decision outlives a
+    change of form and back."""
     from onepass.engine.engine import EngineSpec
 
     EngineSpec(device="cpu", step="auto").resolve()     # the CPU runs auto as kernel-per-op
     cfg, w, _ = load_gguf(tiny_ggufs["llama"], progress=False)
     model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64, step="auto")
-    assert model.picks == {} and not model.takes_persistent(1)
-    model.picks[4] = True
-    assert model.takes_persistent(4) and not model.takes_persistent(2) and not model.takes_persistent(32)
+    assert model.choice is None and not model.takes_persistent(1)
+    model.choice = True
+    assert all(model.takes_persistent(r) for r in (1, 3, 4, 16)) and not model.takes_persistent(17)
     model.set_step("kernels")
-    assert model.picks is None and not model.takes_persistent(4)
+    assert not model.takes_persistent(4)
     model.set_step("persistent")
     assert model.takes_persistent(2) and not model.takes_persistent(17)
     model.set_step("auto")
-    assert model.picks == {4: True}
+    assert model.choice is True and model.takes_persistent(1)
 
 
 @pytest.mark.gpu
@@ -353,9 +354,10 @@ def test_auto_step_measures_both_forms_at_capture(tiny_ggufs):
     for step in ("kernels", "auto"):   # fp32 projections through cuBLAS (the Triton GEMM takes 16-bit inputs)
         model = FusedDecoder(cfg, w, get_step_kernels("triton", "cublas"), max_pos=64, step=step)
         outs[step] = run_static(model, ContiguousKVCache(cfg, 4, 48, torch.float32, DEV), prompts, 12).outputs
-    assert 4 in model.picks and set(model.picks) <= {1, 2, 4, 8, 16}, model.picks   # B = 3: the 4-row bucket
+    assert 4 in model.pick_us and set(model.pick_us) <= {1, 2, 4, 8, 16}, model.pick_us   # B = 3: the 4-row bucket
     assert all(k > 0 and p > 0 for k, p in model.pick_us.values()), model.pick_us
-    assert all(model.picks[r] == (p < k) for r, (k, p) in model.pick_us.items())
+    assert set(model.pick_rows) <= set(model.pick_us) and model.choice == (
+        sum(model.pick_us[r][1] for r in model.pick_rows) < sum(model.pick_us[r][0] for r in model.pick_rows))
     assert outs["auto"] == outs["kernels"]
 
 
@@ -409,13 +411,11 @@ def test_auto_step_keeps_the_kernel_per_op_form_where_the_persistent_one_cannot_
 
     monkeypatch.setattr(model, "persistent_step", no_build)
     # a static batch with batched prefill captures no layer bucket: its lockstep's rows (2 slots: 2) are timed still
+    assert step._pick_buckets([]) == [2] and step._pick_buckets([1, 4]) == [1, 2, 4]
     step._pick_step_forms(step._pick_buckets([]), graphed=False)
-    assert model.picks == {2: False} and step._pick_buckets([1, 4]) == [1, 2, 4]
-    model._measured.clear()
-    step._pick_step_forms([1, 2], graphed=False)
-    assert model.picks == {1: False, 2: False} and model.pick_us == {}
+    assert model.choice is False and model.pick_us == {} and not model.takes_persistent(2)
     assert "did not build (RuntimeError: out of shared memory)" in model.pick_why
-    model._measured.clear()
+    model.choice = None
     monkeypatch.setattr(model, "persistent_unsupported", lambda kv: "a test's reason")
     step._pick_step_forms([1], graphed=False)
-    assert model.picks == {1: False} and model.pick_why == "a test's reason"
+    assert model.choice is False and model.pick_why == "a test's reason"
