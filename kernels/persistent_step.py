@@ -438,8 +438,8 @@ def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
 
 
 @triton.jit
-def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn, n_q, n_k,
-                     kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down, c_down, b_down,
+def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn,
+                     n_q, n_k, kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down, c_down, b_down,
                      rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale,
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
@@ -477,8 +477,8 @@ def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv
 
 
 @triton.jit
-def _one_phase(res, ss, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride,
-               block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
+def _one_phase(res, ss, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt,
+               bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
@@ -596,8 +596,8 @@ class PersistentStep:
         once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
         K loop double-buffered by hand; 2 or more: one loop over all of a program's (unit, K chunk) pairs, left to
         Triton's pipeliner with that many stages), balance (how evenly the K splits must spread a phase's units
-        over the programs, in percent: _splits; 0: no split); block_n_attn: keys an attention step reads. Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md
-        has what picked them)."""
+        over the programs, in percent: _splits; 0: no split); block_n_attn: keys an attention step reads.
+        Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
             raise ConfigError(f"persistent step: {why}; use engine.step=kernels for this model")
@@ -710,9 +710,10 @@ class PersistentStep:
         c = self.model.cfg
         a, paged = self._args(positions, slots, block_table)
         l0 = self.layer0
-        args = [res, self.ss, self.qkv, self.attn, self.act, self.part, self.cnt, self.bar, self.clock, self.offs, l0["qkv"], l0["o"],
-                l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"], l0["k_norm"], l0["k"],
-                l0["v"], *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
+        args = [res, self.ss, self.qkv, self.attn, self.act, self.part, self.cnt, self.bar, self.clock, self.offs,
+                l0["qkv"], l0["o"], l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"],
+                l0["k_norm"], l0["k"], l0["v"],
+                *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
         sp = self.splits
