@@ -55,8 +55,8 @@ class EngineSpec:
     state_writeback: int = 0        # hybrid models: tokens per write of the whole state (0: the engine's default)
     threads: int = 0                # CPU threads for torch (0: torch's default)
     step: str = "kernels"           # kernels (one kernel per op) | persistent (dense models, steps of <= 16 rows:
-                                    # every layer in one persistent kernel, kernels/persistent_step.py) | auto (per
-                                    # row count the faster of the two, measured when the step's graphs are captured)
+                                    # every layer in one persistent kernel, kernels/persistent_step.py) | auto (the
+                                    # faster of the two, measured when graphs are first captured; for every row count)
     persistent_form: str = ""       # the persistent step's settings, e.g. "block_k=512,stages=3" ("": its defaults;
                                     # kernels/persistent_step.py FORM_SETTINGS)
 

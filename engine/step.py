@@ -249,7 +249,8 @@ class Step:
             m.choice = decided
         if why:
             m.pick_why = why
-            m.choice = False if m.choice is None else m.choice
+            if m.choice is None:
+                m.choice = False
         elif m.choice is None and todo:
             m.pick_rows = tuple(todo)
             m.choice = sum(m.pick_us[r][1] for r in todo) < sum(m.pick_us[r][0] for r in todo)

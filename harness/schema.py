@@ -150,7 +150,7 @@ class EngineCfg:
     cuda_graphs: bool = True  # one CUDA graph per row bucket (triton backend)
     threads: int = 0  # CPU threads for torch; 0 = leave torch's default
     # kernels (one kernel per op) | persistent (dense llama/qwen3, steps of <= 16 rows as one persistent kernel) |
-    # auto (per row count the faster of the two, measured when the step's graphs are captured)
+    # auto (the faster of the two, measured when the step's graphs are first captured; one form for every row count)
     step: str = "kernels"
     # the persistent step's settings, e.g. "block_k=512,stages=3" (kernels/persistent_step.py FORM_SETTINGS); "": the
     # defaults it was measured fastest with

@@ -53,62 +53,49 @@ def _hand(x, w, y, R, N, K, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
+def _chunk(x, w, desc, t, k0, R, K, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
+    """Item t's product over K chunk k0: X[:, k0:k0+BK] @ W[t*BN:(t+1)*BN, k0:k0+BK]^T, W through desc when TMA."""
+    rows = tl.arange(0, BR)
+    ks = k0 + tl.arange(0, BK)
+    xv = tl.load(x + rows[:, None] * K + ks[None, :], mask=rows[:, None] < R, other=0.0)
+    if TMA:
+        wv = desc.load([t * BN, k0])
+    else:
+        cols = t * BN + tl.arange(0, BN)
+        wv = tl.load(w + cols[:, None].to(tl.int64) * K + ks[None, :], eviction_policy="evict_first")
+    return tl.dot(xv, tl.trans(wv))
+
+
+@triton.jit
 def _pipe(x, w, y, R, N, K, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     pid, nprog = tl.program_id(0), tl.num_programs(0)
-    rows = tl.arange(0, BR)
-    ks = tl.arange(0, BK)
-    rm = rows[:, None] < R
     for t in range(pid, N // BN, nprog):
-        cols = t * BN + tl.arange(0, BN)
         acc = tl.zeros([BR, BN], tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            xv = tl.load(x + rows[:, None] * K + (k0 + ks)[None, :], mask=rm, other=0.0)
-            wv = tl.load(w + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :], eviction_policy="evict_first")
-            acc += tl.dot(xv, tl.trans(wv))
+            acc += _chunk(x, w, None, t, k0, R, K, BR, BN, BK, False)
         _store(y, acc, t, R, N, BR, BN)
 
 
 @triton.jit
-def _flat(x, w, y, R, N, K, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+def _flat(x, w, y, R, N, K, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+          TMA: tl.constexpr = False):
     pid, nprog = tl.program_id(0), tl.num_programs(0)
-    rows = tl.arange(0, BR)
-    ks = tl.arange(0, BK)
-    rm = rows[:, None] < R
+    if TMA:
+        desc = tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    else:
+        desc = None
     kch = K // BK
     acc = tl.zeros([BR, BN], tl.float32)
     for i in tl.range(0, (N // BN - pid + nprog - 1) // nprog * kch, num_stages=STAGES):
         t = pid + (i // kch) * nprog
-        k0 = (i % kch) * BK
-        cols = t * BN + tl.arange(0, BN)
-        xv = tl.load(x + rows[:, None] * K + (k0 + ks)[None, :], mask=rm, other=0.0)
-        wv = tl.load(w + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :], eviction_policy="evict_first")
-        acc += tl.dot(xv, tl.trans(wv))
+        acc += _chunk(x, w, desc, t, (i % kch) * BK, R, K, BR, BN, BK, TMA)
         if i % kch == kch - 1:
             _store(y, acc, t, R, N, BR, BN)
             acc = tl.zeros_like(acc)
 
 
-@triton.jit
-def _tma(x, w, y, R, N, K, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    desc = tl.make_tensor_descriptor(w, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    rows = tl.arange(0, BR)
-    ks = tl.arange(0, BK)
-    rm = rows[:, None] < R
-    kch = K // BK
-    acc = tl.zeros([BR, BN], tl.float32)
-    for i in tl.range(0, (N // BN - pid + nprog - 1) // nprog * kch, num_stages=STAGES):
-        t = pid + (i // kch) * nprog
-        k0 = (i % kch) * BK
-        xv = tl.load(x + rows[:, None] * K + (k0 + ks)[None, :], mask=rm, other=0.0)
-        wv = desc.load([t * BN, k0])
-        acc += tl.dot(xv, tl.trans(wv))
-        if i % kch == kch - 1:
-            _store(y, acc, t, R, N, BR, BN)
-            acc = tl.zeros_like(acc)
-
-
-KERNELS = {"hand": _hand, "pipe": _pipe, "flat": _flat, "tma": _tma}
+# each form: its kernel and the constexprs it adds
+KERNELS = {"hand": (_hand, {}), "pipe": (_pipe, {}), "flat": (_flat, {}), "tma": (_flat, {"TMA": True})}
 DEFAULT_FORMS = ("hand:16:512:8:0;pipe:16:256:4:4;pipe:32:256:4:3;pipe:64:128:4:4;flat:16:256:4:4;flat:32:256:4:4;"
                  "tma:16:256:4:4;tma:16:256:4:6;tma:32:256:4:4;tma:64:256:4:3;tma:64:128:4:6")
 
@@ -146,7 +133,8 @@ def main(argv=None) -> None:
                 y.zero_()
 
                 def run():
-                    KERNELS[kind][(nsm,)](x, w, y, R, N, K, BR=BR, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
+                    kernel, extra = KERNELS[kind]
+                    kernel[(nsm,)](x, w, y, R, N, K, BR=BR, BN=bn, BK=bk, STAGES=stages, num_warps=warps, **extra)
                 try:
                     run()
                     err = (y.float() - ref).abs().max().item()
