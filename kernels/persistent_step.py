@@ -45,10 +45,15 @@ PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
 # ---------------------------------------------------------------------------------------------------------------------
 # device functions shared by both launch modes
 @triton.jit
-def _grid_sync(bar, target):
-    """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted."""
-    tl.debug_barrier()                       # every warp's stores issued before the program arrives
+def _arrive(bar):
+    """Count this program in at the grid barrier (every warp's stores issued before it is counted)."""
+    tl.debug_barrier()
     tl.atomic_add(bar, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(bar, target):
+    """Wait until `target` arrivals (every program, cumulatively) are counted."""
     seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
@@ -56,7 +61,7 @@ def _grid_sync(bar, target):
 
 
 # whether triton.jit compiles (False under TRITON_INTERPRET=1 when triton was imported): inline assembly or not
-_COMPILED = tl.constexpr(type(_grid_sync).__name__ != "InterpretedFunction")
+_COMPILED = tl.constexpr(type(_wait).__name__ != "InterpretedFunction")
 
 
 @triton.jit
@@ -67,6 +72,37 @@ def _cta_sync():
         tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.debug_barrier()
+
+
+@triton.jit
+def _l2_prefetch(ptrs, nbytes, ok):
+    """Ask for nbytes at each of ptrs to be brought into L2 (a TMA bulk prefetch: no registers, no wait), where ok.
+    The interpreter has no L2 to fill."""
+    if _COMPILED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }\n\tmov.u32 $0, 0;",
+            "=r,l,r,r", [ptrs, nbytes, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_units(w, K: tl.constexpr, NOUT: tl.constexpr, PAIR: tl.constexpr, pid, nprog, S: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, FMT: tl.constexpr):
+    """The first PF K chunks this program's loop of a GEMM phase over the dense weight w [N, K] will read (its units
+    u = pid, pid + nprog, .. in _gemm_phase's order), prefetched into L2: issued while the program waits at the
+    barrier before that phase, they keep memory busy through the wait and the phase's first loads hit L2. Each
+    chunk's 32 weight rows in 4 spans, one per thread of a 4-warp program."""
+    if FMT < 0:
+        NT: tl.constexpr = (NOUT + BN - 1) // BN
+        KCH: tl.constexpr = (K // S + BK - 1) // BK
+        SPAN: tl.constexpr = BK // 4
+        q = tl.arange(0, 4)
+        for i in tl.static_range(PF):
+            u = pid + (i // KCH) * nprog
+            k0 = (u % S) * (K // S) + (i % KCH) * BK
+            cols = _tile_cols((u // S) * BN, BN, PAIR)
+            ptrs = w + cols[:, None].to(tl.int64) * K + k0 + q[None, :] * SPAN
+            ok = (u < NT * S) & (k0 + BK <= K) & (cols[:, None] >= 0)
+            _l2_prefetch(ptrs, tl.full(ptrs.shape, SPAN * w.dtype.element_ty.primitive_bitwidth // 8, tl.int32), ok)
 
 
 @triton.jit
@@ -232,9 +268,9 @@ def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, D
 def _unit_done(acc, t, s, R, out, res, ss, part, cnt, KIND: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
     """Split s of item t has its K range's product in acc. With S = 1 it is the item's result; else it is stored to
-    part, and the split that arrives last at the item's counter sums all S in split order (a fixed order, so the
-    result never depends on which program came last) and finishes the item, then resets the counter for the next
-    layer."""
+    part, where q|k|v's splits are left for attention to sum (_qkv_at); of the others', the split that arrives last
+    at the item's counter sums all S in split order (a fixed order, so the result never depends on which program
+    came last) and finishes the item, then resets the counter for the next layer."""
     if S == 1:
         _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
     else:
@@ -242,15 +278,16 @@ def _unit_done(acc, t, s, R, out, res, ss, part, cnt, KIND: tl.constexpr, NOUT: 
         tile = tl.arange(0, BR)[:, None] * NC + tl.arange(0, NC)[None, :]
         base = part + t * (S * BR * NC)
         tl.store(base + s * (BR * NC) + tile, acc)
-        _cta_sync()                          # every warp's part stored before the program counts itself
-        seen = tl.atomic_add(cnt + t, 1, sem="acq_rel", scope="gpu")
-        _cta_sync()
-        if seen == S - 1:
-            tot = tl.zeros_like(acc)
-            for j in tl.static_range(S):    # unrolled: a loop inside the K loop would keep it from being pipelined
-                tot += tl.load(base + j * (BR * NC) + tile, cache_modifier=".cg")
-            tl.atomic_xchg(cnt + t, 0, sem="relaxed", scope="gpu")
-            _epilogue(tot, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+        if KIND != 0:
+            _cta_sync()                      # every warp's part stored before the program counts itself
+            seen = tl.atomic_add(cnt + t, 1, sem="acq_rel", scope="gpu")
+            _cta_sync()
+            if seen == S - 1:
+                tot = tl.zeros_like(acc)
+                for j in tl.static_range(S):    # unrolled: a loop inside the K loop would keep it from pipelining
+                    tot += tl.load(base + j * (BR * NC) + tile, cache_modifier=".cg")
+                tl.atomic_xchg(cnt + t, 0, sem="relaxed", scope="gpu")
+                _epilogue(tot, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
 
 
 @triton.jit
@@ -310,13 +347,29 @@ def _head_norm_rope(a, b, nw, c, s, eps, D: tl.constexpr, QK_NORM: tl.constexpr)
 
 
 @triton.jit
-def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
+def _qkv_at(qkv, part, r, cols, mask, NQKV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
+    """Row r's q|k|v values at columns cols: from qkv, or with the phase cut in S > 1 splits, the splits' partial
+    products (_unit_done's layout) summed in split order and rounded to the dtype, as the last split would have."""
+    if S == 1:
+        return tl.load(qkv + r * NQKV + cols, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        base = part + (cols // BN) * (S * BR * BN) + r * BN + cols % BN
+        tot = tl.zeros(cols.shape, tl.float32)
+        for j in tl.static_range(S):
+            tot += tl.load(base + j * (BR * BN), mask=mask, other=0.0, cache_modifier=".cg")
+        return tot.to(qkv.dtype.element_ty)
+
+
+@triton.jit
+def _phase_attn(qkv, part, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
                 kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, PAGED: tl.constexpr,
-                QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr):
+                QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                S: tl.constexpr):
     """Per (row, kv head): the group's q heads and the kv head normed (qwen3) and roped, k and v written to the cache
     at the row's (slot, position), then softmax(q k^T * scale) v over the slot's positions 0..pos (fp32 online
-    softmax). Rows of a negative slot (padding) write zeros and touch no cache."""
+    softmax). Rows of a negative slot (padding) write zeros and touch no cache. q, k, v come from the q|k|v phase's
+    S splits (_qkv_at): summed here, that phase needs no counters."""
     HALF: tl.constexpr = D // 2
     G: tl.constexpr = H // KVH
     NQKV: tl.constexpr = (H + 2 * KVH) * D
@@ -334,12 +387,11 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
             tl.store(out + d2[None, :], zero, mask=gm[:, None])
             tl.store(out + HALF + d2[None, :], zero, mask=gm[:, None])
         else:
-            row = qkv + r * NQKV
             c = tl.load(rope + pos * D + d2)[None, :]
             s = tl.load(rope + pos * D + HALF + d2)[None, :]
-            qp = row + (g * G + gi[:, None]) * D
-            qa = tl.load(qp + d2[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
-            qb = tl.load(qp + HALF + d2[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
+            qc = (g * G + gi[:, None]) * D + d2[None, :]
+            qa = _qkv_at(qkv, part, r, qc, gm[:, None], NQKV, BR, BN, S)
+            qb = _qkv_at(qkv, part, r, qc + HALF, gm[:, None], NQKV, BR, BN, S)
             qa, qb = _head_norm_rope(qa, qb, qn, c, s, eps, D, QK_NORM)
             # k and v of every row of this slot up to this position, this one included: a step may hold several
             # rows of one slot (a prompt's), whose programs all write the same bits there, so none waits for another
@@ -347,11 +399,13 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
                 s2 = tl.load(slots + r2)
                 p2 = tl.load(positions + r2)
                 if (s2 == slot) & (p2 <= pos):
-                    src = qkv + r2 * NQKV + (H + g) * D + d2[None, :]
+                    kcol = (H + g) * D + d2[None, :]
+                    every = kcol >= 0
                     c2 = tl.load(rope + p2 * D + d2)[None, :]
                     s2n = tl.load(rope + p2 * D + HALF + d2)[None, :]
-                    ka, kb = _head_norm_rope(tl.load(src, cache_modifier=".cg"),
-                                             tl.load(src + HALF, cache_modifier=".cg"), kn, c2, s2n, eps, D, QK_NORM)
+                    ka, kb = _head_norm_rope(_qkv_at(qkv, part, r2, kcol, every, NQKV, BR, BN, S),
+                                             _qkv_at(qkv, part, r2, kcol + HALF, every, NQKV, BR, BN, S), kn, c2,
+                                             s2n, eps, D, QK_NORM)
                     if PAGED:
                         blk = tl.load(bt + slot * bt_stride + p2 // block_size)
                         at = blk * kc_s0 + (p2 % block_size) * kc_s1 + g * kc_s2
@@ -359,9 +413,10 @@ def _phase_attn(qkv, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride
                         at = slot * kc_s0 + p2 * kc_s1 + g * kc_s2
                     tl.store(kc + at + d2[None, :], ka)
                     tl.store(kc + at + HALF + d2[None, :], kb)
-                    vp = src + KVH * D
-                    tl.store(vc + at + d2[None, :], tl.load(vp, cache_modifier=".cg"))
-                    tl.store(vc + at + HALF + d2[None, :], tl.load(vp + HALF, cache_modifier=".cg"))
+                    vcol = kcol + KVH * D
+                    tl.store(vc + at + d2[None, :], _qkv_at(qkv, part, r2, vcol, every, NQKV, BR, BN, S))
+                    tl.store(vc + at + HALF + d2[None, :], _qkv_at(qkv, part, r2, vcol + HALF, every, NQKV, BR, BN,
+                                                                   S))
             tl.debug_barrier()               # the k, v just written are read back below by the program's other warps
             # the group's heads as one [GB, D] tile, scores and values as tl.dots (GB >= 16 rows, tl.dot's least)
             q = tl.reshape(tl.permute(tl.join(qa, qb), [0, 2, 1]), [GB, D])
@@ -429,8 +484,9 @@ def _at(base, offs, j, AL: tl.constexpr):
 
 @triton.jit
 def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
-    """Grid barrier number n (every program's n-th arrival); with TIMED program 0 stamps the time it opened."""
-    _grid_sync(bar, n * nprog)
+    """Wait at grid barrier number n (every program's n-th arrival, counted by _arrive); with TIMED program 0 stamps
+    the time it opened."""
+    _wait(bar, n * nprog)
     if TIMED:
         if pid == 0:
             tl.store(clock + n - 1, _now())
@@ -445,34 +501,50 @@ def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
                      STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr, S_QKV: tl.constexpr,
-                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, PDL: tl.constexpr = False):
+                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, PF: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """Every layer, its phases apart by grid barriers. At each barrier a program counts itself in, asks L2 for the
+    first chunks of the next GEMM phase's weights it will read (PF of them: _prefetch_units), then waits: the
+    attention phase, which reads few bytes, prefetches o and gate|up."""
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     QD: tl.constexpr = H * D
     _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
+    _arrive(bar)
+    _prefetch_units(_at(w_qkv, offs, 0, AL), DIM, NQKV, 0, pid, nprog, S_QKV, BN, BK, PF, FMT)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
         o = offs + layer * _N_TABLE
         _phase_qkv(res, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
                    _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE,
                    BR, BN, BK, STAGES, FMT, S_QKV)
+        _arrive(bar)
+        _prefetch_units(_at(w_o, o, 1, AL), QD, DIM, 0, pid, nprog, S_O, BN, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_attn(qkv, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
+        _phase_attn(qkv, part, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
-                    H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA)
+                    H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN, S_QKV)
+        _arrive(bar)
+        _prefetch_units(_at(w_gu, o, 2, AL), DIM, F, F, pid, nprog, S_GU, BN // 2, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, _at(w_o, o, 1, AL), _at(s_o, o, 13, AL), _at(c_o, o, 14, AL),
                  _at(b_o, o, 15, AL), part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT, S_O)
+        _arrive(bar)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_ffn(res, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
                    _at(b_gu, o, 18, AL), _at(n_ffn, o, 5, AL), part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR,
                    BN, BK, STAGES, FMT, S_GU)
+        _arrive(bar)
+        _prefetch_units(_at(w_down, o, 3, AL), F, DIM, 0, pid, nprog, S_DOWN, BN, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_down(act, res, ss, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
                     _at(b_down, o, 21, AL), part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
                     S_DOWN)
+        _arrive(bar)
+        if layer + 1 < L:
+            _prefetch_units(_at(w_qkv, o + _N_TABLE, 0, AL), DIM, NQKV, 0, pid, nprog, S_QKV, BN, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
@@ -492,8 +564,9 @@ def _one_phase(res, ss, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_
         _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE,
                    BR, BN, BK, STAGES, FMT, S)
     elif PHASE == 2:
-        _phase_attn(qkv, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1,
-                    kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA)
+        _phase_attn(qkv, part, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0,
+                    kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN,
+                    S)  # S: the q|k|v phase's splits
     elif PHASE == 3:
         _phase_o(attn, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT,
                  S)
@@ -507,8 +580,8 @@ def _one_phase(res, ss, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_
 
 # ---------------------------------------------------------------------------------------------------------------------
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-DENSE_FORM = dict(block_k=256, stages=4, num_warps=4)    # block_k halved for fp32 weights
-PACKED_FORM = dict(block_k=256, stages=4, num_warps=4)
+DENSE_FORM = dict(block_k=256, stages=4, num_warps=4, prefetch=4)    # block_k halved for fp32 weights
+PACKED_FORM = dict(block_k=256, stages=4, num_warps=4, prefetch=0)  # prefetch: dense weights only
 BALANCE = 90   # a GEMM phase's K range is cut until its units fill this percentage of the programs' rounds (_splits)
 
 
@@ -517,7 +590,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance", "prefetch")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -591,12 +664,14 @@ class PersistentStep:
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, num_warps: int | None = None,
-                 stages: int | None = None, balance: int = BALANCE, timed: bool = False):
+                 stages: int | None = None, balance: int = BALANCE, prefetch: int | None = None,
+                 timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
         once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
         K loop double-buffered by hand; 2 or more: one loop over all of a program's (unit, K chunk) pairs, left to
         Triton's pipeliner with that many stages), balance (how evenly the K splits must spread a phase's units
-        over the programs, in percent: _splits; 0: no split); block_n_attn: keys an attention step reads.
+        over the programs, in percent: _splits; 0: no split), prefetch (K chunks of the next GEMM phase each program
+        asks L2 for at a barrier: _prefetch_units; 0: none); block_n_attn: keys an attention step reads.
         Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
@@ -607,6 +682,11 @@ class PersistentStep:
             block_k = form["block_k"] // (2 if model.dtype == torch.float32 else 1)
         stages = form["stages"] if stages is None else stages
         num_warps = form["num_warps"] if num_warps is None else num_warps
+        prefetch = form["prefetch"] if prefetch is None else prefetch
+        if prefetch < 0 or prefetch > 16:
+            raise ConfigError(f"persistent step: prefetch={prefetch}; 0 (none) to 16 K chunks")
+        if prefetch and self.fmt >= 0:
+            raise ConfigError("persistent step: prefetch reads dense weights' rows; packed weights take prefetch=0")
         if stages == 1 or stages < 0:
             raise ConfigError(f"persistent step: stages={stages}; 0 (by hand) or >= 2 (a pipelined loop)")
         if self.fmt >= 0 and (stages < 2 or block_k % 32):
@@ -617,7 +697,7 @@ class PersistentStep:
         c = model.cfg
         self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
-        self.stages = stages
+        self.stages, self.prefetch = stages, prefetch
         dev, dt = model.embed.device, model.dtype
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -718,7 +798,7 @@ class PersistentStep:
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
         sp = self.splits
         return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
-                          S_DOWN=sp["down"], **self._consts(paged))
+                          S_DOWN=sp["down"], PF=self.prefetch, **self._consts(paged))
 
     def compile_for(self, positions, slots, res, block_table=None, capability: int = 90):
         """The persistent kernel as a launch on a GPU of that compute capability would compile it (its arguments'
