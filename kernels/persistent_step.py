@@ -29,7 +29,7 @@ import torch
 
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
-from onepass.kernels.int4_gemm import FMT_CODE, _decode
+from onepass.kernels.int4_gemm import FMT_CODE, _expand, _words_values
 from onepass.kernels.quant_pack import PackedWeight
 from onepass.kernels.triton_compat import tl, triton
 
@@ -162,20 +162,31 @@ def _tile_cols(n0, BN: tl.constexpr, PAIR: tl.constexpr):
 @triton.jit
 def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.constexpr):
     """Rows `cols`, columns k0..k0+BK of a packed weight (kernels/quant_pack.py's layout: words [G, N, W], scales by
-    (group, row)) as fp32 values, unpack_ref's arithmetic (int4_gemm._decode); columns past K are 0."""
+    (group, row)) as fp32 values, unpack_ref's arithmetic (q * scale exact, then + offset); columns past K are 0.
+    The 4-bit words are decoded as the W4A16 kernel's K loop decodes them (int4_gemm._words_values: on the GPU
+    eight nibbles a word by inline PTX)."""
     GPB: tl.constexpr = BK // 32
     W: tl.constexpr = 8 if FMT == 3 else 4
     NC: tl.constexpr = cols.shape[0]
     g = k0 // 32 + tl.arange(0, GPB)
     ok = (g[None, :] < K // 32) & (cols[:, None] < N)
-    # records (row, group) row-major, so the decoded [NC * GPB, 32] values are [NC, BK] in k order; a record past
-    # the weight reads record 0 and is zeroed below
-    rec = tl.reshape(tl.where(ok, g[None, :] * N + cols[:, None], 0), [NC * GPB])
-    srec = tl.reshape(tl.where(ok, (g[None, :] // 8) * N + cols[:, None], 0), [NC * GPB])
-    words = tl.load(qw + rec.to(tl.int64)[:, None] * W + tl.arange(0, W)[None, :])
-    vals = tl.reshape(_decode(words, rec, srec, s, c, sub, FMT, NC * GPB), [NC, BK])
+    rec = tl.where(ok, g[None, :] * N + cols[:, None], 0)          # [NC, GPB] (group, row) records; outside: record 0
+    words = tl.load(qw + rec.to(tl.int64)[:, :, None] * W + tl.arange(0, W)[None, None, :])
+    if FMT == 3:
+        v = _expand(words, FMT, NC, GPB).to(tl.float32)
+    else:
+        v = _words_values(words, NC, GPB, FMT == 0, False, _COMPILED)
+    if FMT == 2:
+        srec = tl.where(ok, (g[None, :] // 8) * N + cols[:, None], 0)
+        scale = tl.load(s + srec).to(tl.float32) * tl.load(sub + rec * 2).to(tl.float32)
+        vals = v * scale[:, :, None] - (tl.load(c + srec).to(tl.float32) * tl.load(sub + rec * 2 + 1).to(
+            tl.float32))[:, :, None]
+    elif FMT == 1:
+        vals = v * tl.load(s + rec).to(tl.float32)[:, :, None] + tl.load(c + rec).to(tl.float32)[:, :, None]
+    else:
+        vals = v * tl.load(s + rec).to(tl.float32)[:, :, None]
     kk = k0 + tl.arange(0, BK)
-    return tl.where(kk[None, :] < K, vals, 0.0)
+    return tl.where(kk[None, :] < K, tl.reshape(vals, [NC, BK]), 0.0)
 
 
 @triton.jit
