@@ -29,6 +29,10 @@ from onepass.kernels.errors import ConfigError
 from onepass.kernels.gdn import SpecRows
 from onepass.kernels.persistent_step import MAX_ROWS as PERSISTENT_ROWS
 
+# engine.step=auto takes the persistent form only where its layers' times are at least this much lower: at a 1-4%
+# margin at capture, whole steps came out 0.98-1.03x the kernel-per-op step's (experiments/latency)
+AUTO_MARGIN = 0.03
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LOCKSTEP_MAX = 8   # steps of one lockstep run: the host reads ids (and sees stop tokens) this often
 # rows of the staged input block: per step row r (the first four), per sampling row i (the next four), and per step row
@@ -204,8 +208,8 @@ class Step:
         """engine.step=auto: for each bucket the persistent step may take and the model has no times for, both forms
         of the layers (each captured as a graph when `graphed`) run in turn, `rounds` x `reps` times each (their
         medians: the model's pick_us). The first Step to measure decides for the model, once: the persistent form
-        for every row count if its times summed over the buckets measured are the lower (FusedDecoder.set_step says
-        why one form for all)."""
+        for every row count if its times summed over the buckets measured are lower by AUTO_MARGIN or more
+        (FusedDecoder.set_step says why one form for all)."""
         m = self.model
         if not getattr(m, "auto", False):
             return
@@ -253,7 +257,7 @@ class Step:
                 m.choice = False
         elif m.choice is None and todo:
             m.pick_rows = tuple(todo)
-            m.choice = sum(m.pick_us[r][1] for r in todo) < sum(m.pick_us[r][0] for r in todo)
+            m.choice = sum(m.pick_us[r][1] for r in todo) < (1 - AUTO_MARGIN) * sum(m.pick_us[r][0] for r in todo)
 
     def _capture(self, buckets: tuple[int, ...] | None) -> None:
         layer_buckets = self._layer_buckets(buckets)
