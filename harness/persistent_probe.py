@@ -6,8 +6,9 @@ rate, and the largest difference of the final residual rows from the kernel-per-
     python -m onepass.harness.persistent_probe --model llama-3.2-1b --rows 1,16 \
         --forms "block_k=512,num_warps=8,stages=0;stages=4,block_k=256"
 
-Each form is a set of PersistentStep settings (block_k, num_warps, block_n_attn, stages); the others keep their
-defaults. Each form's phases are timed too (one timed launch: program 0's clock at every barrier).
+Each form is a set of PersistentStep settings (kernels/persistent_step.py FORM_SETTINGS); the others keep their
+defaults. Each form's phases are timed too (one timed launch: program 0's clock at every barrier). `--weights q4_0`
+(or q4_1, q4_k, q8_0) keeps the layers' projections packed: random valid blocks, as engine.weights=packed runs them.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from onepass.engine.gguf_loader import ROPE_FREQS
 from onepass.engine.gguf_writer import random_weights
 from onepass.engine.kv_cache import ContiguousKVCache
 from onepass.harness.roofline import copy_bandwidth
-from onepass.harness.synth import synthetic_config
+from onepass.harness.synth import random_packed, synthetic_config
 from onepass.kernels.backend import get_step_kernels
 from onepass.kernels.decode_attention import device_num_sms, make_workspace
 from onepass.kernels.persistent_step import PersistentStep, parse_form
@@ -42,6 +43,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--position", type=int, default=100, help="every row's position (its keys 0..position are read)")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "q4_0", "q4_1", "q4_k", "q8_0"),
+                    help="the layers' projections: bf16, or kept packed in this format")
     ap.add_argument("--forms", default="block_k=512,num_warps=8",
                     help="settings to time, ';' between forms, ',' between a form's settings")
     args = ap.parse_args(argv)
@@ -49,12 +52,18 @@ def main(argv=None) -> None:
     shape = OmegaConf.load(CONF / f"{args.model}.yaml").synthetic
     cfg = synthetic_config(args.model, shape)
     weights = {k: v if k == ROPE_FREQS else v.to(dt) for k, v in random_weights(cfg, device=dev).items()}
+    if args.weights != "bf16":
+        g = torch.Generator(device=dev).manual_seed(2)
+        for name, w in weights.items():
+            if name.startswith("blk.") and w.dim() == 2:
+                weights[name] = random_packed(tuple(w.shape), args.weights, w.shape[1] ** -0.5, dev, g)
     model = FusedDecoder(cfg, weights, get_step_kernels("triton"), max_pos=args.position + 2)
     kv = ContiguousKVCache(cfg, 17, args.position + 2, dt, dev)
     bw = copy_bandwidth(dev)
     layer_bytes = model.weight_bytes() - model.lm_head.numel() * dt.itemsize - model.out_norm.numel() * dt.itemsize
-    print(f"[probe] {args.model}: layers' weights {layer_bytes / 1e9:.3f} GB, floor {layer_bytes / bw * 1e6:.1f} us "
-          f"at {bw / 1e12:.2f} TB/s; rows at position {args.position}; {device_num_sms(dev)} SMs")
+    print(f"[probe] {args.model} ({args.weights}): layers' weights {layer_bytes / 1e9:.3f} GB, "
+          f"floor {layer_bytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s; rows at position {args.position}; "
+          f"{device_num_sms(dev)} SMs")
     g = torch.Generator(device=dev).manual_seed(1)
     for R in [int(r) for r in args.rows.split(",")]:
         tokens = torch.randint(3, cfg.vocab_size, (R,), generator=g, device=dev)

@@ -147,7 +147,7 @@ class LazyWeights:
             g = torch.Generator(device=device).manual_seed(
                 (self.seed * 1_000_003 + int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)) % 2**63)
         if self.packs(name):
-            return _random_packed(shape, self.packed_fmt, 0.5 if name == "token_embd.weight" else shape[1] ** -0.5,
+            return random_packed(shape, self.packed_fmt, 0.5 if name == "token_embd.weight" else shape[1] ** -0.5,
                                   device, g)
         if name.endswith("ssm_a"):
             w = torch.rand(shape, device=device, generator=g).mul_(0.95).add_(0.05).neg_()
@@ -162,7 +162,7 @@ class LazyWeights:
         return w.to(self.dtype)
 
 
-def _random_packed(shape, fmt: str, std: float, device, g):
+def random_packed(shape, fmt: str, std: float, device, g):
     """A PackedWeight [N, K] of random valid blocks whose values have roughly standard deviation `std`."""
     import torch
 
