@@ -45,15 +45,10 @@ PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
 # ---------------------------------------------------------------------------------------------------------------------
 # device functions shared by both launch modes
 @triton.jit
-def _arrive(bar):
-    """Count this program in at the grid barrier (every warp's stores issued before it is counted)."""
-    tl.debug_barrier()
+def _grid_sync(bar, target):
+    """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted."""
+    tl.debug_barrier()                       # every warp's stores issued before the program arrives
     tl.atomic_add(bar, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait(bar, target):
-    """Wait until `target` arrivals (every program, cumulatively) are counted."""
     seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
@@ -61,7 +56,7 @@ def _wait(bar, target):
 
 
 # whether triton.jit compiles (False under TRITON_INTERPRET=1 when triton was imported): inline assembly or not
-_COMPILED = tl.constexpr(type(_wait).__name__ != "InterpretedFunction")
+_COMPILED = tl.constexpr(type(_grid_sync).__name__ != "InterpretedFunction")
 
 
 @triton.jit
@@ -72,37 +67,6 @@ def _cta_sync():
         tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.debug_barrier()
-
-
-@triton.jit
-def _l2_prefetch(ptrs, nbytes, ok):
-    """Ask for nbytes at each of ptrs to be brought into L2 (a TMA bulk prefetch: no registers, no wait), where ok.
-    The interpreter has no L2 to fill."""
-    if _COMPILED:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }\n\tmov.u32 $0, 0;",
-            "=r,l,r,r", [ptrs, nbytes, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_units(w, K: tl.constexpr, NOUT: tl.constexpr, PAIR: tl.constexpr, pid, nprog, S: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, FMT: tl.constexpr):
-    """The first PF K chunks this program's loop of a GEMM phase over the dense weight w [N, K] will read (its units
-    u = pid, pid + nprog, .. in _gemm_phase's order), prefetched into L2: issued while the program waits at the
-    barrier before that phase, they keep memory busy through the wait and the phase's first loads hit L2. Each
-    chunk's 32 weight rows in 4 spans, one per thread of a 4-warp program."""
-    if FMT < 0:
-        NT: tl.constexpr = (NOUT + BN - 1) // BN
-        KCH: tl.constexpr = (K // S + BK - 1) // BK
-        SPAN: tl.constexpr = BK // 4
-        q = tl.arange(0, 4)
-        for i in tl.static_range(PF):
-            u = pid + (i // KCH) * nprog
-            k0 = (u % S) * (K // S) + (i % KCH) * BK
-            cols = _tile_cols((u // S) * BN, BN, PAIR)
-            ptrs = w + cols[:, None].to(tl.int64) * K + k0 + q[None, :] * SPAN
-            ok = (u < NT * S) & (k0 + BK <= K) & (cols[:, None] >= 0)
-            _l2_prefetch(ptrs, tl.full(ptrs.shape, SPAN * w.dtype.element_ty.primitive_bitwidth // 8, tl.int32), ok)
 
 
 @triton.jit
@@ -160,11 +124,27 @@ def _tile_cols(n0, BN: tl.constexpr, PAIR: tl.constexpr):
 
 
 @triton.jit
+def _narrow_at(p, i, BITS: tl.constexpr):
+    """p[i] of a 16- or 8-bit array (4-byte aligned) as the int32 of its bits, read through the 4-byte word holding
+    it: Triton's pipeliner copies only loads of 4 bytes or more ahead (cp.async); a narrower one stays in the K loop,
+    and every chunk would wait a memory latency for its scales."""
+    PER: tl.constexpr = 32 // BITS
+    word = tl.load(p.to(tl.pointer_type(tl.int32), bitcast=True) + i // PER)
+    return (word >> ((i % PER) * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _f16_at(p, i):
+    """p[i] of an fp16 array as fp32 (_narrow_at)."""
+    return _narrow_at(p, i, 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.constexpr):
     """Rows `cols`, columns k0..k0+BK of a packed weight (kernels/quant_pack.py's layout: words [G, N, W], scales by
     (group, row)) as fp32 values, unpack_ref's arithmetic (q * scale exact, then + offset); columns past K are 0.
     The 4-bit words are decoded as the W4A16 kernel's K loop decodes them (int4_gemm._words_values: on the GPU
-    eight nibbles a word by inline PTX)."""
+    eight nibbles a word by inline PTX); scales, mins and Q4_K's sub-scales are read a 4-byte word at a time."""
     GPB: tl.constexpr = BK // 32
     W: tl.constexpr = 8 if FMT == 3 else 4
     NC: tl.constexpr = cols.shape[0]
@@ -178,13 +158,12 @@ def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.const
         v = _words_values(words, NC, GPB, FMT == 0, False, _COMPILED)
     if FMT == 2:
         srec = tl.where(ok, (g[None, :] // 8) * N + cols[:, None], 0)
-        scale = tl.load(s + srec).to(tl.float32) * tl.load(sub + rec * 2).to(tl.float32)
-        vals = v * scale[:, :, None] - (tl.load(c + srec).to(tl.float32) * tl.load(sub + rec * 2 + 1).to(
-            tl.float32))[:, :, None]
+        scale = _f16_at(s, srec) * _narrow_at(sub, rec * 2, 8).to(tl.float32)
+        vals = v * scale[:, :, None] - (_f16_at(c, srec) * _narrow_at(sub, rec * 2 + 1, 8).to(tl.float32))[:, :, None]
     elif FMT == 1:
-        vals = v * tl.load(s + rec).to(tl.float32)[:, :, None] + tl.load(c + rec).to(tl.float32)[:, :, None]
+        vals = v * _f16_at(s, rec)[:, :, None] + _f16_at(c, rec)[:, :, None]
     else:
-        vals = v * tl.load(s + rec).to(tl.float32)[:, :, None]
+        vals = v * _f16_at(s, rec)[:, :, None]
     kk = k0 + tl.arange(0, BK)
     return tl.where(kk[None, :] < K, tl.reshape(vals, [NC, BK]), 0.0)
 
@@ -495,9 +474,8 @@ def _at(base, offs, j, AL: tl.constexpr):
 
 @triton.jit
 def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
-    """Wait at grid barrier number n (every program's n-th arrival, counted by _arrive); with TIMED program 0 stamps
-    the time it opened."""
-    _wait(bar, n * nprog)
+    """Grid barrier number n (every program's n-th arrival); with TIMED program 0 stamps the time it opened."""
+    _grid_sync(bar, n * nprog)
     if TIMED:
         if pid == 0:
             tl.store(clock + n - 1, _now())
@@ -512,50 +490,34 @@ def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
                      STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr, S_QKV: tl.constexpr,
-                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, PF: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    """Every layer, its phases apart by grid barriers. At each barrier a program counts itself in, asks L2 for the
-    first chunks of the next GEMM phase's weights it will read (PF of them: _prefetch_units), then waits: the
-    attention phase, which reads few bytes, prefetches o and gate|up."""
+                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     QD: tl.constexpr = H * D
     _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
-    _arrive(bar)
-    _prefetch_units(_at(w_qkv, offs, 0, AL), DIM, NQKV, 0, pid, nprog, S_QKV, BN, BK, PF, FMT)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
         o = offs + layer * _N_TABLE
         _phase_qkv(res, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
                    _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE,
                    BR, BN, BK, STAGES, FMT, S_QKV)
-        _arrive(bar)
-        _prefetch_units(_at(w_o, o, 1, AL), QD, DIM, 0, pid, nprog, S_O, BN, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_attn(qkv, part, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                     H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN, S_QKV)
-        _arrive(bar)
-        _prefetch_units(_at(w_gu, o, 2, AL), DIM, F, F, pid, nprog, S_GU, BN // 2, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, _at(w_o, o, 1, AL), _at(s_o, o, 13, AL), _at(c_o, o, 14, AL),
                  _at(b_o, o, 15, AL), part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT, S_O)
-        _arrive(bar)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_ffn(res, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
                    _at(b_gu, o, 18, AL), _at(n_ffn, o, 5, AL), part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR,
                    BN, BK, STAGES, FMT, S_GU)
-        _arrive(bar)
-        _prefetch_units(_at(w_down, o, 3, AL), F, DIM, 0, pid, nprog, S_DOWN, BN, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_down(act, res, ss, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
                     _at(b_down, o, 21, AL), part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
                     S_DOWN)
-        _arrive(bar)
-        if layer + 1 < L:
-            _prefetch_units(_at(w_qkv, o + _N_TABLE, 0, AL), DIM, NQKV, 0, pid, nprog, S_QKV, BN, BK, PF, FMT)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
@@ -591,8 +553,8 @@ def _one_phase(res, ss, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_
 
 # ---------------------------------------------------------------------------------------------------------------------
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-DENSE_FORM = dict(block_k=256, stages=4, num_warps=4, prefetch=4)    # block_k halved for fp32 weights
-PACKED_FORM = dict(block_k=256, stages=4, num_warps=4, prefetch=0)  # prefetch: dense weights only
+DENSE_FORM = dict(block_k=256, stages=4, num_warps=4)    # block_k halved for fp32 weights
+PACKED_FORM = dict(block_k=256, stages=4, num_warps=4)
 BALANCE = 90   # a GEMM phase's K range is cut until its units fill this percentage of the programs' rounds (_splits)
 
 
@@ -601,7 +563,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance", "prefetch")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -675,14 +637,12 @@ class PersistentStep:
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, num_warps: int | None = None,
-                 stages: int | None = None, balance: int = BALANCE, prefetch: int | None = None,
-                 timed: bool = False):
+                 stages: int | None = None, balance: int = BALANCE, timed: bool = False):
         """One program an SM (programs: another count, for the phased launches): every program must be resident at
         once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
         K loop double-buffered by hand; 2 or more: one loop over all of a program's (unit, K chunk) pairs, left to
         Triton's pipeliner with that many stages), balance (how evenly the K splits must spread a phase's units
-        over the programs, in percent: _splits; 0: no split), prefetch (K chunks of the next GEMM phase each program
-        asks L2 for at a barrier: _prefetch_units; 0: none); block_n_attn: keys an attention step reads.
+        over the programs, in percent: _splits; 0: no split); block_n_attn: keys an attention step reads.
         Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
@@ -693,11 +653,6 @@ class PersistentStep:
             block_k = form["block_k"] // (2 if model.dtype == torch.float32 else 1)
         stages = form["stages"] if stages is None else stages
         num_warps = form["num_warps"] if num_warps is None else num_warps
-        prefetch = form["prefetch"] if prefetch is None else prefetch
-        if prefetch < 0 or prefetch > 16:
-            raise ConfigError(f"persistent step: prefetch={prefetch}; 0 (none) to 16 K chunks")
-        if prefetch and self.fmt >= 0:
-            raise ConfigError("persistent step: prefetch reads dense weights' rows; packed weights take prefetch=0")
         if stages == 1 or stages < 0:
             raise ConfigError(f"persistent step: stages={stages}; 0 (by hand) or >= 2 (a pipelined loop)")
         if self.fmt >= 0 and (stages < 2 or block_k % 32):
@@ -708,7 +663,7 @@ class PersistentStep:
         c = model.cfg
         self.model, self.kv, self.mode, self.timed = model, kv, mode, timed
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
-        self.stages, self.prefetch = stages, prefetch
+        self.stages = stages
         dev, dt = model.embed.device, model.dtype
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -727,6 +682,9 @@ class PersistentStep:
         for name, ws in proj.items():   # a packed weight's scales, mins, sub-scales (scales stand in for absent ones)
             for part in ("scales", "mins", "sub"):
                 cols[f"{name}.{part}"] = [_part(w, part) for w in ws]
+                if self.fmt >= 0 and any(t.data_ptr() % 4 for t in cols[f"{name}.{part}"]):
+                    raise ConfigError(f"persistent step: a packed {name} weight's {part} is not 4-byte aligned (the "
+                                      "kernel reads them a word at a time); use engine.step=kernels")
         self.layer0 = {name: ts[0] for name, ts in cols.items()}
         self.tensors = cols   # kept: the offsets point into them
         self.offs = torch.tensor([_offsets(ts) for ts in cols.values()], dtype=torch.int64).T.contiguous().to(dev)
@@ -809,7 +767,7 @@ class PersistentStep:
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
         sp = self.splits
         return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
-                          S_DOWN=sp["down"], PF=self.prefetch, **self._consts(paged))
+                          S_DOWN=sp["down"], **self._consts(paged))
 
     def compile_for(self, positions, slots, res, block_table=None, capability: int = 90):
         """The persistent kernel as a launch on a GPU of that compute capability would compile it (its arguments'
