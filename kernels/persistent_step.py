@@ -5,17 +5,18 @@ ramp, tail and dependency wait, and a step costs about twice its weight bytes' f
 the layers through five phases, each a loop over the phase's work items (tiles of output columns, or (row, kv head)
 pairs), separated by grid barriers on a global counter instead of kernel boundaries:
 
-    ss    sum of squares of the residual per column tile and row (the first norm's input; the step's only prologue)
-    qkv   h = rms_norm(res) formed on the fly from res, the tiles' sums of squares and the norm weight; h @ Wqkv^T
+    ss    per column tile and row: the residual's sum of squares and res * g (the first norm's input; the prologue)
+    qkv   rms_norm(res) @ Wqkv^T as ((res * g) @ Wqkv^T) / rms, from that input and the tiles' sums of squares
     attn  per (row, kv head): q/k head norm (qwen3), RoPE, the KV write, causal attention over the row's history
-    o     attn @ Wo^T; res += it; the tile's sums of squares of the new residual (the next norm's input)
-    ffn   h = rms_norm(res) again; silu(h @ Wgate^T) * (h @ Wup^T)
-    down  act @ Wdown^T; res += it; the tile's sums of squares again (the next layer's qkv norm)
+    o     attn @ Wo^T; res += it; the new tile's sums of squares and res * g of the ffn norm
+    ffn   the same norm folding; silu(h @ Wgate^T) * (h @ Wup^T)
+    down  act @ Wdown^T; res += it; the tile's input to the next layer's attention norm
 
 A norm needs a whole row; instead of a phase of its own, the phase that writes the residual leaves per-tile sums of
-squares (a fixed-order sum, so each row's arithmetic never depends on the other rows: batch invariant), and the
-consumer sums the tiles' partials. Per-layer tensors come from element-offset tables against layer 0's (every layer's
-tensors have one shape), so the engine's own weights and KV cache are used in place.
+squares (a fixed-order sum, so each row's arithmetic never depends on the other rows: batch invariant) and the tile
+times the norm weight, and the consumer scales its sums by the 1/rms the tiles' partials give, after its K loop.
+Per-layer tensors come from element-offset tables against layer 0's (every layer's tensors have one shape), so the
+engine's own weights and KV cache are used in place.
 
 `mode="phased"` runs the same phase functions as one launch per phase and layer: Triton's interpreter runs programs
 one after another, so a grid barrier would never open there; the CPU tests check the phases' math that way, the GPU
@@ -88,9 +89,22 @@ def _rstd(ss, R, eps, DIM: tl.constexpr, BLOCK_N: tl.constexpr, BR: tl.constexpr
 
 
 @triton.jit
-def _residual_tile(res, ss, acc, t, R, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """res[:, tile t] += acc (rounded to res's dtype first, as the kernel path's GEMM output is); the new tile's sums
-    of squares per row into ss[t]."""
+def _norm_input(xg, ss, v, gn, t, R, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """What the next norm needs of residual tile t (v [BR, BN], fp32 of the dtype's values): its sums of squares per
+    row into ss[t], and v * g (the next norm's weight gn, rounded to the dtype) into xg: the consuming K loop reads
+    that operand as it is and scales its sums by 1/rms after the loop, so no K chunk normalizes anything."""
+    rows = tl.arange(0, BR)
+    cols = t * BN + tl.arange(0, BN)
+    g = tl.load(gn + cols).to(tl.float32)
+    tl.store(xg + rows[:, None] * DIM + cols[None, :], (v * g[None, :]).to(xg.dtype.element_ty),
+             mask=rows[:, None] < R)
+    tl.store(ss + t * BR + rows, tl.sum(v * v, axis=1))
+
+
+@triton.jit
+def _residual_tile(res, ss, xg, gn, acc, t, R, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """res[:, tile t] += acc (rounded to res's dtype first, as the kernel path's GEMM output is); the new tile's norm
+    input (_norm_input)."""
     rows = tl.arange(0, BR)
     cols = t * BN + tl.arange(0, BN)
     m = rows[:, None] < R
@@ -98,18 +112,17 @@ def _residual_tile(res, ss, acc, t, R, DIM: tl.constexpr, BR: tl.constexpr, BN: 
     old = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
     new = (old + acc.to(res.dtype.element_ty).to(tl.float32)).to(res.dtype.element_ty)
     tl.store(p, new, mask=m)
-    nf = new.to(tl.float32)
-    tl.store(ss + t * BR + rows, tl.sum(nf * nf, axis=1))
+    _norm_input(xg, ss, new.to(tl.float32), gn, t, R, DIM, BR, BN)
 
 
 @triton.jit
-def _phase_ss(res, ss, R, pid, nprog, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+def _phase_ss(res, ss, xg, gn, R, pid, nprog, DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     rows = tl.arange(0, BR)
     for t in range(pid, DIM // BN, nprog):
         cols = t * BN + tl.arange(0, BN)
         v = tl.load(res + rows[:, None] * DIM + cols[None, :], mask=rows[:, None] < R, other=0.0,
                     cache_modifier=".cg").to(tl.float32)
-        tl.store(ss + t * BR + rows, tl.sum(v * v, axis=1))
+        _norm_input(xg, ss, v, gn, t, R, DIM, BR, BN)
 
 
 @triton.jit
@@ -169,9 +182,9 @@ def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.const
 
 
 @triton.jit
-def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr):
-    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype (_norm_dot: NORM makes X = rms_norm(x)). W: dense
+def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, IEEE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+               FMT: tl.constexpr):
+    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype. W: dense
     w [N, K] (FMT < 0), or packed in the format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K
     sub-scales wb), its values rounded to x's dtype as the dequantized model holds them."""
     dt = x.dtype.element_ty
@@ -184,19 +197,7 @@ def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, rstd, nw, NORM: tl.const
         wv = tl.load(w + cols[:, None].to(tl.int64) * K + kk[None, :], mask=(cols[:, None] < N) & km, other=0.0)
     else:
         wv = _packed_chunk(w, ws, wc, wb, cols, N, K, k0, FMT, BK).to(dt)
-    return _norm_dot(xv, wv.to(dt), kk, K, rstd, nw, NORM, IEEE)
-
-
-@triton.jit
-def _norm_dot(xv, wv, kk, K, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr):
-    """xv [BR, BK] (columns kk) @ wv^T [BK, n] in fp32, x taken in wv's dtype. NORM: x = rms_norm(xv), from rstd
-    [BR] and the norm weight nw (rms_norm_ref's rounding: (x * rstd) * w, then the dtype)."""
-    if NORM:
-        g = tl.load(nw + kk, mask=kk < K, other=0.0).to(tl.float32)
-        xa = ((xv.to(tl.float32) * rstd[:, None]) * g[None, :]).to(wv.dtype)
-    else:
-        xa = xv.to(wv.dtype)
-    return _dot(xa, tl.trans(wv), IEEE)
+    return _dot(xv, tl.trans(wv.to(dt)), IEEE)
 
 
 @triton.jit
@@ -209,8 +210,8 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr):
+def _tile_gemm(x, sx, w, n0, N, K, R, IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               PAIR: tl.constexpr):
     """One work item of dense weights: [BR, BN] (PAIR: [BR, 2 BN]) fp32 = X @ W[cols]^T over K, its K loop
     double-buffered by hand (chunk k+1's loads issued before chunk k's product, in registers)."""
     cols = _tile_cols(n0, BN, PAIR)
@@ -227,25 +228,25 @@ def _tile_gemm(x, sx, w, n0, N, K, R, rstd, nw, NORM: tl.constexpr, IEEE: tl.con
         kn = k0 + BK + ks
         xn = tl.load(xp + kn[None, :], mask=rm & (kn[None, :] < K), other=0.0, cache_modifier=".cg")
         wn = tl.load(wp + kn[None, :], mask=cm & (kn[None, :] < K), other=0.0, eviction_policy="evict_first")
-        acc += _norm_dot(xv, wv, k0 + ks, K, rstd, nw, NORM, IEEE)
+        acc += _dot(xv, tl.trans(wv), IEEE)
         xv = xn
         wv = wn
     return acc
 
 
 @triton.jit
-def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr,
+def _epilogue(acc, t, R, out, res, ss, xg, gn, KIND: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr,
               BR: tl.constexpr, BN: tl.constexpr):
     """Work item t's result: KIND 0 stored to out [rows, NOUT] (q|k|v); 1 added to the residual (o, down) with the
-    tile's sums of squares; 2 gate|up pairs made silu(gate) * up into out [rows, NOUT] (swiglu_ref's rounding: each
-    rounded to the dtype first)."""
+    tile's input to the next norm, whose weight is gn (_norm_input); 2 gate|up pairs made silu(gate) * up into out
+    [rows, NOUT] (swiglu_ref's rounding: each rounded to the dtype first)."""
     rows = tl.arange(0, BR)
     cols = t * BN + tl.arange(0, BN)
     if KIND == 0:
         tl.store(out + rows[:, None] * NOUT + cols[None, :], acc.to(out.dtype.element_ty),
                  mask=(rows[:, None] < R) & (cols[None, :] < NOUT))
     elif KIND == 1:
-        _residual_tile(res, ss, acc, t, R, DIM, BR, BN)
+        _residual_tile(res, ss, xg, gn, acc, t, R, DIM, BR, BN)
     else:
         dt = out.dtype.element_ty
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BN]), [0, 2, 1]))
@@ -255,14 +256,14 @@ def _epilogue(acc, t, R, out, res, ss, KIND: tl.constexpr, NOUT: tl.constexpr, D
 
 
 @triton.jit
-def _unit_done(acc, t, s, R, out, res, ss, part, cnt, KIND: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
+def _unit_done(acc, t, s, R, out, res, ss, xg, gn, part, cnt, KIND: tl.constexpr, NOUT: tl.constexpr,
+               DIM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
     """Split s of item t has its K range's product in acc. With S = 1 it is the item's result; else it is stored to
     part, where q|k|v's splits are left for attention to sum (_qkv_at); of the others', the split that arrives last
     at the item's counter sums all S in split order (a fixed order, so the result never depends on which program
     came last) and finishes the item, then resets the counter for the next layer."""
     if S == 1:
-        _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+        _epilogue(acc, t, R, out, res, ss, xg, gn, KIND, NOUT, DIM, BR, BN)
     else:
         NC: tl.constexpr = acc.shape[1]
         tile = tl.arange(0, BR)[:, None] * NC + tl.arange(0, NC)[None, :]
@@ -277,11 +278,11 @@ def _unit_done(acc, t, s, R, out, res, ss, part, cnt, KIND: tl.constexpr, NOUT: 
                 for j in tl.static_range(S):    # unrolled: a loop inside the K loop would keep it from pipelining
                     tot += tl.load(base + j * (BR * NC) + tile, cache_modifier=".cg")
                 tl.atomic_xchg(cnt + t, 0, sem="relaxed", scope="gpu")
-                _epilogue(tot, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+                _epilogue(tot, t, R, out, res, ss, xg, gn, KIND, NOUT, DIM, BR, BN)
 
 
 @triton.jit
-def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, part, cnt, R, pid, nprog, N: tl.constexpr,
+def _gemm_phase(x, sx, w, ws, wc, wb, gn, rstd, out, res, ss, xg, part, cnt, R, pid, nprog, N: tl.constexpr,
                 K: tl.constexpr, NOUT: tl.constexpr, DIM: tl.constexpr, KIND: tl.constexpr, NORM: tl.constexpr,
                 IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                 FMT: tl.constexpr, S: tl.constexpr):
@@ -289,7 +290,8 @@ def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, part, cnt, R, pid,
     u = pid, pid + nprog, .. of items x S (item u // S, split u % S). STAGES = 0: unit by unit, each K loop
     double-buffered by hand (_tile_gemm; S = 1); STAGES > 0: all of them as one loop over (unit, K chunk) left to
     Triton's pipeliner, so STAGES chunks stay in flight across units too (a loop per unit would drain it at every
-    unit boundary)."""
+    unit boundary). NORM: x is the norm input g * res (_norm_input), and each unit's sums are scaled by 1/rms
+    (rstd) after its K range; o and down leave the next norm's input in xg (norm weight gn)."""
     PAIR: tl.constexpr = NOUT if KIND == 2 else 0
     NT: tl.constexpr = (NOUT + BN - 1) // BN
     if STAGES > 0:
@@ -299,23 +301,27 @@ def _gemm_phase(x, sx, w, ws, wc, wb, nw, rstd, out, res, ss, part, cnt, R, pid,
             u = pid + (i // KCH) * nprog
             t = u // S
             acc += _chunk_dot(x, sx, w, ws, wc, wb, _tile_cols(t * BN, BN, PAIR), N, K,
-                              (u % S) * (K // S) + (i % KCH) * BK, R, rstd, nw, NORM, IEEE, BR, BK, FMT)
+                              (u % S) * (K // S) + (i % KCH) * BK, R, IEEE, BR, BK, FMT)
             if i % KCH == KCH - 1:
-                _unit_done(acc, t, u % S, R, out, res, ss, part, cnt, KIND, NOUT, DIM, BR, BN, S)
+                if NORM:
+                    acc = acc * rstd[:, None]
+                _unit_done(acc, t, u % S, R, out, res, ss, xg, gn, part, cnt, KIND, NOUT, DIM, BR, BN, S)
                 acc = tl.zeros_like(acc)
     else:
         for t in range(pid, NT, nprog):
-            acc = _tile_gemm(x, sx, w, t * BN, N, K, R, rstd, nw, NORM, IEEE, BR, BN, BK, PAIR)
-            _epilogue(acc, t, R, out, res, ss, KIND, NOUT, DIM, BR, BN)
+            acc = _tile_gemm(x, sx, w, t * BN, N, K, R, IEEE, BR, BN, BK, PAIR)
+            if NORM:
+                acc = acc * rstd[:, None]
+            _epilogue(acc, t, R, out, res, ss, xg, gn, KIND, NOUT, DIM, BR, BN)
 
 
 @triton.jit
-def _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
+def _phase_qkv(xg, ss, qkv, w, ws, wc, wb, part, cnt, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                FMT: tl.constexpr, S: tl.constexpr):
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, qkv, res, ss, part, cnt, R, pid, nprog, NQKV, DIM, NQKV, DIM, 0,
-                True, IEEE, BR, BN, BK, STAGES, FMT, S)
+    _gemm_phase(xg, DIM, w, ws, wc, wb, None, rstd, qkv, None, ss, xg, part, cnt, R, pid, nprog, NQKV, DIM, NQKV, DIM,
+                0, True, IEEE, BR, BN, BK, STAGES, FMT, S)
 
 
 @triton.jit
@@ -437,30 +443,30 @@ def _phase_attn(qkv, part, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_
 
 
 @triton.jit
-def _phase_o(attn, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr,
+def _phase_o(attn, res, ss, xg, gn, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM: tl.constexpr, QD: tl.constexpr,
              IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
              FMT: tl.constexpr, S: tl.constexpr):
-    _gemm_phase(attn, QD, w, ws, wc, wb, None, None, res, res, ss, part, cnt, R, pid, nprog, DIM, QD, DIM, DIM, 1,
+    _gemm_phase(attn, QD, w, ws, wc, wb, gn, None, res, res, ss, xg, part, cnt, R, pid, nprog, DIM, QD, DIM, DIM, 1,
                 False, IEEE, BR, BN, BK, STAGES, FMT, S)
 
 
 @triton.jit
-def _phase_ffn(res, ss, act, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
+def _phase_ffn(xg, ss, act, w, ws, wc, wb, part, cnt, R, eps, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                FMT: tl.constexpr, S: tl.constexpr):
     """act = silu(gate) * up with gate, up the h @ W^T tiles of the fused gate|up weight [2F, DIM]: an item's BN
     weight rows are BN // 2 of gate and the same columns of up."""
     rstd = _rstd(ss, R, eps, DIM, BN, BR)
-    _gemm_phase(res, DIM, w, ws, wc, wb, nw, rstd, act, res, ss, part, cnt, R, pid, nprog, 2 * F, DIM, F, DIM, 2,
-                True, IEEE, BR, BN // 2, BK, STAGES, FMT, S)
+    _gemm_phase(xg, DIM, w, ws, wc, wb, None, rstd, act, None, ss, xg, part, cnt, R, pid, nprog, 2 * F, DIM, F, DIM,
+                2, True, IEEE, BR, BN // 2, BK, STAGES, FMT, S)
 
 
 @triton.jit
-def _phase_down(act, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
+def _phase_down(act, res, ss, xg, gn, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM: tl.constexpr, F: tl.constexpr,
                 IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                 FMT: tl.constexpr, S: tl.constexpr):
-    _gemm_phase(act, F, w, ws, wc, wb, None, None, res, res, ss, part, cnt, R, pid, nprog, DIM, F, DIM, DIM, 1, False,
-                IEEE, BR, BN, BK, STAGES, FMT, S)
+    _gemm_phase(act, F, w, ws, wc, wb, gn, None, res, res, ss, xg, part, cnt, R, pid, nprog, DIM, F, DIM, DIM, 1,
+                False, IEEE, BR, BN, BK, STAGES, FMT, S)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -483,7 +489,7 @@ def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
 
 
 @triton.jit
-def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn,
+def _persistent_step(res, ss, xg, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn,
                      n_q, n_k, kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down, c_down, b_down,
                      rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale,
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
@@ -496,59 +502,61 @@ def _persistent_step(res, ss, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     QD: tl.constexpr = H * D
-    _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
+    _phase_ss(res, ss, xg, _at(n_attn, offs, 4, AL), R, pid, nprog, DIM, BR, BN)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
         o = offs + layer * _N_TABLE
-        _phase_qkv(res, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
-                   _at(b_qkv, o, 12, AL), _at(n_attn, o, 4, AL), part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE,
-                   BR, BN, BK, STAGES, FMT, S_QKV)
+        _phase_qkv(xg, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
+                   _at(b_qkv, o, 12, AL), part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK, STAGES, FMT,
+                   S_QKV)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_attn(qkv, part, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                     H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN, S_QKV)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_o(attn, res, ss, _at(w_o, o, 1, AL), _at(s_o, o, 13, AL), _at(c_o, o, 14, AL),
-                 _at(b_o, o, 15, AL), part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES, FMT, S_O)
+        _phase_o(attn, res, ss, xg, _at(n_ffn, o, 5, AL), _at(w_o, o, 1, AL), _at(s_o, o, 13, AL),
+                 _at(c_o, o, 14, AL), _at(b_o, o, 15, AL), part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
+                 FMT, S_O)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_ffn(res, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
-                   _at(b_gu, o, 18, AL), _at(n_ffn, o, 5, AL), part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR,
-                   BN, BK, STAGES, FMT, S_GU)
+        _phase_ffn(xg, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
+                   _at(b_gu, o, 18, AL), part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, S_GU)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_down(act, res, ss, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
+        # the next layer's attention norm (the last layer's own: the LM head normalizes the residual itself)
+        gn = _at(n_attn, offs + tl.minimum(layer + 1, L - 1) * _N_TABLE, 4, AL)
+        _phase_down(act, res, ss, xg, gn, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
                     _at(b_down, o, 21, AL), part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
                     S_DOWN)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
 @triton.jit
-def _one_phase(res, ss, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt,
+def _one_phase(res, ss, xg, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt,
                bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
                STAGES: tl.constexpr, FMT: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr = False):
+    """Phase PHASE of one layer (nw: the norm weight whose input the phase leaves: ss, o and down)."""
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if PHASE == 0:
-        _phase_ss(res, ss, R, pid, nprog, DIM, BR, BN)
+        _phase_ss(res, ss, xg, nw, R, pid, nprog, DIM, BR, BN)
     elif PHASE == 1:
-        _phase_qkv(res, ss, qkv, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE,
+        _phase_qkv(xg, ss, qkv, w, ws, wc, wb, part, cnt, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE,
                    BR, BN, BK, STAGES, FMT, S)
     elif PHASE == 2:
         _phase_attn(qkv, part, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0,
                     kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN,
                     S)  # S: the q|k|v phase's splits
     elif PHASE == 3:
-        _phase_o(attn, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK, STAGES, FMT,
-                 S)
+        _phase_o(attn, res, ss, xg, nw, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK,
+                 STAGES, FMT, S)
     elif PHASE == 4:
-        _phase_ffn(res, ss, act, w, ws, wc, wb, nw, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
-                   FMT, S)
+        _phase_ffn(xg, ss, act, w, ws, wc, wb, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, S)
     else:
-        _phase_down(act, res, ss, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
-                    S)
+        _phase_down(act, res, ss, xg, nw, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
+                    FMT, S)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -693,6 +701,7 @@ class PersistentStep:
         g = math.gcd(*self.offs.flatten().tolist())
         self.align = min(g & -g, 16) if g else 16
         self.ss = torch.zeros(c.dim // BLOCK_N, MAX_ROWS, dtype=torch.float32, device=dev)
+        self.xg = torch.zeros(MAX_ROWS, c.dim, dtype=dt, device=dev)     # the next norm's input (_norm_input)
         self.qkv = torch.zeros(MAX_ROWS, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, dtype=dt, device=dev)
         self.attn = torch.zeros(MAX_ROWS, c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.act = torch.zeros(MAX_ROWS, c.ffn_dim, dtype=dt, device=dev)
@@ -759,7 +768,8 @@ class PersistentStep:
         c = self.model.cfg
         a, paged = self._args(positions, slots, block_table)
         l0 = self.layer0
-        args = [res, self.ss, self.qkv, self.attn, self.act, self.part, self.cnt, self.bar, self.clock, self.offs,
+        args = [res, self.ss, self.xg, self.qkv, self.attn, self.act, self.part, self.cnt, self.bar, self.clock,
+                self.offs,
                 l0["qkv"], l0["o"], l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"],
                 l0["k_norm"], l0["k"], l0["v"],
                 *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
@@ -816,12 +826,13 @@ class PersistentStep:
         grid = (self.programs,)
 
         def phase(p, i=0):
-            """Phase p of layer i, given that layer's tensors (each phase reads the ones it needs)."""
-            name, norm = {3: ("o", "attn_norm"), 4: ("gate_up", "ffn_norm"), 5: ("down", "attn_norm")}.get(
-                p, ("qkv", "attn_norm"))
+            """Phase p of layer i, given that layer's tensors (each phase reads the ones it needs; the norm is the
+            one whose input ss, o and down leave: down's, the next layer's, or its own in the last)."""
+            name = {3: "o", 4: "gate_up", 5: "down"}.get(p, "qkv")
+            norm = t["ffn_norm"][i] if p == 3 else t["attn_norm"][min(i + 1, c.n_layers - 1) if p == 5 else i]
             parts = [t[f"{name}.{part}"][i] for part in ("scales", "mins", "sub")]
-            _one_phase[grid](res, self.ss, self.qkv, self.attn, self.act, self.part, self.cnt, t[name][i], *parts,
-                             t[norm][i], t["k"][i], t["v"][i], t["q_norm"][i], t["k_norm"][i], a["rope"],
+            _one_phase[grid](res, self.ss, self.xg, self.qkv, self.attn, self.act, self.part, self.cnt, t[name][i],
+                             *parts, norm, t["k"][i], t["v"][i], t["q_norm"][i], t["k_norm"][i], a["rope"],
                              a["positions"], a["slots"],
                              a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"], a["kc_s1"], a["kc_s2"], R,
                              common["eps"], common["scale"], PHASE=p, S=self.splits.get(name, 1), **k,
