@@ -184,9 +184,9 @@ def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.const
 @triton.jit
 def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, IEEE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
                FMT: tl.constexpr):
-    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype. W: dense
-    w [N, K] (FMT < 0), or packed in the format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K
-    sub-scales wb), its values rounded to x's dtype as the dequantized model holds them."""
+    """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype. W: dense w [N, K] (FMT < 0), or packed in the
+    format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K sub-scales wb), its values rounded to x's
+    dtype as the dequantized model holds them."""
     dt = x.dtype.element_ty
     rows = tl.arange(0, BR)
     kk = k0 + tl.arange(0, BK)

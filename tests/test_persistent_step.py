@@ -183,10 +183,18 @@ def test_refuses_what_it_cannot_run(tiny_ggufs):
         PersistentStep(model, kv)
 
 
-@pytest.mark.compile_only
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed (Linux-only dependency)")
-@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
+def compiled_for_sm90(test):
+    """A test that compiles the persistent kernel for a Hopper target (no GPU needed; not under the interpreter)."""
+    marks = (pytest.mark.compile_only,
+             pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (Linux-only dependency)"),
+             pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled"))
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
+@compiled_for_sm90
 @pytest.mark.parametrize("form", ["hand", "pipelined"])
 def test_compiled_kernel_reads_weights_in_16_byte_loads(form):
     """The persistent kernel as a Hopper launch would compile it (no GPU needed): every layer's tensors are reached by
@@ -212,10 +220,7 @@ def test_compiled_kernel_reads_weights_in_16_byte_loads(form):
         assert copies and set(copies) == {"0x10"}, Counter(copies)
 
 
-@pytest.mark.compile_only
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed (Linux-only dependency)")
-@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
+@compiled_for_sm90
 def test_split_phases_stay_pipelined():
     """Phases whose K ranges are cut in splits keep their weight reads in the pipelined cp.async loop: a CTA barrier
     in the split's bookkeeping (tl.debug_barrier) once kept Triton from pipelining it, and the reads went plain."""
@@ -233,10 +238,7 @@ def test_split_phases_stay_pipelined():
     assert max(copies[90][1].values()) > 1 and copies[90][0] >= copies[0][0], copies
 
 
-@pytest.mark.compile_only
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed (Linux-only dependency)")
-@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
+@compiled_for_sm90
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
 def test_packed_scales_are_copied_ahead(fmt):
     """A packed step's scales, mins and sub-scales (2- and 1-byte values) reach the K loop by cp.async like its words:
@@ -267,10 +269,7 @@ def test_packed_scales_are_copied_ahead(fmt):
     assert not narrow and "cp.async.ca.shared.global" in ptx, Counter(narrow)
 
 
-@pytest.mark.compile_only
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed (Linux-only dependency)")
-@pytest.mark.skipif(INTERPRET, reason="under TRITON_INTERPRET kernels are interpreted, not compiled")
+@compiled_for_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_default_form_fits_hopper_shared_memory(dtype):
     """The default form's pipeline stages, compiled for Hopper, fit its 227 KB of shared memory a block, in bf16 and
