@@ -571,7 +571,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance", "per_sm")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -626,6 +626,17 @@ def _splits(items: int, K: int, block_k: int, programs: int, balance: int) -> in
     return s
 
 
+def programs_an_sm_holds(n_regs: int, shared: int, num_warps: int, props) -> int:
+    """How many programs of a kernel one SM holds at once (props: torch's device properties): by registers (allocated
+    256 a warp, each warp from one quarter of the register file), by shared memory (1 KB reserved a block) and by
+    threads."""
+    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = 4 * ((props.regs_per_multiprocessor // 4) // warp_regs) // num_warps
+    by_smem = props.shared_memory_per_multiprocessor // (shared + 1024)
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    return min(by_regs, by_smem, by_threads)
+
+
 def _offsets(tensors: list[torch.Tensor]) -> list[int]:
     """Each tensor's element offset from the first (all of one dtype): the kernel adds it to the first's pointer."""
     base, size = tensors[0].data_ptr(), tensors[0].element_size()
@@ -645,9 +656,10 @@ class PersistentStep:
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, num_warps: int | None = None,
-                 stages: int | None = None, balance: int = BALANCE, timed: bool = False):
-        """One program an SM (programs: another count, for the phased launches): every program must be resident at
-        once, or a barrier never opens. The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
+                 stages: int | None = None, balance: int = BALANCE, per_sm: int = 1, timed: bool = False):
+        """per_sm programs an SM (programs: another count, for the phased launches): every program must be resident
+        at once, or a barrier never opens, so the first launch checks that the compiled kernel's registers and shared
+        memory let per_sm programs share an SM (_check_resident). The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
         K loop double-buffered by hand; 2 or more: one loop over all of a program's (unit, K chunk) pairs, left to
         Triton's pipeliner with that many stages), balance (how evenly the K splits must spread a phase's units
         over the programs, in percent: _splits; 0: no split); block_n_attn: keys an attention step reads.
@@ -673,9 +685,12 @@ class PersistentStep:
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
         self.stages = stages
         dev, dt = model.embed.device, model.dtype
+        if per_sm < 1:
+            raise ConfigError(f"persistent step: per_sm={per_sm}; give 1 or more programs an SM")
         if programs is None:
-            programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        self.programs = programs
+            programs = per_sm * (torch.cuda.get_device_properties(dev).multi_processor_count
+                                 if dev.type == "cuda" else 4)
+        self.programs, self.per_sm = programs, per_sm
         L = c.n_layers
         lay = model.layers
         self.qk_norm = lay[0]["q_norm"] is not None
@@ -716,6 +731,7 @@ class PersistentStep:
         self.cnt = torch.zeros(max(items.values()), dtype=torch.int32, device=dev)
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
         self.clock = torch.zeros(1 + 5 * L, dtype=torch.int64, device=dev)
+        self.compiled = None    # the persistent kernel, once launched
 
     @staticmethod
     def weight_format(model) -> int:
@@ -820,8 +836,11 @@ class PersistentStep:
         if self.mode == "persistent":
             self.bar.zero_()
             args, consts = self._persistent_args(positions, slots, res, block_table)
-            self.compiled = _persistent_step[(self.programs,)](*args, **consts, num_warps=self.num_warps,
-                                                              **pdl.triton_opts(res.device))
+            opts = dict(num_warps=self.num_warps, **pdl.triton_opts(res.device))
+            if self.compiled is None:    # compiled, not launched, until it is known to fit
+                self._check_resident(_persistent_step.warmup(*args, **consts, **opts, grid=(self.programs,)),
+                                     res.device)
+            self.compiled = _persistent_step[(self.programs,)](*args, **consts, **opts)
             return res
         grid = (self.programs,)
 
@@ -844,6 +863,19 @@ class PersistentStep:
             for p in range(1, 6):
                 phase(p, i)
         return res
+
+    def _check_resident(self, kernel, dev) -> None:
+        """Refuse a launch whose programs could not all be resident at once: it would wait at its first barrier
+        forever."""
+        kernel._init_handles()
+        p = torch.cuda.get_device_properties(dev)
+        fits = programs_an_sm_holds(kernel.n_regs, kernel.metadata.shared, self.num_warps, p)
+        if fits * p.multi_processor_count < self.programs:
+            raise ConfigError(
+                f"persistent step: {self.programs} programs on {p.multi_processor_count} SMs, but an SM holds only "
+                f"{fits} of this kernel ({kernel.n_regs} registers a thread x {self.num_warps} warps, "
+                f"{kernel.metadata.shared} B shared memory); lower per_sm, num_warps or block_k in "
+                f"engine.persistent_form")
 
     def phase_times_us(self) -> dict[str, float]:
         """With timed=True, after a persistent launch: each phase's time summed over the layers (from program 0's

@@ -307,6 +307,38 @@ def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged, form):
             assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_two_programs_an_sm_launch_equals_phases(tiny_ggufs):
+    """per_sm=2: twice the programs, each phase's units spread over both of an SM's; the same bits as the phases."""
+    model = _model(tiny_ggufs["llama"])
+    kv = _cache(model.cfg, False, slots=16)
+    _history(model, kv, [3 + s % 5 for s in range(16)], False)
+    tokens = torch.randint(3, 200, (5,), generator=_gen(5)).to(DEV)
+    slots, positions = torch.arange(5, device=DEV), torch.tensor([3 + s % 5 for s in range(5)], device=DEV)
+    a, b = _clone(kv), _clone(kv)
+    one = _step(model, a, tokens, positions, slots, False, "persistent", per_sm=2)
+    phased = _step(model, b, tokens, positions, slots, False, "phased", per_sm=2)
+    assert torch.equal(one, phased), _msg("per_sm=2")
+
+
+def test_programs_an_sm_holds():
+    """The residency check's arithmetic on Hopper's SM (64 K registers, 228 KB shared memory, 2,048 threads): which
+    limit binds, so a form whose programs cannot all be resident is refused before it hangs at a barrier."""
+    from types import SimpleNamespace
+
+    from onepass.kernels.persistent_step import programs_an_sm_holds
+
+    sm90 = SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+                           max_threads_per_multi_processor=2048)
+    assert programs_an_sm_holds(255, 56320, 4, sm90) == 2       # registers: 8 warps of 256 a thread
+    assert programs_an_sm_holds(255, 56320, 8, sm90) == 1
+    assert programs_an_sm_holds(128, 56320, 4, sm90) == 4       # shared memory: 4 x 57 KB
+    assert programs_an_sm_holds(168, 1024, 4, sm90) == 3        # 168 a thread: 3 warps a quarter of 16 K
+    assert programs_an_sm_holds(32, 0, 16, sm90) == 4           # threads: 4 x 512
+    assert programs_an_sm_holds(255, 120000, 4, sm90) == 1
+
+
 @pytest.mark.skipif(HAS_CUDA or INTERPRET, reason="kernel tests run in-process here")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (Linux-only dependency)")
@@ -347,6 +379,8 @@ def test_persistent_form_setting(tiny_ggufs):
     kv = ContiguousKVCache(cfg, 2, 16, torch.float32, "cpu")
     step = model.persistent_step(kv)
     assert (step.block_k, step.stages) == (32, 2) and model.persistent_step(kv) is step
+    with pytest.raises(ConfigError, match="per_sm=0; give 1 or more"):
+        type(step)(model, kv, per_sm=0)
     model.choice, model.pick_us[4] = True, (2.0, 1.0)
     model.set_step("auto", "block_k=32,stages=2")          # the same form: kept
     assert model.persistent_step(kv) is step and model.choice is True
