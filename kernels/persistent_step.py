@@ -30,7 +30,8 @@ import torch
 
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
-from onepass.kernels.int4_gemm import FMT_CODE, _expand, _words_values
+from onepass.kernels.int4_gemm import FMT_CODE, _expand, _pair_bits, _words_folded, _words_values
+from onepass.kernels.splitk import cast_out
 from onepass.kernels.quant_pack import PackedWeight
 from onepass.kernels.triton_compat import tl, triton
 
@@ -153,30 +154,51 @@ def _f16_at(p, i):
 
 
 @triton.jit
-def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.constexpr):
+def _packed_chunk(qw, s, c, sub, cols, N, K, k0, x, FMT: tl.constexpr, BK: tl.constexpr):
     """Rows `cols`, columns k0..k0+BK of a packed weight (kernels/quant_pack.py's layout: words [G, N, W], scales by
-    (group, row)) as fp32 values, unpack_ref's arithmetic (q * scale exact, then + offset); columns past K are 0.
-    The 4-bit words are decoded as the W4A16 kernel's K loop decodes them (int4_gemm._words_values: on the GPU
-    eight nibbles a word by inline PTX); scales, mins and Q4_K's sub-scales are read a 4-byte word at a time."""
+    (group, row)) in x's dtype; columns past K are 0. A 16-bit x takes the folded values the kernel-per-op step's
+    int4 kernels multiply (quant_pack.unpack_folded: each group's scale and offset rounded to x's dtype, then
+    q * s + c rounded once; on the GPU one packed fma a pair straight from the word, int4_gemm._words_folded); fp32
+    x takes unpack_ref's (q * s exact, then + offset). Scales, mins and Q4_K's sub-scales are read a 4-byte word at
+    a time."""
     GPB: tl.constexpr = BK // 32
     W: tl.constexpr = 8 if FMT == 3 else 4
     NC: tl.constexpr = cols.shape[0]
+    dt: tl.constexpr = x.dtype.element_ty
+    FOLD: tl.constexpr = dt != tl.float32
+    RNE: tl.constexpr = (not _COMPILED) and dt == tl.bfloat16     # the interpreter's casts to bf16 truncate
     g = k0 // 32 + tl.arange(0, GPB)
     ok = (g[None, :] < K // 32) & (cols[:, None] < N)
     rec = tl.where(ok, g[None, :] * N + cols[:, None], 0)          # [NC, GPB] (group, row) records; outside: record 0
     words = tl.load(qw + rec.to(tl.int64)[:, :, None] * W + tl.arange(0, W)[None, None, :])
-    if FMT == 3:
-        v = _expand(words, FMT, NC, GPB).to(tl.float32)
-    else:
-        v = _words_values(words, NC, GPB, FMT == 0, False, _COMPILED)
     if FMT == 2:
         srec = tl.where(ok, (g[None, :] // 8) * N + cols[:, None], 0)
         scale = _f16_at(s, srec) * _narrow_at(sub, rec * 2, 8).to(tl.float32)
-        vals = v * scale[:, :, None] - (_f16_at(c, srec) * _narrow_at(sub, rec * 2 + 1, 8).to(tl.float32))[:, :, None]
+        off = -(_f16_at(c, srec) * _narrow_at(sub, rec * 2 + 1, 8).to(tl.float32))
     elif FMT == 1:
-        vals = v * _f16_at(s, rec)[:, :, None] + _f16_at(c, rec)[:, :, None]
+        scale = _f16_at(s, rec)
+        off = _f16_at(c, rec)
     else:
-        vals = v * _f16_at(s, rec)[:, :, None]
+        scale = _f16_at(s, rec)
+        off = scale                                                # unused: no offset
+    if FOLD and _COMPILED and FMT != 3:
+        if FMT == 0:
+            off2 = tl.full((NC, GPB), -2147450880, tl.int32)      # -0 in both halves
+        else:
+            off2 = _pair_bits(off, x, False)
+        vals = _words_folded(words, _pair_bits(scale, x, False), off2, NC, GPB, FMT == 0, dt == tl.float16)
+    else:
+        if FMT == 3:
+            v = _expand(words, FMT, NC, GPB).to(tl.float32)
+        else:
+            v = _words_values(words, NC, GPB, FMT == 0, False, _COMPILED)
+        if FOLD:
+            scale = cast_out(scale, x, RNE).to(tl.float32)
+            off = cast_out(off, x, RNE).to(tl.float32)
+        if FMT == 1 or FMT == 2:
+            vals = cast_out(v * scale[:, :, None] + off[:, :, None], x, RNE)
+        else:
+            vals = cast_out(v * scale[:, :, None], x, RNE)
     kk = k0 + tl.arange(0, BK)
     return tl.where(kk[None, :] < K, tl.reshape(vals, [NC, BK]), 0.0)
 
@@ -185,8 +207,8 @@ def _packed_chunk(qw, s, c, sub, cols, N, K, k0, FMT: tl.constexpr, BK: tl.const
 def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, IEEE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
                FMT: tl.constexpr):
     """X[:, k0:k0+BK] @ W[cols, k0:k0+BK]^T in fp32, in x's dtype. W: dense w [N, K] (FMT < 0), or packed in the
-    format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K sub-scales wb), its values rounded to x's
-    dtype as the dequantized model holds them."""
+    format FMT (int4_gemm.FMT_CODE: words w, scales ws, mins wc, Q4_K sub-scales wb), its values in x's dtype
+    (_packed_chunk)."""
     dt = x.dtype.element_ty
     rows = tl.arange(0, BR)
     kk = k0 + tl.arange(0, BK)
@@ -196,7 +218,7 @@ def _chunk_dot(x, sx, w, ws, wc, wb, cols, N, K, k0, R, IEEE: tl.constexpr, BR: 
     if FMT < 0:
         wv = tl.load(w + cols[:, None].to(tl.int64) * K + kk[None, :], mask=(cols[:, None] < N) & km, other=0.0)
     else:
-        wv = _packed_chunk(w, ws, wc, wb, cols, N, K, k0, FMT, BK).to(dt)
+        wv = _packed_chunk(w, ws, wc, wb, cols, N, K, k0, x, FMT, BK)
     return _dot(xv, tl.trans(wv.to(dt)), IEEE)
 
 

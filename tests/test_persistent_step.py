@@ -114,13 +114,20 @@ PACKED = {"q4_0": TINY_LLAMA, "q4_1": TINY_QWEN3, "q8_0": TINY_LLAMA, "q4_k": WI
 @needs_kernel
 @pytest.mark.parametrize("fmt", PACKED)
 def test_packed_weights_read_as_their_dequantized_values(tmp_path, fmt):
-    """Weights kept packed (Q4_0/Q4_1/Q4_K/Q8_0) give exactly the step of the same file dequantized (the kernel
-    decodes each chunk to the values the dequantized model holds), which matches the kernel-per-op references."""
+    """Weights kept packed (Q4_0/Q4_1/Q4_K/Q8_0) give exactly the step of the same weights held dense in the values
+    the kernel decodes each chunk to: in 16-bit the folded ones the int4 kernels multiply (unpack_folded), in fp32
+    the exact ones; and that matches the kernel-per-op references."""
+    from onepass.kernels.persistent_step import PROJECTIONS
+    from onepass.kernels.quant_pack import unpack_folded
+
     cfg = PACKED[fmt]
     path = tmp_path / f"{fmt}.gguf"
     write_gguf(path, cfg, random_weights(cfg, seed=5), weight_type=fmt)
     dense, packed = (FusedDecoder(*load_gguf(path, dtype=DT, device=DEV, progress=False, keep_quantized=k)[:2],
                                   get_step_kernels("torch"), max_pos=64) for k in (False, True))
+    for d, p in zip(dense.layers, packed.layers):
+        for name in PROJECTIONS:
+            d[name].weights[0].copy_(unpack_folded(p[name].weights[0], DT))
     kv = _cache(cfg, False)
     _history(dense, kv, [5, 2], False)
     tokens = torch.randint(3, 200, (2,), generator=_gen(8)).to(DEV)
