@@ -681,10 +681,11 @@ class PersistentStep:
                  stages: int | None = None, balance: int = BALANCE, per_sm: int = 1, timed: bool = False):
         """per_sm programs an SM (programs: another count, for the phased launches): every program must be resident
         at once, or a barrier never opens, so the first launch checks that the compiled kernel's registers and shared
-        memory let per_sm programs share an SM (_check_resident). The GEMM phases' K loop: block_k, num_warps, stages (0: item by item, each
-        K loop double-buffered by hand; 2 or more: one loop over all of a program's (unit, K chunk) pairs, left to
-        Triton's pipeliner with that many stages), balance (how evenly the K splits must spread a phase's units
-        over the programs, in percent: _splits; 0: no split); block_n_attn: keys an attention step reads.
+        memory let per_sm programs share an SM (_check_resident). The GEMM phases' K loop: block_k, num_warps,
+        stages (0: item by item, each K loop double-buffered by hand; 2 or more: one loop over all of a program's
+        (unit, K chunk) pairs, left to Triton's pipeliner with that many stages), balance (how evenly the K splits
+        must spread a phase's units over the programs, in percent: _splits; 0: no split); block_n_attn: keys an
+        attention step reads.
         Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
