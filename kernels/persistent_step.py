@@ -859,11 +859,12 @@ class PersistentStep:
         if self.mode == "persistent":
             self.bar.zero_()
             args, consts = self._persistent_args(positions, slots, res, block_table)
-            opts = dict(num_warps=self.num_warps, **pdl.triton_opts(res.device))
             if self.compiled is None:    # compiled, not launched, until it is known to fit
-                self._check_resident(_persistent_step.warmup(*args, **consts, **opts, grid=(self.programs,)),
+                self._check_resident(_persistent_step.warmup(*args, **consts, num_warps=self.num_warps,
+                                                             **pdl.triton_opts(res.device), grid=(self.programs,)),
                                      res.device)
-            self.compiled = _persistent_step[(self.programs,)](*args, **consts, **opts)
+            self.compiled = _persistent_step[(self.programs,)](*args, **consts, num_warps=self.num_warps,
+                                                              **pdl.triton_opts(res.device))
             return res
         grid = (self.programs,)
 
