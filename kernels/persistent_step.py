@@ -31,7 +31,6 @@ import torch
 from onepass.kernels import pdl
 from onepass.kernels.errors import ConfigError
 from onepass.kernels.int4_gemm import FMT_CODE, _expand, _pair_bits, _words_folded, _words_values
-from onepass.kernels.splitk import cast_out
 from onepass.kernels.quant_pack import PackedWeight
 from onepass.kernels.triton_compat import tl, triton
 
@@ -166,7 +165,6 @@ def _packed_chunk(qw, s, c, sub, cols, N, K, k0, x, FMT: tl.constexpr, BK: tl.co
     NC: tl.constexpr = cols.shape[0]
     dt: tl.constexpr = x.dtype.element_ty
     FOLD: tl.constexpr = dt != tl.float32
-    RNE: tl.constexpr = (not _COMPILED) and dt == tl.bfloat16     # the interpreter's casts to bf16 truncate
     g = k0 // 32 + tl.arange(0, GPB)
     ok = (g[None, :] < K // 32) & (cols[:, None] < N)
     rec = tl.where(ok, g[None, :] * N + cols[:, None], 0)          # [NC, GPB] (group, row) records; outside: record 0
@@ -193,12 +191,12 @@ def _packed_chunk(qw, s, c, sub, cols, N, K, k0, x, FMT: tl.constexpr, BK: tl.co
         else:
             v = _words_values(words, NC, GPB, FMT == 0, False, _COMPILED)
         if FOLD:
-            scale = cast_out(scale, x, RNE).to(tl.float32)
-            off = cast_out(off, x, RNE).to(tl.float32)
+            scale = scale.to(dt).to(tl.float32)
+            off = off.to(dt).to(tl.float32)
         if FMT == 1 or FMT == 2:
-            vals = cast_out(v * scale[:, :, None] + off[:, :, None], x, RNE)
+            vals = (v * scale[:, :, None] + off[:, :, None]).to(dt)
         else:
-            vals = cast_out(v * scale[:, :, None], x, RNE)
+            vals = (v * scale[:, :, None]).to(dt)
     kk = k0 + tl.arange(0, BK)
     return tl.where(kk[None, :] < K, tl.reshape(vals, [NC, BK]), 0.0)
 
@@ -808,9 +806,8 @@ class PersistentStep:
         a, paged = self._args(positions, slots, block_table)
         l0 = self.layer0
         args = [res, self.ss, self.xg, self.qkv, self.attn, self.act, self.part, self.cnt, self.bar, self.clock,
-                self.offs,
-                l0["qkv"], l0["o"], l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"], l0["q_norm"],
-                l0["k_norm"], l0["k"], l0["v"],
+                self.offs, l0["qkv"], l0["o"], l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"],
+                l0["q_norm"], l0["k_norm"], l0["k"], l0["v"],
                 *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]

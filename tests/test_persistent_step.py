@@ -27,6 +27,8 @@ from tests.conftest import TINY_LLAMA, TINY_QWEN3
 from tests.interpreter import run_in_interpreter
 from tests.kernel_inputs import DEV, HAS_CUDA, INTERPRET, SEED, _gen, _msg, needs_kernel
 
+# fp32 on the CPU: the interpreter's run of this kernel in bf16 does not follow the references (seen before and
+# after the norm fold); the GPU tests hold the bf16 kernel to them
 DT = torch.bfloat16 if DEV.type == "cuda" else torch.float32
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
 
@@ -115,8 +117,8 @@ PACKED = {"q4_0": TINY_LLAMA, "q4_1": TINY_QWEN3, "q8_0": TINY_LLAMA, "q4_k": WI
 @pytest.mark.parametrize("fmt", PACKED)
 def test_packed_weights_read_as_their_dequantized_values(tmp_path, fmt):
     """Weights kept packed (Q4_0/Q4_1/Q4_K/Q8_0) give exactly the step of the same weights held dense in the values
-    the kernel decodes each chunk to: in 16-bit the folded ones the int4 kernels multiply (unpack_folded), in fp32
-    the exact ones; and that matches the kernel-per-op references."""
+    the kernel decodes each chunk to: in 16-bit (the GPU) the folded ones the int4 kernels multiply (unpack_folded),
+    in fp32 (the CPU) the exact ones; and that matches the kernel-per-op references."""
     from onepass.kernels.persistent_step import PROJECTIONS
     from onepass.kernels.quant_pack import unpack_folded
 
@@ -340,7 +342,7 @@ def test_programs_an_sm_holds():
                            max_threads_per_multi_processor=2048)
     assert programs_an_sm_holds(255, 56320, 4, sm90) == 2       # registers: 8 warps of 256 a thread
     assert programs_an_sm_holds(255, 56320, 8, sm90) == 1
-    assert programs_an_sm_holds(128, 56320, 4, sm90) == 4       # shared memory: 4 x 57 KB
+    assert programs_an_sm_holds(64, 56320, 4, sm90) == 4        # shared memory: 4 x 57 KB (registers: 8)
     assert programs_an_sm_holds(168, 1024, 4, sm90) == 3        # 168 a thread: 3 warps a quarter of 16 K
     assert programs_an_sm_holds(32, 0, 16, sm90) == 4           # threads: 4 x 512
     assert programs_an_sm_holds(255, 120000, 4, sm90) == 1
