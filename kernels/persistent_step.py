@@ -2,12 +2,13 @@
 
 A step of the kernel-per-op path (engine/fused_model.py) is about 9 launches a layer; at small batches each pays its
 ramp, tail and dependency wait, and a step costs about twice its weight bytes' floor. Here one program per SM walks
-the layers through five phases, each a loop over the phase's work items (tiles of output columns, or (row, kv head)
-pairs), separated by grid barriers on a global counter instead of kernel boundaries:
+the layers through five phases, each a loop over the phase's work items (tiles of output columns, or (row, kv head,
+split of the keys) triples), separated by grid barriers on a global counter instead of kernel boundaries:
 
     ss    per column tile and row: the residual's sum of squares and res * g (the first norm's input; the prologue)
     qkv   rms_norm(res) @ Wqkv^T as ((res * g) @ Wqkv^T) / rms, from that input and the tiles' sums of squares
-    attn  per (row, kv head): q/k head norm (qwen3), RoPE, the KV write, causal attention over the row's history
+    attn  per (row, kv head, key split): q/k head norm (qwen3), RoPE, the KV write, causal attention over the split
+          of the row's history; a row's splits merged by the last to finish
     o     attn @ Wo^T; res += it; the new tile's sums of squares and res * g of the ffn norm
     ffn   the same norm folding; silu(h @ Wgate^T) * (h @ Wup^T)
     down  act @ Wdown^T; res += it; the tile's input to the next layer's attention norm
@@ -377,44 +378,66 @@ def _qkv_at(qkv, part, r, cols, mask, NQKV: tl.constexpr, BR: tl.constexpr, BN: 
 
 
 @triton.jit
-def _phase_attn(qkv, part, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
-                kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
+def _attn_chunk(length, tsplit, BNA: tl.constexpr):
+    """Keys a split of a row of `length` keys takes (a multiple of BNA), and into how many splits the row is cut:
+    about tsplit, a count fixed by the program count, so a row's splits depend on its own length only (batch
+    invariance) and the (row, kv head, split) units of one row fill the programs even at one row."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, tsplit), BNA) * BNA, BNA)
+    return chunk, tl.cdiv(length, chunk)
+
+
+@triton.jit
+def _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
+                kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, pid, nprog,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, PAGED: tl.constexpr,
                 QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
                 S: tl.constexpr):
-    """Per (row, kv head): the group's q heads and the kv head normed (qwen3) and roped, k and v written to the cache
-    at the row's (slot, position), then softmax(q k^T * scale) v over the slot's positions 0..pos (fp32 online
-    softmax). Rows of a negative slot (padding) write zeros and touch no cache. q, k, v come from the q|k|v phase's
-    S splits (_qkv_at): summed here, that phase needs no counters."""
+    """Per (row, kv head, split of the row's keys): the group's q heads and the kv head normed (qwen3) and roped, the
+    k and v of the step's rows whose positions fall in the split written to the cache at their (slot, position),
+    then the fp32 online softmax(q k^T * scale) v over the split's keys. A row of one split stores its output; of
+    several, each split stores its normalized partial and log-sum-exp (ao, al), and the split that arrives last at
+    the (row, kv head) counter merges them in split order, so the output never depends on which came last. Rows of
+    a negative slot (padding) write zeros and touch no cache. q, k, v come from the q|k|v phase's S splits
+    (_qkv_at): summed here, that phase needs no counters."""
     HALF: tl.constexpr = D // 2
     G: tl.constexpr = H // KVH
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     d2 = tl.arange(0, HALF)
+    dd = tl.arange(0, D)
     gi = tl.arange(0, GB)
     gm = gi < G
-    for it in range(pid, R * KVH, nprog):
+    NI = R * KVH
+    # units split-major: the rows' first splits spread over the programs before any row's second
+    rr = tl.arange(0, BR)
+    _, ns_all = _attn_chunk(tl.load(positions + rr, mask=rr < R, other=0) + 1, tsplit, BNA)
+    for u in range(pid, tl.max(ns_all) * NI, nprog):
+        sp = u // NI
+        it = u % NI
         r = it // KVH
         g = it % KVH
         slot = tl.load(slots + r)
         pos = tl.load(positions + r)
+        chunk, ns = _attn_chunk(pos + 1, tsplit, BNA)
         out = attn + r * (H * D) + (g * G + gi[:, None]) * D
         if slot < 0:
-            zero = tl.zeros([GB, HALF], tl.float32).to(attn.dtype.element_ty)
-            tl.store(out + d2[None, :], zero, mask=gm[:, None])
-            tl.store(out + HALF + d2[None, :], zero, mask=gm[:, None])
-        else:
+            if sp == 0:
+                zero = tl.zeros([GB, D], tl.float32).to(attn.dtype.element_ty)
+                tl.store(out + dd[None, :], zero, mask=gm[:, None])
+        elif sp < ns:
+            lo = sp * chunk
+            hi = tl.minimum(lo + chunk, pos + 1)
             c = tl.load(rope + pos * D + d2)[None, :]
             s = tl.load(rope + pos * D + HALF + d2)[None, :]
             qc = (g * G + gi[:, None]) * D + d2[None, :]
             qa = _qkv_at(qkv, part, r, qc, gm[:, None], NQKV, BR, BN, S)
             qb = _qkv_at(qkv, part, r, qc + HALF, gm[:, None], NQKV, BR, BN, S)
             qa, qb = _head_norm_rope(qa, qb, qn, c, s, eps, D, QK_NORM)
-            # k and v of every row of this slot up to this position, this one included: a step may hold several
-            # rows of one slot (a prompt's), whose programs all write the same bits there, so none waits for another
+            # k and v of every row of this slot whose position is in the split: a step may hold several rows of one
+            # slot (a prompt's), whose units all write the same bits there, so none waits for another
             for r2 in range(0, R):
                 s2 = tl.load(slots + r2)
                 p2 = tl.load(positions + r2)
-                if (s2 == slot) & (p2 <= pos):
+                if (s2 == slot) & (p2 >= lo) & (p2 < hi):
                     kcol = (H + g) * D + d2[None, :]
                     every = kcol >= 0
                     c2 = tl.load(rope + p2 * D + d2)[None, :]
@@ -436,18 +459,17 @@ def _phase_attn(qkv, part, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_
             tl.debug_barrier()               # the k, v just written are read back below by the program's other warps
             # the group's heads as one [GB, D] tile, scores and values as tl.dots (GB >= 16 rows, tl.dot's least)
             q = tl.reshape(tl.permute(tl.join(qa, qb), [0, 2, 1]), [GB, D])
-            dd = tl.arange(0, D)
             m_i = tl.full([GB], float("-inf"), tl.float32)
             l_i = tl.zeros([GB], tl.float32)
             acc = tl.zeros([GB, D], tl.float32)
-            for n0 in range(0, pos + 1, BNA):
-                ns = n0 + tl.arange(0, BNA)
-                valid = ns <= pos
+            for n0 in range(lo, hi, BNA):
+                keys = n0 + tl.arange(0, BNA)
+                valid = keys < hi
                 if PAGED:
-                    blks = tl.load(bt + slot * bt_stride + ns // block_size, mask=valid, other=0)
-                    base = blks * kc_s0 + (ns % block_size) * kc_s1 + g * kc_s2
+                    blks = tl.load(bt + slot * bt_stride + keys // block_size, mask=valid, other=0)
+                    base = blks * kc_s0 + (keys % block_size) * kc_s1 + g * kc_s2
                 else:
-                    base = slot * kc_s0 + ns * kc_s1 + g * kc_s2
+                    base = slot * kc_s0 + keys * kc_s1 + g * kc_s2
                 km = valid[:, None]
                 k = tl.load(kc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
                 v = tl.load(vc + base[:, None] + dd[None, :], mask=km, other=0.0, cache_modifier=".cg")
@@ -459,7 +481,35 @@ def _phase_attn(qkv, part, attn, kc, vc, qn, kn, rope, positions, slots, bt, bt_
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
                 m_i = m_new
-            tl.store(out + dd[None, :], (acc / l_i[:, None]).to(attn.dtype.element_ty), mask=gm[:, None])
+            if ns == 1:
+                tl.store(out + dd[None, :], (acc / l_i[:, None]).to(attn.dtype.element_ty), mask=gm[:, None])
+            else:
+                pb = it * tsplit + sp
+                tl.store(ao + (pb * G + gi[:, None]) * D + dd[None, :], acc / l_i[:, None], mask=gm[:, None])
+                tl.store(al + pb * G + gi, m_i + tl.log(l_i), mask=gm)
+                _cta_sync()                  # every warp's partial stored before the program counts itself
+                seen = tl.atomic_add(cnt + it, 1, sem="acq_rel", scope="gpu")
+                _cta_sync()
+                if seen == ns - 1:
+                    _merge_splits(ao, al, out, it * tsplit, ns, gi, gm, dd, G, D)
+                    tl.atomic_xchg(cnt + it, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_splits(ao, al, out, pb, ns, gi, gm, dd, G: tl.constexpr, D: tl.constexpr):
+    """The ns splits' partial outputs (ao) weighed by their exp(log-sum-exp) (al), from records pb.., summed in split
+    order, into out [G, D] (heads' rows)."""
+    top = tl.full(gi.shape, float("-inf"), tl.float32)
+    for j in range(0, ns):
+        top = tl.maximum(top, tl.load(al + (pb + j) * G + gi, mask=gm, other=0.0, cache_modifier=".cg"))
+    tot = tl.zeros([gi.shape[0], D], tl.float32)
+    den = tl.zeros(gi.shape, tl.float32)
+    for j in range(0, ns):
+        w = tl.exp(tl.load(al + (pb + j) * G + gi, mask=gm, other=0.0, cache_modifier=".cg") - top)
+        tot += w[:, None] * tl.load(ao + ((pb + j) * G + gi[:, None]) * D + dd[None, :], mask=gm[:, None], other=0.0,
+                                    cache_modifier=".cg")
+        den += w
+    tl.store(out + dd[None, :], (tot / den[:, None]).to(out.dtype.element_ty), mask=gm[:, None])
 
 
 @triton.jit
@@ -509,9 +559,10 @@ def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
 
 
 @triton.jit
-def _persistent_step(res, ss, xg, qkv, attn, act, part, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down, n_attn, n_ffn,
-                     n_q, n_k, kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down, c_down, b_down,
-                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale,
+def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down,
+                     n_attn, n_ffn, n_q, n_k, kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down,
+                     c_down, b_down,
+                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale, tsplit,
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                      GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                      TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
@@ -530,9 +581,9 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, cnt, bar, clock, offs, w
                    _at(b_qkv, o, 12, AL), part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK, STAGES, FMT,
                    S_QKV)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_attn(qkv, part, attn, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL),
-                    rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
-                    H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN, S_QKV)
+        _phase_attn(qkv, part, attn, ao, al, cnt, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL),
+                    _at(n_k, o, 7, AL), rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps,
+                    scale, tsplit, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN, S_QKV)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, xg, _at(n_ffn, o, 5, AL), _at(w_o, o, 1, AL), _at(s_o, o, 13, AL),
                  _at(c_o, o, 14, AL), _at(b_o, o, 15, AL), part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
@@ -550,8 +601,8 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, cnt, bar, clock, offs, w
 
 
 @triton.jit
-def _one_phase(res, ss, xg, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions, slots, bt,
-               bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
+def _one_phase(res, ss, xg, qkv, attn, act, part, ao, al, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions,
+               slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
                GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
                BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
@@ -566,9 +617,9 @@ def _one_phase(res, ss, xg, qkv, attn, act, part, cnt, w, ws, wc, wb, nw, kc, vc
         _phase_qkv(xg, ss, qkv, w, ws, wc, wb, part, cnt, R, eps, pid, nprog, DIM, (H + 2 * KVH) * D, IEEE,
                    BR, BN, BK, STAGES, FMT, S)
     elif PHASE == 2:
-        _phase_attn(qkv, part, attn, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride, block_size, kc_s0,
-                    kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN,
-                    S)  # S: the q|k|v phase's splits
+        _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride,
+                    block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, pid, nprog, H, KVH, D, GB, PAGED,
+                    QK_NORM, IEEE, BNA, BR, BN, S)  # S: the q|k|v phase's splits
     elif PHASE == 3:
         _phase_o(attn, res, ss, xg, nw, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK,
                  STAGES, FMT, S)
@@ -749,7 +800,13 @@ class PersistentStep:
         self.splits = {p: _splits(n, depth[p], block_k, programs, balance if stages else 0) for p, n in items.items()}
         self.part = torch.zeros(max(n * self.splits[p] for p, n in items.items()) * MAX_ROWS * BLOCK_N,
                                 dtype=torch.float32, device=dev)
-        self.cnt = torch.zeros(max(items.values()), dtype=torch.int32, device=dev)
+        # attention's key splits: about `programs` units over a row's kv heads (_attn_chunk), their partial outputs
+        # and log-sum-exps, merged by the last to arrive at the (row, kv head) counter
+        self.tsplit = max(1, programs // c.n_kv_heads)
+        units = MAX_ROWS * c.n_kv_heads * self.tsplit * (c.n_heads // c.n_kv_heads)
+        self.ao = torch.zeros(units * c.head_dim, dtype=torch.float32, device=dev)
+        self.al = torch.zeros(units, dtype=torch.float32, device=dev)
+        self.cnt = torch.zeros(max(*items.values(), MAX_ROWS * c.n_kv_heads), dtype=torch.int32, device=dev)
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
         self.clock = torch.zeros(1 + 5 * L, dtype=torch.int64, device=dev)
         self.compiled = None    # the persistent kernel, once launched
@@ -805,12 +862,13 @@ class PersistentStep:
         c = self.model.cfg
         a, paged = self._args(positions, slots, block_table)
         l0 = self.layer0
-        args = [res, self.ss, self.xg, self.qkv, self.attn, self.act, self.part, self.cnt, self.bar, self.clock,
-                self.offs, l0["qkv"], l0["o"], l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"],
+        args = [res, self.ss, self.xg, self.qkv, self.attn, self.act, self.part, self.ao, self.al, self.cnt, self.bar,
+                self.clock, self.offs, l0["qkv"], l0["o"], l0["gate_up"], l0["down"], l0["attn_norm"], l0["ffn_norm"],
                 l0["q_norm"], l0["k_norm"], l0["k"], l0["v"],
                 *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
-                a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
+                a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5,
+                self.tsplit]
         sp = self.splits
         return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
                           S_DOWN=sp["down"], **self._consts(paged))
@@ -871,11 +929,11 @@ class PersistentStep:
             name = {3: "o", 4: "gate_up", 5: "down"}.get(p, "qkv")
             norm = t["ffn_norm"][i] if p == 3 else t["attn_norm"][min(i + 1, c.n_layers - 1) if p == 5 else i]
             parts = [t[f"{name}.{part}"][i] for part in ("scales", "mins", "sub")]
-            _one_phase[grid](res, self.ss, self.xg, self.qkv, self.attn, self.act, self.part, self.cnt, t[name][i],
-                             *parts, norm, t["k"][i], t["v"][i], t["q_norm"][i], t["k_norm"][i], a["rope"],
-                             a["positions"], a["slots"],
-                             a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"], a["kc_s1"], a["kc_s2"], R,
-                             common["eps"], common["scale"], PHASE=p, S=self.splits.get(name, 1), **k,
+            _one_phase[grid](res, self.ss, self.xg, self.qkv, self.attn, self.act, self.part, self.ao, self.al,
+                             self.cnt, t[name][i], *parts, norm, t["k"][i], t["v"][i], t["q_norm"][i], t["k_norm"][i],
+                             a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"],
+                             a["kc_s0"], a["kc_s1"], a["kc_s2"], R,
+                             common["eps"], common["scale"], self.tsplit, PHASE=p, S=self.splits.get(name, 1), **k,
                              num_warps=self.num_warps, **pdl.triton_opts(res.device))
 
         t = self.tensors

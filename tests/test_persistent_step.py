@@ -38,12 +38,13 @@ def _model(path):
     return FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
 
 
-def _cache(cfg, paged: bool, slots: int = 4):
+def _cache(cfg, paged: bool, slots: int = 4, blocks: int = 2):
+    """32 positions a slot; paged: blocks of 4 positions, `blocks` of them a slot (its first 4 * blocks positions)."""
     if not paged:
         return ContiguousKVCache(cfg, slots, 32, DT, DEV)
-    kv = PagedKVCache(cfg, 2 * slots + 8, 4, slots, 32, DT, DEV)
-    perm = torch.randperm(2 * slots + 7, generator=_gen(7))[: 2 * slots].add(1).tolist()   # block 0: the scratch
-    kv.set_tables({s: perm[2 * s: 2 * s + 2] + [0] * 6 for s in range(slots)})
+    kv = PagedKVCache(cfg, blocks * slots + 8, 4, slots, 32, DT, DEV)
+    perm = torch.randperm(blocks * slots + 7, generator=_gen(7))[: blocks * slots].add(1).tolist()  # 0: the scratch
+    kv.set_tables({s: perm[blocks * s: blocks * (s + 1)] + [0] * (8 - blocks) for s in range(slots)})
     return kv
 
 
@@ -68,8 +69,8 @@ def _step(model, kv, tokens, positions, slots, paged, mode, **settings):
 
     res = model.buffers(len(tokens))["residual"]
     model.k.embedding(tokens, model.embed, out=res)
-    PersistentStep(model, kv, mode=mode, programs=3 if DEV.type == "cpu" else None, **settings)(
-        positions, slots, res, kv.block_table if paged else None)
+    settings.setdefault("programs", 3 if DEV.type == "cpu" else None)
+    PersistentStep(model, kv, mode=mode, **settings)(positions, slots, res, kv.block_table if paged else None)
     return res
 
 
@@ -162,6 +163,36 @@ def test_several_rows_of_one_slot(tiny_ggufs, paged):
     ref = model.hidden(tokens, positions, slots, kv, model.buffers(6), block_table=kv.block_table if paged else None)
     got = _step(model, mine, tokens, positions, slots, paged, "phased" if DEV.type == "cpu" else "persistent")
     torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[DT], atol=TOL[DT], msg=_msg("prompt rows"))
+
+
+# rows long enough that attention cuts their keys into splits: on the CPU 8 programs (4 splits a row over 2 kv
+# heads) of 4 keys a step, on the GPU every SM's program (66 splits a row) of tl.dot's least 16 keys
+SPLIT_FORM = dict(block_n_attn=4, programs=8) if DEV.type == "cpu" else dict(block_n_attn=16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("paged", [False, True])
+def test_attention_split_over_keys(tiny_ggufs, paged):
+    """Rows of 10 to 21 keys, each cut into 2-3 splits merged by the last to finish, a prompt's three rows of one slot
+    among them (their keys written in the step fall in different splits): equal to the references; and each row
+    equal, bit for bit, to itself stepped alone (a row's splits depend on its own length only)."""
+    model = _model(tiny_ggufs["qwen3"])
+    kv = _cache(model.cfg, paged, blocks=8)
+    _history(model, kv, [20, 9, 13], paged)
+    tokens = torch.randint(3, 200, (5,), generator=_gen(8)).to(DEV)
+    positions, slots = torch.tensor([20, 9, 10, 11, 13], device=DEV), torch.tensor([0, 1, 1, 1, 2], device=DEV)
+    mode = "phased" if DEV.type == "cpu" else "persistent"
+    mine = _clone(kv)
+    ref = model.hidden(tokens, positions, slots, kv, model.buffers(5), block_table=kv.block_table if paged else None)
+    got = _step(model, mine, tokens, positions, slots, paged, mode, **SPLIT_FORM)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[DT], atol=TOL[DT], msg=_msg("split rows"))
+    for layer in range(model.cfg.n_layers):
+        torch.testing.assert_close(mine.k[layer].float(), kv.k[layer].float(), rtol=TOL[DT], atol=TOL[DT],
+                                   msg=_msg(f"layer {layer} keys"))
+    for r in (0, 4):     # the decode rows (a prompt row alone would lack its slot's other rows' keys)
+        alone = _step(model, _clone(mine), tokens[r:r + 1], positions[r:r + 1], slots[r:r + 1], paged, mode,
+                      **SPLIT_FORM)
+        assert torch.equal(alone[0], got[r]), _msg(f"row {r} alone")
 
 
 @needs_kernel
