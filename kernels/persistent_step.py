@@ -642,7 +642,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "stages", "balance", "per_sm")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "attn_splits", "stages", "balance", "per_sm")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -726,15 +726,17 @@ class PersistentStep:
     where they are. `unsupported(model, kv)` says why a model cannot take it (None: it can)."""
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
-                 block_k: int | None = None, block_n_attn: int = 32, num_warps: int | None = None,
-                 stages: int | None = None, balance: int = BALANCE, per_sm: int = 1, timed: bool = False):
+                 block_k: int | None = None, block_n_attn: int = 32, attn_splits: int | None = None,
+                 num_warps: int | None = None, stages: int | None = None, balance: int = BALANCE, per_sm: int = 1,
+                 timed: bool = False):
         """per_sm programs an SM (programs: another count, for the phased launches): every program must be resident
         at once, or a barrier never opens, so the first launch checks that the compiled kernel's registers and shared
         memory let per_sm programs share an SM (_check_resident). The GEMM phases' K loop: block_k, num_warps,
         stages (0: item by item, each K loop double-buffered by hand; 2 or more: one loop over all of a program's
         (unit, K chunk) pairs, left to Triton's pipeliner with that many stages), balance (how evenly the K splits
         must spread a phase's units over the programs, in percent: _splits; 0: no split); block_n_attn: keys an
-        attention step reads.
+        attention step reads; attn_splits: about how many splits a row's keys are cut into (_attn_chunk; default
+        programs // kv heads, so one row's units fill the programs; 1: none).
         Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
@@ -802,7 +804,9 @@ class PersistentStep:
                                 dtype=torch.float32, device=dev)
         # attention's key splits: about `programs` units over a row's kv heads (_attn_chunk), their partial outputs
         # and log-sum-exps, merged by the last to arrive at the (row, kv head) counter
-        self.tsplit = max(1, programs // c.n_kv_heads)
+        if attn_splits is not None and attn_splits < 1:
+            raise ConfigError(f"persistent step: attn_splits={attn_splits}; give 1 (keys unsplit) or more")
+        self.tsplit = attn_splits or max(1, programs // c.n_kv_heads)
         units = MAX_ROWS * c.n_kv_heads * self.tsplit * (c.n_heads // c.n_kv_heads)
         self.ao = torch.zeros(units * c.head_dim, dtype=torch.float32, device=dev)
         self.al = torch.zeros(units, dtype=torch.float32, device=dev)

@@ -421,6 +421,8 @@ def test_persistent_form_setting(tiny_ggufs):
     assert (step.block_k, step.stages) == (32, 2) and model.persistent_step(kv) is step
     with pytest.raises(ConfigError, match="per_sm=0; give 1 or more"):
         type(step)(model, kv, per_sm=0)
+    with pytest.raises(ConfigError, match="attn_splits=0; give 1"):
+        type(step)(model, kv, attn_splits=0)
     model.choice, model.pick_us[4] = True, (2.0, 1.0)
     model.set_step("auto", "block_k=32,stages=2")          # the same form: kept
     assert model.persistent_step(kv) is step and model.choice is True
