@@ -549,6 +549,16 @@ def _at(base, offs, j, AL: tl.constexpr):
 
 
 @triton.jit
+def _packed_at(s, c, b, o, j, AL: tl.constexpr, FMT: tl.constexpr):
+    """A packed projection's scales, mins and sub-scales in this layer (offsets j, j + 1, j + 2); dense weights have
+    none, and their placeholders are never read, so no offset is loaded for them."""
+    if FMT >= 0:
+        return _at(s, o, j, AL), _at(c, o, j + 1, AL), _at(b, o, j + 2, AL)
+    else:
+        return s, c, b
+
+
+@triton.jit
 def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
     """Grid barrier number n (every program's n-th arrival); with TIMED program 0 stamps the time it opened."""
     _grid_sync(bar, n * nprog)
@@ -576,27 +586,34 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
     _phase_ss(res, ss, xg, _at(n_attn, offs, 4, AL), R, pid, nprog, DIM, BR, BN)
     n = _barrier(bar, 1, nprog, clock, pid, TIMED)
     for layer in range(L):
+        # the layer's tensors, every offset loaded here at once: after a grid barrier each load misses L1 (the
+        # barrier's acquire), so an offset read where its phase starts would put a round trip to L2 before that
+        # phase's first weight load, five a layer
         o = offs + layer * _N_TABLE
-        _phase_qkv(xg, ss, qkv, _at(w_qkv, o, 0, AL), _at(s_qkv, o, 10, AL), _at(c_qkv, o, 11, AL),
-                   _at(b_qkv, o, 12, AL), part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK, STAGES, FMT,
-                   S_QKV)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_attn(qkv, part, attn, ao, al, cnt, _at(kc, o, 8, AL), _at(vc, o, 9, AL), _at(n_q, o, 6, AL),
-                    _at(n_k, o, 7, AL), rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps,
-                    scale, tsplit, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA, BR, BN, S_QKV)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_o(attn, res, ss, xg, _at(n_ffn, o, 5, AL), _at(w_o, o, 1, AL), _at(s_o, o, 13, AL),
-                 _at(c_o, o, 14, AL), _at(b_o, o, 15, AL), part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
-                 FMT, S_O)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
-        _phase_ffn(xg, ss, act, _at(w_gu, o, 2, AL), _at(s_gu, o, 16, AL), _at(c_gu, o, 17, AL),
-                   _at(b_gu, o, 18, AL), part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT, S_GU)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        wq, wo, wgu, wd = _at(w_qkv, o, 0, AL), _at(w_o, o, 1, AL), _at(w_gu, o, 2, AL), _at(w_down, o, 3, AL)
+        nf, nq, nk = _at(n_ffn, o, 5, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL)
+        kl, vl = _at(kc, o, 8, AL), _at(vc, o, 9, AL)
         # the next layer's attention norm (the last layer's own: the LM head normalizes the residual itself)
         gn = _at(n_attn, offs + tl.minimum(layer + 1, L - 1) * _N_TABLE, 4, AL)
-        _phase_down(act, res, ss, xg, gn, _at(w_down, o, 3, AL), _at(s_down, o, 19, AL), _at(c_down, o, 20, AL),
-                    _at(b_down, o, 21, AL), part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
-                    S_DOWN)
+        sq, cq, bq = _packed_at(s_qkv, c_qkv, b_qkv, o, 10, AL, FMT)
+        so, co, bo = _packed_at(s_o, c_o, b_o, o, 13, AL, FMT)
+        sg, cg, bg = _packed_at(s_gu, c_gu, b_gu, o, 16, AL, FMT)
+        sd, cd, bd = _packed_at(s_down, c_down, b_down, o, 19, AL, FMT)
+        _phase_qkv(xg, ss, qkv, wq, sq, cq, bq, part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK, STAGES,
+                   FMT, S_QKV)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_attn(qkv, part, attn, ao, al, cnt, kl, vl, nq, nk, rope, positions, slots, bt, bt_stride, block_size,
+                    kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA,
+                    BR, BN, S_QKV)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_o(attn, res, ss, xg, nf, wo, so, co, bo, part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
+                 FMT, S_O)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_ffn(xg, ss, act, wgu, sg, cg, bg, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
+                   S_GU)
+        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        _phase_down(act, res, ss, xg, gn, wd, sd, cd, bd, part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
+                    FMT, S_DOWN)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
 
 
