@@ -378,20 +378,22 @@ def _qkv_at(qkv, part, r, cols, mask, NQKV: tl.constexpr, BR: tl.constexpr, BN: 
 
 
 @triton.jit
-def _attn_chunk(length, tsplit, BNA: tl.constexpr):
-    """Keys a split of a row of `length` keys takes (a multiple of BNA), and into how many splits the row is cut:
-    about tsplit, a count fixed by the program count, so a row's splits depend on its own length only (batch
-    invariance) and the (row, kv head, split) units of one row fill the programs even at one row."""
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, tsplit), BNA) * BNA, BNA)
+def _attn_chunk(length, TS: tl.constexpr, AK: tl.constexpr, BNA: tl.constexpr):
+    """Keys a split of a row of `length` keys takes, and into how many splits the row is cut: at most TS (fixed by
+    the program count, so one row's (kv head, split) units can fill the programs), each of AK keys or more (a split
+    costs its own q, its share of the KV write and a merge), a multiple of BNA. A function of the row's own length:
+    rows stay batch invariant."""
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, TS), BNA) * BNA, AK)
     return chunk, tl.cdiv(length, chunk)
 
 
 @triton.jit
 def _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, qn, kn, rope, positions, slots, bt, bt_stride, block_size,
-                kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, pid, nprog,
-                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, PAGED: tl.constexpr,
-                QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                S: tl.constexpr):
+                kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
+                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, GP: tl.constexpr,
+                PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr, TS: tl.constexpr,
+                AK: tl.constexpr,
+                BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
     """Per (row, kv head, split of the row's keys): the group's q heads and the kv head normed (qwen3) and roped, the
     k and v of the step's rows whose positions fall in the split written to the cache at their (slot, position),
     then the fp32 online softmax(q k^T * scale) v over the split's keys. A row of one split stores its output; of
@@ -409,7 +411,7 @@ def _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, qn, kn, rope, positions, s
     NI = R * KVH
     # units split-major: the rows' first splits spread over the programs before any row's second
     rr = tl.arange(0, BR)
-    _, ns_all = _attn_chunk(tl.load(positions + rr, mask=rr < R, other=0) + 1, tsplit, BNA)
+    _, ns_all = _attn_chunk(tl.load(positions + rr, mask=rr < R, other=0) + 1, TS, AK, BNA)
     for u in range(pid, tl.max(ns_all) * NI, nprog):
         sp = u // NI
         it = u % NI
@@ -417,7 +419,7 @@ def _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, qn, kn, rope, positions, s
         g = it % KVH
         slot = tl.load(slots + r)
         pos = tl.load(positions + r)
-        chunk, ns = _attn_chunk(pos + 1, tsplit, BNA)
+        chunk, ns = _attn_chunk(pos + 1, TS, AK, BNA)
         out = attn + r * (H * D) + (g * G + gi[:, None]) * D
         if slot < 0:
             if sp == 0:
@@ -484,32 +486,32 @@ def _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, qn, kn, rope, positions, s
             if ns == 1:
                 tl.store(out + dd[None, :], (acc / l_i[:, None]).to(attn.dtype.element_ty), mask=gm[:, None])
             else:
-                pb = it * tsplit + sp
+                pb = it * TS + sp
                 tl.store(ao + (pb * G + gi[:, None]) * D + dd[None, :], acc / l_i[:, None], mask=gm[:, None])
                 tl.store(al + pb * G + gi, m_i + tl.log(l_i), mask=gm)
                 _cta_sync()                  # every warp's partial stored before the program counts itself
                 seen = tl.atomic_add(cnt + it, 1, sem="acq_rel", scope="gpu")
                 _cta_sync()
                 if seen == ns - 1:
-                    _merge_splits(ao, al, out, it * tsplit, ns, gi, gm, dd, G, D)
+                    _merge_splits(ao, al, attn + r * (H * D) + g * G * D, it * TS, ns, G, GP, D, TS)
                     tl.atomic_xchg(cnt + it, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _merge_splits(ao, al, out, pb, ns, gi, gm, dd, G: tl.constexpr, D: tl.constexpr):
-    """The ns splits' partial outputs (ao) weighed by their exp(log-sum-exp) (al), from records pb.., summed in split
-    order, into out [G, D] (heads' rows)."""
-    top = tl.full(gi.shape, float("-inf"), tl.float32)
-    for j in range(0, ns):
-        top = tl.maximum(top, tl.load(al + (pb + j) * G + gi, mask=gm, other=0.0, cache_modifier=".cg"))
-    tot = tl.zeros([gi.shape[0], D], tl.float32)
-    den = tl.zeros(gi.shape, tl.float32)
-    for j in range(0, ns):
-        w = tl.exp(tl.load(al + (pb + j) * G + gi, mask=gm, other=0.0, cache_modifier=".cg") - top)
-        tot += w[:, None] * tl.load(ao + ((pb + j) * G + gi[:, None]) * D + dd[None, :], mask=gm[:, None], other=0.0,
-                                    cache_modifier=".cg")
-        den += w
-    tl.store(out + dd[None, :], (tot / den[:, None]).to(out.dtype.element_ty), mask=gm[:, None])
+def _merge_splits(ao, al, out, pb, ns, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TS: tl.constexpr):
+    """The ns splits' partial outputs (ao, records pb..pb + ns) weighed by exp of their log-sum-exps (al) into the G
+    heads' rows [G, D] at out: every split's partial read at once (a loop over the splits would wait a round trip to
+    L2 for each), summed over the splits in the compiled reduction's fixed order."""
+    j = tl.arange(0, TS)
+    h = tl.arange(0, GP)
+    dd = tl.arange(0, D)
+    m2 = (j[:, None] < ns) & (h[None, :] < G)
+    lse = tl.load(al + (pb + j[:, None]) * G + h[None, :], mask=m2, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(ao + ((pb + j[:, None, None]) * G + h[None, :, None]) * D + dd[None, None, :],
+                   mask=m2[:, :, None], other=0.0, cache_modifier=".cg")
+    w = tl.exp(lse - tl.max(lse, axis=0)[None, :])        # 0 for the masked splits
+    o = tl.sum(w[:, :, None] * part, axis=0) / tl.sum(w, axis=0)[:, None]
+    tl.store(out + h[:, None] * D + dd[None, :], o.to(out.dtype.element_ty), mask=h[:, None] < G)
 
 
 @triton.jit
@@ -571,11 +573,12 @@ def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
 @triton.jit
 def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock, offs, w_qkv, w_o, w_gu, w_down,
                      n_attn, n_ffn, n_q, n_k, kc, vc, s_qkv, c_qkv, b_qkv, s_o, c_o, b_o, s_gu, c_gu, b_gu, s_down,
-                     c_down, b_down,
-                     rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps, scale, tsplit,
+                     c_down, b_down, rope, positions, slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, L, eps,
+                     scale,
                      DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-                     GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-                     TIMED: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
+                     GB: tl.constexpr, GP: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr,
+                     IEEE: tl.constexpr, TS: tl.constexpr, AK: tl.constexpr, TIMED: tl.constexpr, BR: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
                      STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr, S_QKV: tl.constexpr,
                      S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
@@ -603,8 +606,8 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
                    FMT, S_QKV)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_attn(qkv, part, attn, ao, al, cnt, kl, vl, nq, nk, rope, positions, slots, bt, bt_stride, block_size,
-                    kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, pid, nprog, H, KVH, D, GB, PAGED, QK_NORM, IEEE, BNA,
-                    BR, BN, S_QKV)
+                    kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, GP, PAGED, QK_NORM, IEEE, BNA, TS,
+                    AK, BR, BN, S_QKV)
         n = _barrier(bar, n, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, xg, nf, wo, so, co, bo, part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
                  FMT, S_O)
@@ -619,10 +622,11 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
 
 @triton.jit
 def _one_phase(res, ss, xg, qkv, attn, act, part, ao, al, cnt, w, ws, wc, wb, nw, kc, vc, n_q, n_k, rope, positions,
-               slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, PHASE: tl.constexpr,
+               slots, bt, bt_stride, block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, PHASE: tl.constexpr,
                DIM: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-               GB: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-               BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
+               GB: tl.constexpr, GP: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
+               TS: tl.constexpr, AK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               BNA: tl.constexpr,
                STAGES: tl.constexpr, FMT: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr = False):
     """Phase PHASE of one layer (nw: the norm weight whose input the phase leaves: ss, o and down)."""
     pdl.enter(PDL)  # kernels/pdl.py
@@ -635,8 +639,8 @@ def _one_phase(res, ss, xg, qkv, attn, act, part, ao, al, cnt, w, ws, wc, wb, nw
                    BR, BN, BK, STAGES, FMT, S)
     elif PHASE == 2:
         _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, n_q, n_k, rope, positions, slots, bt, bt_stride,
-                    block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, tsplit, pid, nprog, H, KVH, D, GB, PAGED,
-                    QK_NORM, IEEE, BNA, BR, BN, S)  # S: the q|k|v phase's splits
+                    block_size, kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, GP, PAGED,
+                    QK_NORM, IEEE, BNA, TS, AK, BR, BN, S)  # S: the q|k|v phase's splits
     elif PHASE == 3:
         _phase_o(attn, res, ss, xg, nw, w, ws, wc, wb, part, cnt, R, pid, nprog, DIM, H * D, IEEE, BR, BN, BK,
                  STAGES, FMT, S)
@@ -651,6 +655,8 @@ def _one_phase(res, ss, xg, qkv, attn, act, part, ao, al, cnt, w, ws, wc, wb, nw
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 DENSE_FORM = dict(block_k=256, stages=4, num_warps=4)    # block_k halved for fp32 weights
 PACKED_FORM = dict(block_k=256, stages=4, num_warps=4)
+ATTN_KEYS = 512       # the fewest keys a split of a row's keys takes (_attn_chunk)
+MAX_ATTN_SPLITS = 16  # the most splits a row's keys are cut into (their partials are merged in one read)
 BALANCE = 90   # a GEMM phase's K range is cut until its units fill this percentage of the programs' rounds (_splits)
 
 
@@ -659,7 +665,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "attn_splits", "stages", "balance", "per_sm")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "attn_keys", "stages", "balance", "per_sm")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -743,7 +749,7 @@ class PersistentStep:
     where they are. `unsupported(model, kv)` says why a model cannot take it (None: it can)."""
 
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
-                 block_k: int | None = None, block_n_attn: int = 32, attn_splits: int | None = None,
+                 block_k: int | None = None, block_n_attn: int = 32, attn_keys: int = ATTN_KEYS,
                  num_warps: int | None = None, stages: int | None = None, balance: int = BALANCE, per_sm: int = 1,
                  timed: bool = False):
         """per_sm programs an SM (programs: another count, for the phased launches): every program must be resident
@@ -752,8 +758,8 @@ class PersistentStep:
         stages (0: item by item, each K loop double-buffered by hand; 2 or more: one loop over all of a program's
         (unit, K chunk) pairs, left to Triton's pipeliner with that many stages), balance (how evenly the K splits
         must spread a phase's units over the programs, in percent: _splits; 0: no split); block_n_attn: keys an
-        attention step reads; attn_splits: about how many splits a row's keys are cut into (_attn_chunk; default
-        programs // kv heads, so one row's units fill the programs; 1: none).
+        attention step reads; attn_keys: the fewest keys a split of a row's keys takes (_attn_chunk; a multiple of
+        block_n_attn; more than the context: never split).
         Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
@@ -819,12 +825,15 @@ class PersistentStep:
         self.splits = {p: _splits(n, depth[p], block_k, programs, balance if stages else 0) for p, n in items.items()}
         self.part = torch.zeros(max(n * self.splits[p] for p, n in items.items()) * MAX_ROWS * BLOCK_N,
                                 dtype=torch.float32, device=dev)
-        # attention's key splits: about `programs` units over a row's kv heads (_attn_chunk), their partial outputs
-        # and log-sum-exps, merged by the last to arrive at the (row, kv head) counter
-        if attn_splits is not None and attn_splits < 1:
-            raise ConfigError(f"persistent step: attn_splits={attn_splits}; give 1 (keys unsplit) or more")
-        self.tsplit = attn_splits or max(1, programs // c.n_kv_heads)
-        units = MAX_ROWS * c.n_kv_heads * self.tsplit * (c.n_heads // c.n_kv_heads)
+        # attention's key splits (_attn_chunk): their partial outputs and log-sum-exps, merged by the last to arrive
+        # at the (row, kv head) counter
+        if attn_keys < block_n_attn or attn_keys % block_n_attn:
+            raise ConfigError(f"persistent step: attn_keys={attn_keys}; give a multiple of block_n_attn "
+                              f"({block_n_attn})")
+        self.attn_keys = attn_keys
+        # splits at most: programs // kv heads (one row's units fill the programs), a power of two (merged as a tile)
+        self.attn_ts = min(MAX_ATTN_SPLITS, 1 << (max(1, programs // c.n_kv_heads).bit_length() - 1))
+        units = MAX_ROWS * c.n_kv_heads * self.attn_ts * (c.n_heads // c.n_kv_heads)
         self.ao = torch.zeros(units * c.head_dim, dtype=torch.float32, device=dev)
         self.al = torch.zeros(units, dtype=torch.float32, device=dev)
         self.cnt = torch.zeros(max(*items.values(), MAX_ROWS * c.n_kv_heads), dtype=torch.int32, device=dev)
@@ -873,7 +882,8 @@ class PersistentStep:
     def _consts(self, paged: bool):
         c = self.model.cfg
         return dict(DIM=c.dim, H=c.n_heads, KVH=c.n_kv_heads, D=c.head_dim, F=c.ffn_dim,
-                    GB=max(16, _pow2(c.n_heads // c.n_kv_heads)), PAGED=paged,
+                    GB=max(16, _pow2(c.n_heads // c.n_kv_heads)), GP=_pow2(c.n_heads // c.n_kv_heads), PAGED=paged,
+                    TS=self.attn_ts, AK=self.attn_keys,
                     QK_NORM=self.qk_norm,
                     IEEE=self.model.dtype == torch.float32, BR=MAX_ROWS, BN=BLOCK_N, BK=self.block_k,
                     BNA=self.block_n_attn, STAGES=self.stages, FMT=self.fmt)
@@ -889,7 +899,7 @@ class PersistentStep:
                 *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5,
-                self.tsplit]
+                ]
         sp = self.splits
         return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
                           S_DOWN=sp["down"], **self._consts(paged))
@@ -954,7 +964,7 @@ class PersistentStep:
                              self.cnt, t[name][i], *parts, norm, t["k"][i], t["v"][i], t["q_norm"][i], t["k_norm"][i],
                              a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"],
                              a["kc_s0"], a["kc_s1"], a["kc_s2"], R,
-                             common["eps"], common["scale"], self.tsplit, PHASE=p, S=self.splits.get(name, 1), **k,
+                             common["eps"], common["scale"], PHASE=p, S=self.splits.get(name, 1), **k,
                              num_warps=self.num_warps, **pdl.triton_opts(res.device))
 
         t = self.tensors

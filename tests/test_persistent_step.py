@@ -165,9 +165,10 @@ def test_several_rows_of_one_slot(tiny_ggufs, paged):
     torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[DT], atol=TOL[DT], msg=_msg("prompt rows"))
 
 
-# rows long enough that attention cuts their keys into splits: on the CPU 8 programs (4 splits a row over 2 kv
-# heads) of 4 keys a step, on the GPU every SM's program (66 splits a row) of tl.dot's least 16 keys
-SPLIT_FORM = dict(block_n_attn=4, programs=8) if DEV.type == "cpu" else dict(block_n_attn=16)
+# rows long enough that attention cuts their keys into splits: on the CPU 8 programs (4 splits at most a row over 2
+# kv heads) of 4 keys a step, on the GPU every SM's program (16 splits at most) of tl.dot's least 16 keys
+SPLIT_FORM = (dict(block_n_attn=4, attn_keys=4, programs=8) if DEV.type == "cpu" else
+              dict(block_n_attn=16, attn_keys=16))
 
 
 @needs_kernel
@@ -421,8 +422,8 @@ def test_persistent_form_setting(tiny_ggufs):
     assert (step.block_k, step.stages) == (32, 2) and model.persistent_step(kv) is step
     with pytest.raises(ConfigError, match="per_sm=0; give 1 or more"):
         type(step)(model, kv, per_sm=0)
-    with pytest.raises(ConfigError, match="attn_splits=0; give 1"):
-        type(step)(model, kv, attn_splits=0)
+    with pytest.raises(ConfigError, match="attn_keys=24; give a multiple of block_n_attn"):
+        type(step)(model, kv, attn_keys=24)
     model.choice, model.pick_us[4] = True, (2.0, 1.0)
     model.set_step("auto", "block_k=32,stages=2")          # the same form: kept
     assert model.persistent_step(kv) is step and model.choice is True
