@@ -97,9 +97,10 @@ def main(argv=None) -> None:
             model._persistent = (kv, PersistentStep(model, kv, timed=True, **settings))
             run()
             torch.cuda.synchronize()
-            times = model._persistent[1].phase_times_us()
-            print(f"[probe] R={R} phases of {settings} (us, summed over layers; a phase's barrier wait included): "
-                  + ", ".join(f"{p} {t:.1f}" for p, t in times.items()), flush=True)
+            times, sync = model._persistent[1].phase_times_us(), model._persistent[1].sync_times_us()
+            print(f"[probe] R={R} phases of {settings} (us, summed over layers; a phase's barrier wait included; "
+                  "in brackets, from the last program's arrival at the barrier to its opening): "
+                  + ", ".join(f"{p} {t:.1f} ({sync[p]:.1f})" for p, t in times.items()), flush=True)
         fastest_us, fastest = min(zip(times_us, grid), key=lambda t: t[0])
         print(f"[probe] R={R}: kernel-per-op {base:.1f} us; fastest persistent {fastest} {fastest_us:.1f} us",
               flush=True)

@@ -47,10 +47,14 @@ PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
 # ---------------------------------------------------------------------------------------------------------------------
 # device functions shared by both launch modes
 @triton.jit
-def _grid_sync(bar, target):
-    """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted."""
+def _grid_sync(bar, target, stamp, TIMED: tl.constexpr):
+    """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted. TIMED:
+    the last program to arrive stamps the time it arrived at `stamp`."""
     tl.debug_barrier()                       # every warp's stores issued before the program arrives
-    tl.atomic_add(bar, 1, sem="release", scope="gpu")
+    before = tl.atomic_add(bar, 1, sem="release", scope="gpu")
+    if TIMED:
+        if before == target - 1:
+            tl.store(stamp, _now())
     seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
@@ -561,9 +565,10 @@ def _packed_at(s, c, b, o, j, AL: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _barrier(bar, n, nprog, clock, pid, TIMED: tl.constexpr):
-    """Grid barrier number n (every program's n-th arrival); with TIMED program 0 stamps the time it opened."""
-    _grid_sync(bar, n * nprog)
+def _barrier(bar, n, nb, nprog, clock, pid, TIMED: tl.constexpr):
+    """Grid barrier number n of nb (every program's n-th arrival); with TIMED program 0 stamps the time it left it
+    at clock[n - 1], and the last program to arrive its arrival at clock[nb + n - 1]."""
+    _grid_sync(bar, n * nprog, clock + nb + n - 1, TIMED)
     if TIMED:
         if pid == 0:
             tl.store(clock + n - 1, _now())
@@ -587,7 +592,8 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     QD: tl.constexpr = H * D
     _phase_ss(res, ss, xg, _at(n_attn, offs, 4, AL), R, pid, nprog, DIM, BR, BN)
-    n = _barrier(bar, 1, nprog, clock, pid, TIMED)
+    NB = 1 + 5 * L     # barriers in the step
+    n = _barrier(bar, 1, NB, nprog, clock, pid, TIMED)
     for layer in range(L):
         # the layer's tensors, every offset loaded here at once: after a grid barrier each load misses L1 (the
         # barrier's acquire), so an offset read where its phase starts would put a round trip to L2 before that
@@ -604,20 +610,20 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
         sd, cd, bd = _packed_at(s_down, c_down, b_down, o, 19, AL, FMT)
         _phase_qkv(xg, ss, qkv, wq, sq, cq, bq, part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK, STAGES,
                    FMT, S_QKV)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_attn(qkv, part, attn, ao, al, cnt, kl, vl, nq, nk, rope, positions, slots, bt, bt_stride, block_size,
                     kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, GP, PAGED, QK_NORM, IEEE, BNA, TS,
                     AK, BR, BN, S_QKV)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, xg, nf, wo, so, co, bo, part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
                  FMT, S_O)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_ffn(xg, ss, act, wgu, sg, cg, bg, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
                    S_GU)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_down(act, res, ss, xg, gn, wd, sd, cd, bd, part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
                     FMT, S_DOWN)
-        n = _barrier(bar, n, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
 
 
 @triton.jit
@@ -838,7 +844,7 @@ class PersistentStep:
         self.al = torch.zeros(units, dtype=torch.float32, device=dev)
         self.cnt = torch.zeros(max(*items.values(), MAX_ROWS * c.n_kv_heads), dtype=torch.int32, device=dev)
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.clock = torch.zeros(1 + 5 * L, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros(2 * (1 + 5 * L), dtype=torch.int64, device=dev)   # _barrier's two stamps
         self.compiled = None    # the persistent kernel, once launched
 
     @staticmethod
@@ -998,6 +1004,18 @@ class PersistentStep:
                 out[p] += (ts[1 + 5 * i + j] - ts[5 * i + j]) / 1e3
         return out
 
+    def sync_times_us(self) -> dict[str, float]:
+        """With timed=True, after a persistent launch: of each phase's time (phase_times_us), the part from the last
+        program's arrival at the phase's closing barrier to program 0 leaving it, summed over the layers: what the
+        barrier itself costs once every program's work is done."""
+        ts = self.clock.cpu().tolist()
+        L = self.model.cfg.n_layers
+        nb = 1 + 5 * L
+        out = {p: 0.0 for p in PHASES[1:]}
+        for i in range(L):
+            for j, p in enumerate(PHASES[1:]):
+                out[p] += (ts[1 + 5 * i + j] - ts[nb + 1 + 5 * i + j]) / 1e3
+        return out
 
 
 def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float, int]]:

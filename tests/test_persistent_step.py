@@ -363,6 +363,31 @@ def test_two_programs_an_sm_launch_equals_phases(tiny_ggufs):
     assert torch.equal(one, phased), _msg("per_sm=2")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_timed_launch_stamps_every_barrier(tiny_ggufs):
+    """timed=True: the same bits as an untimed launch; every phase takes a positive time, of which the barrier's part
+    (from the last program's arrival to the opening) is no more than the phase (the last arrival is stamped as its
+    atomic returns, which program 0's poll may precede by a fraction of a round trip: hence the slack below 0)."""
+    from onepass.kernels.persistent_step import PersistentStep
+
+    model = _model(tiny_ggufs["llama"])
+    kv = _cache(model.cfg, False)
+    _history(model, kv, [3, 4], False)
+    tokens = torch.randint(3, 200, (2,), generator=_gen(9)).to(DEV)
+    slots, positions = torch.arange(2, device=DEV), torch.tensor([3, 4], device=DEV)
+    plain = _step(model, _clone(kv), tokens, positions, slots, False, "persistent")
+    res = model.buffers(2)["residual"]
+    model.k.embedding(tokens, model.embed, out=res)
+    step = PersistentStep(model, _clone(kv), timed=True)
+    step(positions, slots, res)
+    torch.cuda.synchronize()
+    assert torch.equal(res, plain)
+    phases, sync = step.phase_times_us(), step.sync_times_us()
+    assert all(t > 0 for t in phases.values()), phases
+    assert all(-1.0 <= sync[p] <= phases[p] for p in phases) and sum(sync.values()) > 0, (phases, sync)
+
+
 def test_programs_an_sm_holds():
     """The residency check's arithmetic on Hopper's SM (64 K registers, 228 KB shared memory, 2,048 threads): which
     limit binds, so a form whose programs cannot all be resident is refused before it hangs at a barrier."""
