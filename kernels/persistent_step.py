@@ -396,15 +396,14 @@ def _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, qn, kn, rope, positions, s
                 kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GB: tl.constexpr, GP: tl.constexpr,
                 PAGED: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr, BNA: tl.constexpr, TS: tl.constexpr,
-                AK: tl.constexpr,
-                BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
+                AK: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, S: tl.constexpr):
     """Per (row, kv head, split of the row's keys): the group's q heads and the kv head normed (qwen3) and roped, the
     k and v of the step's rows whose positions fall in the split written to the cache at their (slot, position),
     then the fp32 online softmax(q k^T * scale) v over the split's keys. A row of one split stores its output; of
     several, each split stores its normalized partial and log-sum-exp (ao, al), and the split that arrives last at
-    the (row, kv head) counter merges them in split order, so the output never depends on which came last. Rows of
-    a negative slot (padding) write zeros and touch no cache. q, k, v come from the q|k|v phase's S splits
-    (_qkv_at): summed here, that phase needs no counters."""
+    the (row, kv head) counter merges them (_merge_splits: a fixed order), so the output never depends on which came
+    last. Rows of a negative slot (padding) write zeros and touch no cache. q, k, v come from the q|k|v phase's S
+    splits (_qkv_at): summed here, that phase needs no counters."""
     HALF: tl.constexpr = D // 2
     G: tl.constexpr = H // KVH
     NQKV: tl.constexpr = (H + 2 * KVH) * D
@@ -416,6 +415,7 @@ def _phase_attn(qkv, part, attn, ao, al, cnt, kc, vc, qn, kn, rope, positions, s
     # units split-major: the rows' first splits spread over the programs before any row's second
     rr = tl.arange(0, BR)
     _, ns_all = _attn_chunk(tl.load(positions + rr, mask=rr < R, other=0) + 1, TS, AK, BNA)
+    ns_all = tl.where(tl.load(slots + rr, mask=rr < R, other=-1) >= 0, ns_all, 1)   # padding: one unit, zeros
     for u in range(pid, tl.max(ns_all) * NI, nprog):
         sp = u // NI
         it = u % NI
