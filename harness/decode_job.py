@@ -264,8 +264,9 @@ def _step_baseline(built: Engine, measure, run, warm, result: StaticBatchResult,
         from onepass.kernels.persistent_step import phase_profile
 
         bw = copy_bandwidth(built.device)
-        for phase, (us, nbytes) in phase_profile(built.model, result.cache, len(result.outputs), prompt).items():
+        for phase, (us, sync, nbytes) in phase_profile(built.model, result.cache, len(result.outputs), prompt).items():
             out[f"phase_{phase}_us"], out[f"phase_{phase}_floor_us"] = us, nbytes / bw * 1e6
+            out[f"phase_{phase}_sync_us"] = sync
     return out
 
 

@@ -627,15 +627,24 @@ def latency(df: pd.DataFrame):
                 + f"{int((newest['x kernel-per-op'] < 1).sum())} of {len(newest)}.")
     phases = [c for p in LATENCY_PHASES for c in (f"metrics.phase_{p}_us", f"metrics.phase_{p}_floor_us")]
     if all(c in df for c in phases):
+        def cell(us, floor, sync):
+            """A phase's time (its floor), and its barrier's part where the run recorded it."""
+            if pd.isna(us):
+                return "—"
+            return f"{us:,.0f} ({floor:,.0f}" + (f"; barrier {sync:,.0f})" if pd.notna(sync) else ")")
+
+        nan = pd.Series(float("nan"), index=df.index)
         pt = pd.DataFrame({"card": d["card"], "model": d["model"], "weights": d["weights"], "B": d["B"],
                            "_start": _start(df),
-                           **{f"{p} us (floor)": [f"{a:,.0f} ({b:,.0f})" if pd.notna(a) else "—" for a, b in zip(
-                               num(df, f"metrics.phase_{p}_us"), num(df, f"metrics.phase_{p}_floor_us"))]
+                           **{f"{p} us (floor)": [cell(*t) for t in zip(
+                               num(df, f"metrics.phase_{p}_us"), num(df, f"metrics.phase_{p}_floor_us"),
+                               num(df, f"metrics.phase_{p}_sync_us") if f"metrics.phase_{p}_sync_us" in df else nan)]
                               for p in LATENCY_PHASES}})
         pt = _newest(pt, ["card", "model", "weights", "B"]).drop(columns="_start")
         standing += ("\n\nPer phase of the persistent step (one more launch after the timed runs, program 0's clock "
                      "at each grid barrier; a phase's time includes its barrier wait), summed over the layers, against "
-                     "the bytes the phase must read at the card's copy rate:\n\n" + _grid(pt, left=3))
+                     "the bytes the phase must read at the card's copy rate, and where the run recorded it, the "
+                     "barrier's own part (from the last program's arrival to the opening):\n\n" + _grid(pt, left=3))
     return _report(headline, md, note=NEWEST_NOTE, standing=standing), None
 
 

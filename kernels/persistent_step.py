@@ -1018,10 +1018,11 @@ class PersistentStep:
         return out
 
 
-def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float, int]]:
+def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float, float, int]]:
     """Each phase's time (us, summed over the layers, its barrier wait included) in one persistent launch of `rows`
-    decode rows at `position` (slots 0..rows-1 of kv, whose entries at that position it overwrites), beside the bytes
-    the phase must read: its weights, or for attention the rows' keys and values 0..position."""
+    decode rows at `position` (slots 0..rows-1 of kv, whose entries at that position it overwrites), the barrier's
+    own part of it (sync_times_us), and the bytes the phase must read: its weights, or for attention the rows' keys
+    and values 0..position."""
     c = model.cfg
     step = PersistentStep(model, kv, timed=True, **model.persistent_form)
     dev = model.embed.device
@@ -1034,8 +1035,8 @@ def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float,
         model.k.embedding(tokens, model.embed, out=res)
         step(positions, slots, res, table)
     torch.cuda.synchronize(dev)
-    times = step.phase_times_us()
+    times, sync = step.phase_times_us(), step.sync_times_us()
     weights = {p: sum(_nbytes(layer[name].weights[0]) for layer in model.layers) for p, name in
                (("qkv", "qkv"), ("o", "o"), ("ffn", "gate_up"), ("down", "down"))}
     weights["attn"] = rows * c.n_layers * 2 * (position + 1) * c.n_kv_heads * c.head_dim * kv.k[0].element_size()
-    return {p: (times[p], weights[p]) for p in PHASES[1:]}
+    return {p: (times[p], sync[p], weights[p]) for p in PHASES[1:]}

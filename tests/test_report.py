@@ -297,3 +297,19 @@ def test_all_writes_the_committed_reports_from_the_recorded_runs_only(tmp_path, 
                  ["--all", "--check", "--record"], ["static_scaling", "--check"]):
         with pytest.raises(SystemExit):
             report.main(argv)
+
+
+def test_latency_phases_show_the_barrier_part_where_a_run_recorded_it():
+    """The latency report's per-phase table: 'us (floor)' for rows recorded before the barrier stamps, 'us (floor;
+    barrier b)' for a row that logged each phase's barrier part (phase_<p>_sync_us)."""
+    df = report.runs_from_csv("latency")
+    md, _ = report.TABLES["latency"](df)
+    assert "barrier" not in md.split("Per phase of the persistent step", 1)[1].split(report.ROWS)[0].split("|", 1)[1]
+    newest = report._start(df).idxmax()
+    assert pd.notna(pd.to_numeric(df.loc[newest, "metrics.phase_qkv_us"]))   # the newest row ran the persistent step
+    df = df.assign(**{f"metrics.phase_{p}_sync_us": None for p in report.LATENCY_PHASES})
+    df.loc[newest, [f"metrics.phase_{p}_sync_us" for p in report.LATENCY_PHASES]] = ["12.5", "3", "4", "5", "6"]
+    md, _ = report.TABLES["latency"](df)
+    phases = md.split("Per phase of the persistent step", 1)[1].split(report.ROWS)[0]
+    us = round(float(df.loc[newest, "metrics.phase_qkv_us"]))
+    assert any(f"{us:,} (" in c and c.endswith("; barrier 12)") for r in tables_of(phases)[0] for c in r), phases
