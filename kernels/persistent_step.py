@@ -595,9 +595,8 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
     NB = 1 + 5 * L     # barriers in the step
     n = _barrier(bar, 1, NB, nprog, clock, pid, TIMED)
     for layer in range(L):
-        # the layer's tensors, every offset loaded here at once: after a grid barrier each load misses L1 (the
-        # barrier's acquire), so an offset read where its phase starts would put a round trip to L2 before that
-        # phase's first weight load, five a layer
+        # the layer's tensors, their offsets loaded here together rather than one at the start of each phase
+        # (after a barrier, behind its acquire)
         o = offs + layer * _N_TABLE
         wq, wo, wgu, wd = _at(w_qkv, o, 0, AL), _at(w_o, o, 1, AL), _at(w_gu, o, 2, AL), _at(w_down, o, 3, AL)
         nf, nq, nk = _at(n_ffn, o, 5, AL), _at(n_q, o, 6, AL), _at(n_k, o, 7, AL)
@@ -904,8 +903,7 @@ class PersistentStep:
                 l0["q_norm"], l0["k_norm"], l0["k"], l0["v"],
                 *(l0[f"{n}.{part}"] for n in PROJECTIONS for part in ("scales", "mins", "sub")),
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
-                a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5,
-                ]
+                a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
         sp = self.splits
         return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
                           S_DOWN=sp["down"], **self._consts(paged))
@@ -996,25 +994,23 @@ class PersistentStep:
     def phase_times_us(self) -> dict[str, float]:
         """With timed=True, after a persistent launch: each phase's time summed over the layers (from program 0's
         clock at every barrier: a phase's time includes its barrier wait)."""
-        ts = self.clock.cpu().tolist()
-        L = self.model.cfg.n_layers
-        out = {p: 0.0 for p in PHASES[1:]}
-        for i in range(L):
-            for j, p in enumerate(PHASES[1:]):
-                out[p] += (ts[1 + 5 * i + j] - ts[5 * i + j]) / 1e3
-        return out
+        return self._summed_us(start=0)
 
     def sync_times_us(self) -> dict[str, float]:
         """With timed=True, after a persistent launch: of each phase's time (phase_times_us), the part from the last
         program's arrival at the phase's closing barrier to program 0 leaving it, summed over the layers: what the
         barrier itself costs once every program's work is done."""
+        return self._summed_us(start=len(self.clock) // 2 + 1)
+
+    def _summed_us(self, start: int) -> dict[str, float]:
+        """Per phase, summed over the layers: the time program 0 left the phase's closing barrier less the stamp at
+        clock[start + the barrier before it] (_barrier: the first half program 0's exits, the second the last
+        arrivals)."""
         ts = self.clock.cpu().tolist()
-        L = self.model.cfg.n_layers
-        nb = 1 + 5 * L
         out = {p: 0.0 for p in PHASES[1:]}
-        for i in range(L):
+        for i in range(self.model.cfg.n_layers):
             for j, p in enumerate(PHASES[1:]):
-                out[p] += (ts[1 + 5 * i + j] - ts[nb + 1 + 5 * i + j]) / 1e3
+                out[p] += (ts[1 + 5 * i + j] - ts[start + 5 * i + j]) / 1e3
         return out
 
 
