@@ -303,11 +303,11 @@ def test_latency_phases_show_the_barrier_part_where_a_run_recorded_it():
     """The latency report's per-phase table: 'us (floor)' for rows recorded before the barrier stamps, 'us (floor;
     barrier b)' for a row that logged each phase's barrier part (phase_<p>_sync_us)."""
     df = report.runs_from_csv("latency")
+    df = df.assign(**{f"metrics.phase_{p}_sync_us": None for p in report.LATENCY_PHASES})   # as before the stamps
     md, _ = report.TABLES["latency"](df)
     assert "barrier" not in md.split("Per phase of the persistent step", 1)[1].split(report.ROWS)[0].split("|", 1)[1]
-    newest = report._start(df).idxmax()
-    assert pd.notna(pd.to_numeric(df.loc[newest, "metrics.phase_qkv_us"]))   # the newest row ran the persistent step
-    df = df.assign(**{f"metrics.phase_{p}_sync_us": None for p in report.LATENCY_PHASES})
+    timed = df[pd.to_numeric(df["metrics.phase_qkv_us"]).notna()]          # rows that ran the persistent step
+    newest = report._start(timed).idxmax()
     df.loc[newest, [f"metrics.phase_{p}_sync_us" for p in report.LATENCY_PHASES]] = ["12.5", "3", "4", "5", "6"]
     md, _ = report.TABLES["latency"](df)
     phases = md.split("Per phase of the persistent step", 1)[1].split(report.ROWS)[0]
