@@ -7,7 +7,8 @@ rate, and the largest difference of the final residual rows from the kernel-per-
         --forms "block_k=512,num_warps=8,stages=0;stages=4,block_k=256"
 
 Each form is a set of PersistentStep settings (kernels/persistent_step.py FORM_SETTINGS); the others keep their
-defaults. Each form's phases are timed too (one timed launch: program 0's clock at every barrier). `--weights q4_0`
+defaults. Each form's phases are timed too (one timed launch: every program's clock at every barrier), and so is
+the step's count of grid barriers with nothing between them, first. `--weights q4_0`
 (or q4_1, q4_k, q8_0) keeps the layers' projections packed: random valid blocks, as engine.weights=packed runs them.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from onepass.harness.roofline import copy_bandwidth
 from onepass.harness.synth import random_packed, synthetic_config
 from onepass.kernels.backend import get_step_kernels
 from onepass.kernels.decode_attention import device_num_sms, make_workspace
-from onepass.kernels.persistent_step import PersistentStep, parse_form
+from onepass.kernels.persistent_step import PersistentStep, barrier_cost_us, parse_form
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 
@@ -64,6 +65,12 @@ def main(argv=None) -> None:
     print(f"[probe] {args.model} ({args.weights}): layers' weights {layer_bytes / 1e9:.3f} GB, "
           f"floor {layer_bytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s; rows at position {args.position}; "
           f"{device_num_sms(dev)} SMs")
+    for per_sm, poll in ((1, 0), (2, 0), (1, 1), (2, 1)):
+        n = per_sm * device_num_sms(dev)
+        cost = barrier_cost_us(n, 1 + 5 * cfg.n_layers, dev, poll=poll)
+        print(f"[probe] the step's {1 + 5 * cfg.n_layers} grid barriers alone, {n} programs of 4 warps, the count "
+              f"watched by {('an acquire atomic', 'an acquire load')[poll]}: {cost['period']:.2f} us a barrier "
+              f"({cost['sync']:.2f} us from the last arrival to program 0 leaving)", flush=True)
     g = torch.Generator(device=dev).manual_seed(1)
     for R in [int(r) for r in args.rows.split(",")]:
         tokens = torch.randint(3, cfg.vocab_size, (R,), generator=g, device=dev)
@@ -97,10 +104,12 @@ def main(argv=None) -> None:
             model._persistent = (kv, PersistentStep(model, kv, timed=True, **settings))
             run()
             torch.cuda.synchronize()
-            times, sync = model._persistent[1].phase_times_us(), model._persistent[1].sync_times_us()
+            st = model._persistent[1].stamped_us()
             print(f"[probe] R={R} phases of {settings} (us, summed over layers; a phase's barrier wait included; "
-                  "in brackets, from the last program's arrival at the barrier to its opening): "
-                  + ", ".join(f"{p} {t:.1f} ({sync[p]:.1f})" for p, t in times.items()), flush=True)
+                  "in brackets: from the last program's arrival at the barrier to its opening; the slowest "
+                  "program's work; the programs' mean work): "
+                  + ", ".join(f"{p} {t:.1f} ({st['sync'][p]:.1f}; {st['slowest'][p]:.1f}; {st['mean'][p]:.1f})"
+                              for p, t in st["time"].items()), flush=True)
         fastest_us, fastest = min(zip(times_us, grid), key=lambda t: t[0])
         print(f"[probe] R={R}: kernel-per-op {base:.1f} us; fastest persistent {fastest} {fastest_us:.1f} us",
               flush=True)

@@ -47,18 +47,29 @@ PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
 # ---------------------------------------------------------------------------------------------------------------------
 # device functions shared by both launch modes
 @triton.jit
-def _grid_sync(bar, target, stamp, TIMED: tl.constexpr):
+def _grid_sync(bar, target, stamp, TIMED: tl.constexpr, POLL: tl.constexpr = 0):
     """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted. TIMED:
-    the last program to arrive stamps the time it arrived at `stamp`."""
+    the program stamps the time it arrived (its work done, before the release) at `stamp`. POLL: how the count is
+    watched: 0 an acquire atomic add of 0, 1 an acquire load (compiled; the interpreter's is a plain load)."""
     tl.debug_barrier()                       # every warp's stores issued before the program arrives
-    before = tl.atomic_add(bar, 1, sem="release", scope="gpu")
     if TIMED:
-        if before == target - 1:
-            tl.store(stamp, _now())
-    seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+        tl.store(stamp, _now())
+    tl.atomic_add(bar, 1, sem="release", scope="gpu")
+    seen = _poll(bar, POLL)
     while seen < target:
-        seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+        seen = _poll(bar, POLL)
     tl.debug_barrier()
+
+
+@triton.jit
+def _poll(bar, POLL: tl.constexpr):
+    if POLL == 0:
+        return tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
+    elif _COMPILED:
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [bar], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    else:
+        return tl.load(bar, volatile=True)
 
 
 # whether triton.jit compiles (False under TRITON_INTERPRET=1 when triton was imported): inline assembly or not
@@ -565,14 +576,24 @@ def _packed_at(s, c, b, o, j, AL: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _barrier(bar, n, nb, nprog, clock, pid, TIMED: tl.constexpr):
-    """Grid barrier number n of nb (every program's n-th arrival); with TIMED program 0 stamps the time it left it
-    at clock[n - 1], and the last program to arrive its arrival at clock[nb + n - 1]."""
-    _grid_sync(bar, n * nprog, clock + nb + n - 1, TIMED)
+def _barrier(bar, n, nb, nprog, clock, pid, TIMED: tl.constexpr, POLL: tl.constexpr = 0):
+    """Grid barrier number n of nb (every program's n-th arrival); with TIMED each program stamps the time it
+    arrived at clock[1, n - 1, pid] and the time it left at clock[0, n - 1, pid] (clock: [2, nb, nprog])."""
+    _grid_sync(bar, n * nprog, clock + (nb + n - 1) * nprog + pid, TIMED, POLL)
     if TIMED:
-        if pid == 0:
-            tl.store(clock + n - 1, _now())
+        tl.store(clock + (n - 1) * nprog + pid, _now())
     return n + 1
+
+
+@triton.jit
+def _barriers_only(bar, clock, NB: tl.constexpr, POLL: tl.constexpr):
+    """NB grid barriers with nothing between them, every one stamped as the step's are (_barrier): what the
+    barrier alone costs on this many programs, its count watched as POLL says (_grid_sync)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n = 1
+    for _ in range(NB):
+        n = _barrier(bar, n, NB, nprog, clock, pid, True, POLL)
 
 
 @triton.jit
@@ -585,7 +606,8 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
                      IEEE: tl.constexpr, TS: tl.constexpr, AK: tl.constexpr, TIMED: tl.constexpr, BR: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
                      STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr, S_QKV: tl.constexpr,
-                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, PDL: tl.constexpr = False):
+                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, POLL: tl.constexpr,
+                     PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -593,7 +615,7 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
     QD: tl.constexpr = H * D
     _phase_ss(res, ss, xg, _at(n_attn, offs, 4, AL), R, pid, nprog, DIM, BR, BN)
     NB = 1 + 5 * L     # barriers in the step
-    n = _barrier(bar, 1, NB, nprog, clock, pid, TIMED)
+    n = _barrier(bar, 1, NB, nprog, clock, pid, TIMED, POLL)
     for layer in range(L):
         # the layer's tensors, their offsets loaded here together rather than one at the start of each phase
         # (after a barrier, behind its acquire)
@@ -609,20 +631,20 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
         sd, cd, bd = _packed_at(s_down, c_down, b_down, o, 19, AL, FMT)
         _phase_qkv(xg, ss, qkv, wq, sq, cq, bq, part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK, STAGES,
                    FMT, S_QKV)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
         _phase_attn(qkv, part, attn, ao, al, cnt, kl, vl, nq, nk, rope, positions, slots, bt, bt_stride, block_size,
                     kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, GP, PAGED, QK_NORM, IEEE, BNA, TS,
                     AK, BR, BN, S_QKV)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
         _phase_o(attn, res, ss, xg, nf, wo, so, co, bo, part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
                  FMT, S_O)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
         _phase_ffn(xg, ss, act, wgu, sg, cg, bg, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
                    S_GU)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
         _phase_down(act, res, ss, xg, gn, wd, sd, cd, bd, part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
                     FMT, S_DOWN)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
 
 
 @triton.jit
@@ -670,7 +692,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "attn_keys", "stages", "balance", "per_sm")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "attn_keys", "stages", "balance", "per_sm", "poll")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -756,7 +778,7 @@ class PersistentStep:
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, attn_keys: int = ATTN_KEYS,
                  num_warps: int | None = None, stages: int | None = None, balance: int = BALANCE, per_sm: int = 1,
-                 timed: bool = False):
+                 poll: int = 0, timed: bool = False):
         """per_sm programs an SM (programs: another count, for the phased launches): every program must be resident
         at once, or a barrier never opens, so the first launch checks that the compiled kernel's registers and shared
         memory let per_sm programs share an SM (_check_resident). The GEMM phases' K loop: block_k, num_warps,
@@ -764,7 +786,8 @@ class PersistentStep:
         (unit, K chunk) pairs, left to Triton's pipeliner with that many stages), balance (how evenly the K splits
         must spread a phase's units over the programs, in percent: _splits; 0: no split); block_n_attn: keys an
         attention step reads; attn_keys: the fewest keys a split of a row's keys takes (_attn_chunk; a multiple of
-        block_n_attn; more than the context: never split).
+        block_n_attn; more than the context: never split); poll: how a program watches a grid barrier's count
+        (_grid_sync).
         Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
@@ -787,6 +810,9 @@ class PersistentStep:
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
         self.stages = stages
         dev, dt = model.embed.device, model.dtype
+        if poll not in (0, 1):
+            raise ConfigError(f"persistent step: poll={poll}; 0 (an acquire atomic) or 1 (an acquire load)")
+        self.poll = poll
         if per_sm < 1:
             raise ConfigError(f"persistent step: per_sm={per_sm}; give 1 or more programs an SM")
         if programs is None:
@@ -843,7 +869,8 @@ class PersistentStep:
         self.al = torch.zeros(units, dtype=torch.float32, device=dev)
         self.cnt = torch.zeros(max(*items.values(), MAX_ROWS * c.n_kv_heads), dtype=torch.int32, device=dev)
         self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.clock = torch.zeros(2 * (1 + 5 * L), dtype=torch.int64, device=dev)   # _barrier's two stamps
+        # _barrier's stamps: [exits, arrivals] x barriers x programs
+        self.clock = torch.zeros(2, 1 + 5 * L, programs, dtype=torch.int64, device=dev)
         self.compiled = None    # the persistent kernel, once launched
 
     @staticmethod
@@ -905,7 +932,7 @@ class PersistentStep:
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
         sp = self.splits
-        return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
+        return args, dict(TIMED=self.timed, POLL=self.poll, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
                           S_DOWN=sp["down"], **self._consts(paged))
 
     def compile_for(self, positions, slots, res, block_table=None, capability: int = 90):
@@ -991,33 +1018,38 @@ class PersistentStep:
                 f"{kernel.metadata.shared} B shared memory); lower per_sm, num_warps or block_k in "
                 f"engine.persistent_form")
 
-    def phase_times_us(self) -> dict[str, float]:
-        """With timed=True, after a persistent launch: each phase's time summed over the layers (from program 0's
-        clock at every barrier: a phase's time includes its barrier wait)."""
-        return self._summed_us(start=0)
+    def stamped_us(self) -> dict[str, dict[str, float]]:
+        """With timed=True, after a persistent launch, per phase summed over the layers (us): `time` program 0's
+        exit to exit (a phase's time includes its barrier wait), `sync` the part of it from the last program's arrival at
+        the closing barrier (its work done, before its release and atomic) to program 0 leaving it: what the barrier
+        itself costs once every program's work is done; `slowest` the longest any program worked in the phase (its
+        arrival at the closing barrier less its exit from the opening one), `mean` the programs' mean of the same."""
+        ex, ar = (x.double() / 1e3 for x in self.clock.cpu())        # [barriers, programs] each
+        work = ar[1:] - ex[:-1]                                       # a program's work in each phase
+        rows = {"time": ex[1:, 0] - ex[:-1, 0], "sync": ex[1:, 0] - ar[1:].max(dim=1).values,
+                "slowest": work.max(dim=1).values, "mean": work.mean(dim=1)}
+        return {k: {p: float(v[j::5].sum()) for j, p in enumerate(PHASES[1:])} for k, v in rows.items()}
 
-    def sync_times_us(self) -> dict[str, float]:
-        """With timed=True, after a persistent launch: of each phase's time (phase_times_us), the part from the last
-        program's arrival at the phase's closing barrier to program 0 leaving it, summed over the layers: what the
-        barrier itself costs once every program's work is done."""
-        return self._summed_us(start=len(self.clock) // 2 + 1)
 
-    def _summed_us(self, start: int) -> dict[str, float]:
-        """Per phase, summed over the layers: the time program 0 left the phase's closing barrier less the stamp at
-        clock[start + the barrier before it] (_barrier: the first half program 0's exits, the second the last
-        arrivals)."""
-        ts = self.clock.cpu().tolist()
-        out = {p: 0.0 for p in PHASES[1:]}
-        for i in range(self.model.cfg.n_layers):
-            for j, p in enumerate(PHASES[1:]):
-                out[p] += (ts[1 + 5 * i + j] - ts[start + 5 * i + j]) / 1e3
-        return out
+def barrier_cost_us(programs: int, count: int, device, num_warps: int = 4, poll: int = 0) -> dict[str, float]:
+    """`count` grid barriers over `programs` programs with nothing between them (_barriers_only, the count watched
+    as `poll` says: _grid_sync), the last of three launches: per barrier, the mean time from program 0 leaving one
+    to leaving the next (`period`) and from the last arrival to program 0 leaving (`sync`)."""
+    bar = torch.zeros(1, dtype=torch.int32, device=device)
+    clock = torch.zeros(2, count, programs, dtype=torch.int64, device=device)
+    for _ in range(3):
+        bar.zero_()
+        _barriers_only[(programs,)](bar, clock, NB=count, POLL=poll, num_warps=num_warps)
+    torch.cuda.synchronize(device)
+    ex, ar = (x.double() / 1e3 for x in clock.cpu())
+    return {"period": float((ex[-1, 0] - ex[0, 0]) / (count - 1)),
+            "sync": float((ex[1:, 0] - ar[1:].max(dim=1).values).mean())}
 
 
 def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float, float, int]]:
     """Each phase's time (us, summed over the layers, its barrier wait included) in one persistent launch of `rows`
     decode rows at `position` (slots 0..rows-1 of kv, whose entries at that position it overwrites), the barrier's
-    own part of it (sync_times_us), and the bytes the phase must read: its weights, or for attention the rows' keys
+    own part of it (stamped_us' sync), and the bytes the phase must read: its weights, or for attention the rows' keys
     and values 0..position."""
     c = model.cfg
     step = PersistentStep(model, kv, timed=True, **model.persistent_form)
@@ -1031,8 +1063,8 @@ def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float,
         model.k.embedding(tokens, model.embed, out=res)
         step(positions, slots, res, table)
     torch.cuda.synchronize(dev)
-    times, sync = step.phase_times_us(), step.sync_times_us()
+    st = step.stamped_us()
     weights = {p: sum(_nbytes(layer[name].weights[0]) for layer in model.layers) for p, name in
                (("qkv", "qkv"), ("o", "o"), ("ffn", "gate_up"), ("down", "down"))}
     weights["attn"] = rows * c.n_layers * 2 * (position + 1) * c.n_kv_heads * c.head_dim * kv.k[0].element_size()
-    return {p: (times[p], sync[p], weights[p]) for p in PHASES[1:]}
+    return {p: (st["time"][p], st["sync"][p], weights[p]) for p in PHASES[1:]}
