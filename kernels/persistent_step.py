@@ -932,8 +932,8 @@ class PersistentStep:
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
         sp = self.splits
-        return args, dict(TIMED=self.timed, POLL=self.poll, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"], S_GU=sp["gate_up"],
-                          S_DOWN=sp["down"], **self._consts(paged))
+        return args, dict(TIMED=self.timed, POLL=self.poll, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"],
+                          S_GU=sp["gate_up"], S_DOWN=sp["down"], **self._consts(paged))
 
     def compile_for(self, positions, slots, res, block_table=None, capability: int = 90):
         """The persistent kernel as a launch on a GPU of that compute capability would compile it (its arguments'
@@ -1020,10 +1020,11 @@ class PersistentStep:
 
     def stamped_us(self) -> dict[str, dict[str, float]]:
         """With timed=True, after a persistent launch, per phase summed over the layers (us): `time` program 0's
-        exit to exit (a phase's time includes its barrier wait), `sync` the part of it from the last program's arrival at
-        the closing barrier (its work done, before its release and atomic) to program 0 leaving it: what the barrier
-        itself costs once every program's work is done; `slowest` the longest any program worked in the phase (its
-        arrival at the closing barrier less its exit from the opening one), `mean` the programs' mean of the same."""
+        exit to exit (a phase's time includes its barrier wait), `sync` the part of it from the last program's
+        arrival at the closing barrier (its work done, before its release and atomic) to program 0 leaving it: what
+        the barrier itself costs once every program's work is done; `slowest` the longest any program worked in the
+        phase (its arrival at the closing barrier less its exit from the opening one), `mean` the programs' mean of
+        the same."""
         ex, ar = (x.double() / 1e3 for x in self.clock.cpu())        # [barriers, programs] each
         work = ar[1:] - ex[:-1]                                       # a program's work in each phase
         rows = {"time": ex[1:, 0] - ex[:-1, 0], "sync": ex[1:, 0] - ar[1:].max(dim=1).values,
