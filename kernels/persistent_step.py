@@ -586,9 +586,10 @@ def _barrier(bar, n, nb, nprog, clock, pid, TIMED: tl.constexpr, POLL: tl.conste
 
 
 @triton.jit
-def _barriers_only(bar, clock, NB: tl.constexpr, POLL: tl.constexpr):
+def _barriers_only(bar, clock, NB: tl.constexpr, POLL: tl.constexpr, PDL: tl.constexpr = False):
     """NB grid barriers with nothing between them, every one stamped as the step's are (_barrier): what the
     barrier alone costs on this many programs, its count watched as POLL says (_grid_sync)."""
+    pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = 1
@@ -1040,7 +1041,8 @@ def barrier_cost_us(programs: int, count: int, device, num_warps: int = 4, poll:
     clock = torch.zeros(2, count, programs, dtype=torch.int64, device=device)
     for _ in range(3):
         bar.zero_()
-        _barriers_only[(programs,)](bar, clock, NB=count, POLL=poll, num_warps=num_warps)
+        _barriers_only[(programs,)](bar, clock, NB=count, POLL=poll, num_warps=num_warps,
+                                    **pdl.triton_opts(device))
     torch.cuda.synchronize(device)
     ex, ar = (x.double() / 1e3 for x in clock.cpu())
     return {"period": float((ex[-1, 0] - ex[0, 0]) / (count - 1)),
