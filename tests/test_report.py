@@ -313,3 +313,25 @@ def test_latency_phases_show_the_barrier_part_where_a_run_recorded_it():
     phases = md.split("Per phase of the persistent step", 1)[1].split(report.ROWS)[0]
     us = round(float(df.loc[newest, "metrics.phase_qkv_us"]))
     assert any(f"{us:,} (" in c and c.endswith("; barrier 12)") for r in tables_of(phases)[0] for c in r), phases
+
+
+def test_latency_headline_holds_the_newest_row_of_each_configuration_and_names_the_rows_not_recorded():
+    """The latency headline: one row per card, model, weights and B (the newest, whatever step form it ran: a newer
+    row of another form replaces it), and the standing names each of the issue's (model, weights, B) rows that no
+    card has recorded."""
+    df = report.runs_from_csv("latency")
+    newest = report._start(df).idxmax()
+    key = ["params.model.name", "params.engine.weights", "params.batch.size"]
+    older = df.loc[[newest]].assign(**{"params.engine.persistent_form": "per_sm=2",
+                                       "metrics.step_ms_p50": "9.999"})
+    older["start_time"] = " " + report._start(df).min()       # an older row of another form, same key
+    md, _ = report.TABLES["latency"](pd.concat([df, older], ignore_index=True))
+    head = tables_of(sections(md)["Headline"])[0]
+    rows = [dict(zip(head[0], r)) for r in head[1:]]
+    assert len(rows) == len({(r["card"], r["model"], r["B"]) for r in rows})
+    assert all(r["step ms"] != "9.999" for r in rows)
+    m, w, b = (str(df.loc[newest, k]) for k in key)
+    assert sum(r["model"].startswith(f"{m} ({w}, ") and r["B"] == b for r in rows) == 1
+    standing = sections(md)["Where the targets stand"]
+    assert "qwen3.8-27b packed at B = 1, 2, 4, 8, 16" in standing
+    assert f"{m} {w} at B = " not in standing or b not in standing.split(f"{m} {w} at B = ")[1].split(";")[0]
