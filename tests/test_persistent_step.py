@@ -369,8 +369,9 @@ def test_launch_forms_equal_phases(tiny_ggufs, settings):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 def test_timed_launch_stamps_every_barrier(tiny_ggufs):
     """timed=True: the same bits as an untimed launch; every phase takes a positive time, of which the barrier's part
-    (from the last program's arrival, stamped before its release, to program 0 leaving) is positive and no more than
-    the phase; no program works longer in a phase than the phase lasts, nor the mean longer than the slowest."""
+    (from the last program's arrival, stamped before its release, to program 0 leaving) is no more than the phase
+    and positive in all; no program works longer in a phase than the phase lasts, nor the mean longer than the
+    slowest."""
     from onepass.kernels.persistent_step import PersistentStep
 
     model = _model(tiny_ggufs["llama"])
@@ -388,7 +389,7 @@ def test_timed_launch_stamps_every_barrier(tiny_ggufs):
     st = step.stamped_us()
     time, sync, slowest, mean = st["time"], st["sync"], st["slowest"], st["mean"]
     assert all(time[p] > 0 for p in time), st
-    assert all(0 < sync[p] <= time[p] for p in time), st
+    assert all(0 <= sync[p] <= time[p] for p in time) and sum(sync.values()) > 0, st
     # a program's work sits between the opening it saw and the closing barrier's last arrival: within the phase,
     # but for the spread of the exits it is measured from (each program's own; a few us at most)
     assert all(0 <= mean[p] <= slowest[p] <= time[p] + 5 for p in time), st
