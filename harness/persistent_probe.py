@@ -14,10 +14,8 @@ the step's count of grid barriers with nothing between them, first. `--weights q
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from onepass.engine.fused_model import FusedDecoder
 from onepass.engine.gguf_loader import ROPE_FREQS
@@ -27,9 +25,8 @@ from onepass.harness.roofline import copy_bandwidth
 from onepass.harness.synth import random_packed, synthetic_config
 from onepass.kernels.backend import get_step_kernels
 from onepass.kernels.decode_attention import device_num_sms, make_workspace
+from onepass.kernels.errors import ConfigError
 from onepass.kernels.persistent_step import PersistentStep, barrier_cost_us, parse_form
-
-CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 
 
 def _time_us(fn) -> float:
@@ -37,6 +34,20 @@ def _time_us(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+
+
+def model_shape(name: str):
+    """conf/model/<name>.yaml's `synthetic` shapes as the harness composes them (the schema's defaults filled in)."""
+    from hydra import compose, initialize_config_dir
+
+    from onepass.harness.app import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        model = compose(config_name="config", overrides=[f"model={name}"]).model
+    if model.get("synthetic") is None:
+        raise ConfigError(f"model {name!r} has no synthetic shapes (conf/model/{name}.yaml); the probe makes random "
+                          "weights in a model's shapes")
+    return model.synthetic
 
 
 def main(argv=None) -> None:
@@ -50,7 +61,7 @@ def main(argv=None) -> None:
                     help="settings to time, ';' between forms, ',' between a form's settings")
     args = ap.parse_args(argv)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    shape = OmegaConf.load(CONF / f"{args.model}.yaml").synthetic
+    shape = model_shape(args.model)
     cfg = synthetic_config(args.model, shape)
     weights = {k: v if k == ROPE_FREQS else v.to(dt) for k, v in random_weights(cfg, device=dev).items()}
     if args.weights != "bf16":

@@ -40,7 +40,7 @@ def synthetic_config(name: str, shape) -> ModelConfig:
     return ModelConfig(
         arch=shape.arch, n_layers=shape.n_layers, dim=shape.dim, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
         head_dim=shape.head_dim, ffn_dim=shape.ffn_dim, vocab_size=shape.vocab_size, norm_eps=shape.norm_eps,
-        rope_theta=shape.rope_theta, rope_scaling=RopeScaling() if getattr(shape, "rope_scaling", False) else None,
+        rope_theta=shape.rope_theta, rope_scaling=RopeScaling() if shape.rope_scaling else None,
         context_length=shape.context_length, tie_embeddings=shape.tie_embeddings,
         qk_norm=shape.arch in ("qwen3", "qwen35"), name=f"{name} (synthetic)", **hybrid)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
+from pathlib import Path
 from collections import Counter
 from dataclasses import replace
 
@@ -576,3 +577,24 @@ def test_auto_step_keeps_the_kernel_per_op_form_where_the_persistent_one_cannot_
     monkeypatch.setattr(model, "persistent_unsupported", lambda kv: "a test's reason")
     step._pick_step_forms([1], graphed=False)
     assert model.choice is False and model.pick_why == "a test's reason"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "model").glob("*.yaml")))
+def test_probe_reads_each_model_as_the_harness_composes_it(name):
+    """persistent_probe's shapes are the composed model config's (schema defaults filled in: SmolLM2's yaml names no
+    rope_scaling, the q4_0 variant inherits Llama's); a model without synthetic shapes is refused by name."""
+    from omegaconf import OmegaConf
+
+    from onepass.harness.persistent_probe import model_shape
+    from onepass.harness.synth import synthetic_config
+    from onepass.kernels.errors import ConfigError
+
+    if "synthetic" not in OmegaConf.load(Path(__file__).parents[1] / "conf" / "model" / f"{name}.yaml"):
+        with pytest.raises(ConfigError, match=name):
+            model_shape(name)
+        return
+    shape = model_shape(name)
+    cfg = synthetic_config(name, shape)                 # every key it reads is there
+    if name == "llama-3.2-1b-q4_0":                     # its yaml names only the weight type; the rest is Llama's
+        base = synthetic_config(name, model_shape("llama-3.2-1b"))
+        assert shape.weight_type == "q4_0" and cfg == base
