@@ -1026,9 +1026,9 @@ class PersistentStep:
         the barrier itself costs once every program's work is done; `slowest` the longest any program worked in the
         phase (its arrival at the closing barrier less its exit from the opening one), `mean` the programs' mean of
         the same."""
-        ex, ar = (x.double() / 1e3 for x in self.clock.cpu())        # [barriers, programs] each
+        ex, ar, sync = _read_stamps(self.clock)
         work = ar[1:] - ex[:-1]                                       # a program's work in each phase
-        rows = {"time": ex[1:, 0] - ex[:-1, 0], "sync": ex[1:, 0] - ar[1:].max(dim=1).values,
+        rows = {"time": ex[1:, 0] - ex[:-1, 0], "sync": sync,
                 "slowest": work.max(dim=1).values, "mean": work.mean(dim=1)}
         return {k: {p: float(v[j::5].sum()) for j, p in enumerate(PHASES[1:])} for k, v in rows.items()}
 
@@ -1044,9 +1044,15 @@ def barrier_cost_us(programs: int, count: int, device, num_warps: int = 4, poll:
         _barriers_only[(programs,)](bar, clock, NB=count, POLL=poll, num_warps=num_warps,
                                     **pdl.triton_opts(device))
     torch.cuda.synchronize(device)
+    ex, _, sync = _read_stamps(clock)
+    return {"period": float((ex[-1, 0] - ex[0, 0]) / (count - 1)), "sync": float(sync.mean())}
+
+
+def _read_stamps(clock: torch.Tensor):
+    """_barrier's stamps [2, barriers, programs] in us: every program's exits and arrivals, and of each barrier but
+    the first the time from its last arrival to program 0 leaving it."""
     ex, ar = (x.double() / 1e3 for x in clock.cpu())
-    return {"period": float((ex[-1, 0] - ex[0, 0]) / (count - 1)),
-            "sync": float((ex[1:, 0] - ar[1:].max(dim=1).values).mean())}
+    return ex, ar, ex[1:, 0] - ar[1:].max(dim=1).values
 
 
 def phase_profile(model, kv, rows: int, position: int) -> dict[str, tuple[float, float, int]]:
