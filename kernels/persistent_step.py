@@ -686,11 +686,11 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
         _phase_attn(qkv, part, attn, ao, al, cnt, kl, vl, nq, nk, rope, positions, slots, bt, bt_stride, block_size,
                     kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, GP, PAGED, QK_NORM, IEEE, BNA, TS,
                     AK, BR, BN, S_QKV)
-        if PREFETCH > 0:   # gate|up's: o's are asked for already
-            _prefetch_units(wgu, sg, cg, pid, nprog, 2 * F, DIM, F, 2, BN // 2, S_GU, FMT, PREFETCH)
         n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
         _phase_o(attn, res, ss, xg, nf, wo, so, co, bo, part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
                  FMT, S_O)
+        if PREFETCH > 0:   # gate|up's (not during attention: its few busy programs' reads would wait behind them)
+            _prefetch_units(wgu, sg, cg, pid, nprog, 2 * F, DIM, F, 2, BN // 2, S_GU, FMT, PREFETCH)
         n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
         _phase_ffn(xg, ss, act, wgu, sg, cg, bg, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
                    S_GU)
