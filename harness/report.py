@@ -621,14 +621,11 @@ def latency(df: pd.DataFrame):
     missing = {(m, w): [b for b in LATENCY_BATCHES if (m, w, b) not in have] for m, w in LATENCY_ROWS}
     # where the targets stand, and where a persistent step's time goes: each phase summed over the layers against its
     # bytes' floor
-    # the rows whose steps ran the persistent kernel (set so, or auto's pick); of each model, weights and card the
-    # newest commit's
+    # of each card, model, weights and B the newest row whose step ran the persistent kernel (set so, or auto's
+    # pick): a newer run of some B only leaves the other B's rows standing
     ran = n["step"].str.startswith("persistent") | (n["auto picked"] == "persistent")
-    commit = df.get("tags.git_commit", pd.Series("", index=df.index)).reindex(n.index)
-    took = n[ran].assign(_commit=commit[ran], _start=_start(df).reindex(n.index)[ran])
-    last = took.sort_values("_start").groupby(["card", "model", "weights"])["_commit"].transform("last")
-    newest = took[took["_commit"] == last]
-    ones = newest[(newest["B"] == 1) & (newest["weights"] == "dequant")]
+    newest = _newest(n[ran], ["card", "model", "weights", "B"])
+    ones = newest[(newest["B"] == 1) & (newest["weights"] == "dequant")].sort_values(["card", "model"])
     standing = ("Targets (issue 61): at B = 1 a dense bf16 model's persistent step reaches >= "
                 f"{LATENCY_FLOOR_TARGET:.0%} of its floor (the H200 figure; the same fraction on other cards), and no "
                 "row that runs the persistent step is slower than the kernel-per-op step. Of the newest rows: "
