@@ -76,12 +76,12 @@ def main(argv=None) -> None:
     print(f"[probe] {args.model} ({args.weights}): layers' weights {layer_bytes / 1e9:.3f} GB, "
           f"floor {layer_bytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s; rows at position {args.position}; "
           f"{device_num_sms(dev)} SMs")
-    for per_sm, poll in ((1, 0), (2, 0), (1, 1), (2, 1)):
+    for per_sm in (1, 2):
         n = per_sm * device_num_sms(dev)
-        cost = barrier_cost_us(n, 1 + 5 * cfg.n_layers, dev, poll=poll)
-        print(f"[probe] the step's {1 + 5 * cfg.n_layers} grid barriers alone, {n} programs of 4 warps, the count "
-              f"watched by {('an acquire atomic', 'an acquire load')[poll]}: {cost['period']:.2f} us a barrier "
-              f"({cost['sync']:.2f} us from the last arrival to program 0 leaving)", flush=True)
+        cost = barrier_cost_us(n, 1 + 5 * cfg.n_layers, dev)
+        print(f"[probe] the step's {1 + 5 * cfg.n_layers} grid barriers alone, {n} programs of 4 warps: "
+              f"{cost['period']:.2f} us a barrier ({cost['sync']:.2f} us from the last arrival to program 0 leaving)",
+              flush=True)
     g = torch.Generator(device=dev).manual_seed(1)
     for R in [int(r) for r in args.rows.split(",")]:
         tokens = torch.randint(3, cfg.vocab_size, (R,), generator=g, device=dev)

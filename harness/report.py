@@ -82,6 +82,18 @@ class RunsFileError(ValueError):
     """A recorded runs.csv that cannot be read as a table of runs: said with the file and how to mend it."""
 
 
+def _schema_hint(e: Exception) -> str:
+    """What to do about a SQLite store whose schema is not this MLflow's (MLflow's own message says to upgrade, which
+    is wrong where a newer MLflow, say a GPU machine's, wrote the store)."""
+    if "database schema" not in str(e):
+        return ""
+    import mlflow
+
+    return (f". This is mlflow {mlflow.__version__}: a store written by a newer MLflow is read with that version "
+            "(pip install mlflow==<its version>); an older store is brought up to date with `mlflow db upgrade "
+            "<uri>` after a backup")
+
+
 def refused(e: ValueError) -> int:
     """Say why a report was not made; its exit status: 2 for a damaged runs.csv (bad input), else 1."""
     if isinstance(e, RunsFileError):
@@ -1821,8 +1833,9 @@ def main(argv: list[str] | None = None) -> int:
                 df = runs_from_store(name, args.uri, newest=not args.all_sweeps)
                 source = f"the tracking store {args.uri}"
             except Exception as e:
-                if args.source == "store":
-                    print(f"[error] {name}: the tracking store cannot be read: {e}", file=sys.stderr)
+                if args.source == "store" or args.record:   # --record takes runs from the store and nowhere else
+                    print(f"[error] {name}: the tracking store {args.uri} cannot be read, nothing recorded: "
+                          f"{e}{_schema_hint(e)}", file=sys.stderr)
                     status = 2
                     continue
                 print(f"[report] {name}: tracking store unavailable ({e}); reading experiments/{name}/runs.csv",

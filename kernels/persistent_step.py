@@ -47,29 +47,18 @@ PHASES = ("ss", "qkv", "attn", "o", "ffn", "down")
 # ---------------------------------------------------------------------------------------------------------------------
 # device functions shared by both launch modes
 @triton.jit
-def _grid_sync(bar, target, stamp, TIMED: tl.constexpr, POLL: tl.constexpr = 0):
+def _grid_sync(bar, target, stamp, TIMED: tl.constexpr):
     """Arrive at the grid barrier and wait until `target` arrivals (every program, cumulatively) are counted. TIMED:
-    the program stamps the time it arrived (its work done, before the release) at `stamp`. POLL: how the count is
-    watched: 0 an acquire atomic add of 0, 1 an acquire load (compiled; the interpreter's is a plain load)."""
+    the program stamps the time it arrived (its work done, before the release) at `stamp`. The count is watched by
+    an acquire atomic add of 0 (an acquire load timed slower: kernels/PROBES.md)."""
     tl.debug_barrier()                       # every warp's stores issued before the program arrives
     if TIMED:
         tl.store(stamp, _now())
     tl.atomic_add(bar, 1, sem="release", scope="gpu")
-    seen = _poll(bar, POLL)
+    seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
     while seen < target:
-        seen = _poll(bar, POLL)
+        seen = tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-
-
-@triton.jit
-def _poll(bar, POLL: tl.constexpr):
-    if POLL == 0:
-        return tl.atomic_add(bar, 0, sem="acquire", scope="gpu")
-    elif _COMPILED:
-        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [bar], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-    else:
-        return tl.load(bar, volatile=True)
 
 
 # whether triton.jit compiles (False under TRITON_INTERPRET=1 when triton was imported): inline assembly or not
@@ -352,51 +341,6 @@ def _gemm_phase(x, sx, w, ws, wc, wb, gn, rstd, out, res, ss, xg, part, cnt, R, 
 
 
 @triton.jit
-def _l2_prefetch(base, COUNT: tl.constexpr, STRIDE: tl.constexpr, NBYTES: tl.constexpr):
-    """Ask the L2 for COUNT byte ranges, range i NBYTES long at base + i * STRIDE bytes: a bulk prefetch by thread i
-    (nothing waits for it, nothing comes back to the program). Compiled only: the interpreter has no L2."""
-    if _COMPILED:
-        ESZ: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
-        for i0 in tl.static_range(0, COUNT, 128):      # 128: the fewest threads a program has (4 warps)
-            tl.inline_asm_elementwise(
-                "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\t.reg .u64 a;\n\tmov.u32 t, %tid.x;\n\t"
-                "setp.lt.u32 p, t, $2;\n\tmul.wide.u32 a, t, $3;\n\tadd.u64 a, a, $1;\n\t"
-                "@p cp.async.bulk.prefetch.L2.global [a], $4;\n\tmov.u32 $0, 0;\n\t}",
-                "=r,l,r,r,r", [base + i0 * (STRIDE // ESZ), tl.full([], min(COUNT - i0, 128), tl.int32),
-                               tl.full([], STRIDE, tl.int32), tl.full([], NBYTES, tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_units(w, ws, wc, pid, nprog, N: tl.constexpr, K: tl.constexpr, NOUT: tl.constexpr, KIND: tl.constexpr,
-                    BN: tl.constexpr, S: tl.constexpr, FMT: tl.constexpr, UNITS: tl.constexpr):
-    """Ask the L2 for the weights of this program's first UNITS units of a GEMM phase (_gemm_phase's units and
-    rows), so that they stream in while the program waits at the barrier before it, or works on a phase that reads
-    no weights. Dense: each of the unit's weight rows' K range; packed: each of its groups' words, and of Q4_0,
-    Q4_1 and Q8_0 the groups' scales (and mins)."""
-    PAIR: tl.constexpr = NOUT if KIND == 2 else 0
-    NT: tl.constexpr = (NOUT + BN - 1) // BN
-    ESZ: tl.constexpr = w.dtype.element_ty.primitive_bitwidth // 8
-    SSZ: tl.constexpr = ws.dtype.element_ty.primitive_bitwidth // 8
-    W: tl.constexpr = 8 if FMT == 3 else 4       # a packed record's words
-    GS: tl.constexpr = K // 32 // S              # a packed unit's groups
-    for j in tl.static_range(UNITS):
-        u = pid + j * nprog
-        if u < NT * S:
-            for h in tl.static_range(2 if PAIR > 0 else 1):
-                r0 = ((u // S) * BN + h * PAIR).to(tl.int64)
-                if FMT < 0:
-                    _l2_prefetch(w + r0 * K + (u % S) * (K // S), BN, K * ESZ, (K // S) * ESZ)
-                else:
-                    at = (u % S) * GS * N + r0
-                    _l2_prefetch(w + at * W, GS, N * W * ESZ, BN * W * ESZ)
-                    if FMT != 2:
-                        _l2_prefetch(ws + at, GS, N * SSZ, BN * SSZ)
-                    if FMT == 1:
-                        _l2_prefetch(wc + at, GS, N * SSZ, BN * SSZ)
-
-
-@triton.jit
 def _phase_qkv(xg, ss, qkv, w, ws, wc, wb, part, cnt, R, eps, pid, nprog, DIM: tl.constexpr, NQKV: tl.constexpr,
                IEEE: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                FMT: tl.constexpr, S: tl.constexpr):
@@ -621,25 +565,25 @@ def _packed_at(s, c, b, o, j, AL: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _barrier(bar, n, nb, nprog, clock, pid, TIMED: tl.constexpr, POLL: tl.constexpr = 0):
+def _barrier(bar, n, nb, nprog, clock, pid, TIMED: tl.constexpr):
     """Grid barrier number n of nb (every program's n-th arrival); with TIMED each program stamps the time it
     arrived at clock[1, n - 1, pid] and the time it left at clock[0, n - 1, pid] (clock: [2, nb, nprog])."""
-    _grid_sync(bar, n * nprog, clock + (nb + n - 1) * nprog + pid, TIMED, POLL)
+    _grid_sync(bar, n * nprog, clock + (nb + n - 1) * nprog + pid, TIMED)
     if TIMED:
         tl.store(clock + (n - 1) * nprog + pid, _now())
     return n + 1
 
 
 @triton.jit
-def _barriers_only(bar, clock, NB: tl.constexpr, POLL: tl.constexpr, PDL: tl.constexpr = False):
+def _barriers_only(bar, clock, NB: tl.constexpr, PDL: tl.constexpr = False):
     """NB grid barriers with nothing between them, every one stamped as the step's are (_barrier): what the
-    barrier alone costs on this many programs, its count watched as POLL says (_grid_sync)."""
+    barrier alone costs on this many programs."""
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = 1
     for _ in range(NB):
-        n = _barrier(bar, n, NB, nprog, clock, pid, True, POLL)
+        n = _barrier(bar, n, NB, nprog, clock, pid, True)
 
 
 @triton.jit
@@ -652,19 +596,16 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
                      IEEE: tl.constexpr, TS: tl.constexpr, AK: tl.constexpr, TIMED: tl.constexpr, BR: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, BNA: tl.constexpr,
                      STAGES: tl.constexpr, FMT: tl.constexpr, AL: tl.constexpr, S_QKV: tl.constexpr,
-                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr, POLL: tl.constexpr,
-                     PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
+                     S_O: tl.constexpr, S_GU: tl.constexpr, S_DOWN: tl.constexpr,
+                     PDL: tl.constexpr = False):
     pdl.enter(PDL)  # kernels/pdl.py
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (H + 2 * KVH) * D
     QD: tl.constexpr = H * D
     _phase_ss(res, ss, xg, _at(n_attn, offs, 4, AL), R, pid, nprog, DIM, BR, BN)
-    if PREFETCH > 0:   # before each barrier, the next GEMM phase's first units asked of the L2 (_prefetch_units)
-        sq, cq, _ = _packed_at(s_qkv, c_qkv, b_qkv, offs, 10, AL, FMT)
-        _prefetch_units(_at(w_qkv, offs, 0, AL), sq, cq, pid, nprog, NQKV, DIM, NQKV, 0, BN, S_QKV, FMT, PREFETCH)
     NB = 1 + 5 * L     # barriers in the step
-    n = _barrier(bar, 1, NB, nprog, clock, pid, TIMED, POLL)
+    n = _barrier(bar, 1, NB, nprog, clock, pid, TIMED)
     for layer in range(L):
         # the layer's tensors, their offsets loaded here together rather than one at the start of each phase
         # (after a barrier, behind its acquire)
@@ -680,32 +621,20 @@ def _persistent_step(res, ss, xg, qkv, attn, act, part, ao, al, cnt, bar, clock,
         sd, cd, bd = _packed_at(s_down, c_down, b_down, o, 19, AL, FMT)
         _phase_qkv(xg, ss, qkv, wq, sq, cq, bq, part, cnt, R, eps, pid, nprog, DIM, NQKV, IEEE, BR, BN, BK, STAGES,
                    FMT, S_QKV)
-        if PREFETCH > 0:   # o's weights, streaming in during attention
-            _prefetch_units(wo, so, co, pid, nprog, DIM, QD, DIM, 1, BN, S_O, FMT, PREFETCH)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_attn(qkv, part, attn, ao, al, cnt, kl, vl, nq, nk, rope, positions, slots, bt, bt_stride, block_size,
                     kc_s0, kc_s1, kc_s2, R, eps, scale, pid, nprog, H, KVH, D, GB, GP, PAGED, QK_NORM, IEEE, BNA, TS,
                     AK, BR, BN, S_QKV)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_o(attn, res, ss, xg, nf, wo, so, co, bo, part, cnt, R, pid, nprog, DIM, QD, IEEE, BR, BN, BK, STAGES,
                  FMT, S_O)
-        if PREFETCH > 0:   # gate|up's (not during attention: its few busy programs' reads would wait behind them)
-            _prefetch_units(wgu, sg, cg, pid, nprog, 2 * F, DIM, F, 2, BN // 2, S_GU, FMT, PREFETCH)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_ffn(xg, ss, act, wgu, sg, cg, bg, part, cnt, R, eps, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES, FMT,
                    S_GU)
-        if PREFETCH > 0:
-            _prefetch_units(wd, sd, cd, pid, nprog, DIM, F, DIM, 1, BN, S_DOWN, FMT, PREFETCH)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
         _phase_down(act, res, ss, xg, gn, wd, sd, cd, bd, part, cnt, R, pid, nprog, DIM, F, IEEE, BR, BN, BK, STAGES,
                     FMT, S_DOWN)
-        if PREFETCH > 0:   # the next layer's q|k|v
-            if layer + 1 < L:
-                on = offs + (layer + 1) * _N_TABLE
-                sn, cn, _ = _packed_at(s_qkv, c_qkv, b_qkv, on, 10, AL, FMT)
-                _prefetch_units(_at(w_qkv, on, 0, AL), sn, cn, pid, nprog, NQKV, DIM, NQKV, 0, BN, S_QKV, FMT,
-                                PREFETCH)
-        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED, POLL)
+        n = _barrier(bar, n, NB, nprog, clock, pid, TIMED)
 
 
 @triton.jit
@@ -753,8 +682,7 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 
 
 # the settings a form of the step is made of (PersistentStep's keyword arguments of that name; engine.persistent_form)
-FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "attn_keys", "stages", "balance", "per_sm", "poll",
-                 "prefetch")
+FORM_SETTINGS = ("block_k", "num_warps", "block_n_attn", "attn_keys", "stages", "balance", "per_sm")
 
 
 def parse_form(text: str) -> dict[str, int]:
@@ -832,18 +760,6 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
     return out
 
 
-def _unaligned(cols: dict[str, list[torch.Tensor]], proj: dict[str, list]) -> str | None:
-    """Why the projections' ranges that _prefetch_units asks for would not all start 16-byte aligned (None: they
-    would): every layer's weight (and scales, mins) must, and so must its rows, or its groups' records."""
-    for name, ws in proj.items():
-        for part in ("", ".scales", ".mins"):
-            for t in cols[name + part]:
-                row = t.shape[-1] * t.element_size() if t.dim() == 2 else 16
-                if t.data_ptr() % 16 or row % 16:
-                    return f"a {name}{part} tensor starts at {t.data_ptr() % 16} past 16 bytes or has rows of {row} B"
-    return None
-
-
 class PersistentStep:
     """The whole-layer-stack decode step of a dense FusedDecoder over up to MAX_ROWS rows, in place of its
     kernel-per-op `hidden`. Built once per (model, KV cache): it reads the model's weights and the cache's tensors
@@ -852,7 +768,7 @@ class PersistentStep:
     def __init__(self, model, kv, *, mode: str = "persistent", programs: int | None = None,
                  block_k: int | None = None, block_n_attn: int = 32, attn_keys: int = ATTN_KEYS,
                  num_warps: int | None = None, stages: int | None = None, balance: int = BALANCE, per_sm: int = 1,
-                 poll: int = 0, prefetch: int = 0, timed: bool = False):
+                 timed: bool = False):
         """per_sm programs an SM (programs: another count, for the phased launches): every program must be resident
         at once, or a barrier never opens, so the first launch checks that the compiled kernel's registers and shared
         memory let per_sm programs share an SM (_check_resident). The GEMM phases' K loop: block_k, num_warps,
@@ -860,9 +776,7 @@ class PersistentStep:
         (unit, K chunk) pairs, left to Triton's pipeliner with that many stages), balance (how evenly the K splits
         must spread a phase's units over the programs, in percent: _splits; 0: no split); block_n_attn: keys an
         attention step reads; attn_keys: the fewest keys a split of a row's keys takes (_attn_chunk; a multiple of
-        block_n_attn; more than the context: never split); poll: how a program watches a grid barrier's count
-        (_grid_sync); prefetch: how many of its units of the next GEMM phase a program asks the L2 for before each
-        barrier (_prefetch_units; 0: none).
+        block_n_attn; more than the context: never split).
         Defaults: DENSE_FORM, PACKED_FORM (kernels/PROBES.md has what picked them)."""
         why = self.unsupported(model, kv)
         if why:
@@ -885,12 +799,6 @@ class PersistentStep:
         self.block_k, self.block_n_attn, self.num_warps = block_k, block_n_attn, num_warps
         self.stages = stages
         dev, dt = model.embed.device, model.dtype
-        if poll not in (0, 1):
-            raise ConfigError(f"persistent step: poll={poll}; 0 (an acquire atomic) or 1 (an acquire load)")
-        self.poll = poll
-        if prefetch < 0:
-            raise ConfigError(f"persistent step: prefetch={prefetch}; 0 (none) or the units a program asks for")
-        self.prefetch = prefetch
         if per_sm < 1:
             raise ConfigError(f"persistent step: per_sm={per_sm}; give 1 or more programs an SM")
         if programs is None:
@@ -915,9 +823,6 @@ class PersistentStep:
                     raise ConfigError(f"persistent step: a packed {name} weight's {part} is not 4-byte aligned (the "
                                       "kernel reads them a word at a time); use engine.step=kernels")
         self.layer0 = {name: ts[0] for name, ts in cols.items()}
-        if prefetch and (why := _unaligned(cols, proj)):
-            raise ConfigError(f"persistent step: prefetch={prefetch} asks the L2 for 16-byte aligned ranges, but "
-                              f"{why}; use prefetch=0 in engine.persistent_form")
         self.tensors = cols   # kept: the offsets point into them
         self.offs = torch.tensor([_offsets(ts) for ts in cols.values()], dtype=torch.int64).T.contiguous().to(dev)
         assert self.offs.shape == (L, N_TABLE)
@@ -1013,8 +918,8 @@ class PersistentStep:
                 a["rope"], a["positions"], a["slots"], a["bt"], a["bt_stride"], a["block_size"], a["kc_s0"],
                 a["kc_s1"], a["kc_s2"], res.shape[0], c.n_layers, float(c.norm_eps), float(c.head_dim) ** -0.5]
         sp = self.splits
-        return args, dict(TIMED=self.timed, POLL=self.poll, PREFETCH=self.prefetch, AL=self.align, S_QKV=sp["qkv"],
-                          S_O=sp["o"], S_GU=sp["gate_up"], S_DOWN=sp["down"], **self._consts(paged))
+        return args, dict(TIMED=self.timed, AL=self.align, S_QKV=sp["qkv"], S_O=sp["o"],
+                          S_GU=sp["gate_up"], S_DOWN=sp["down"], **self._consts(paged))
 
     def compile_for(self, positions, slots, res, block_table=None, capability: int = 90):
         """The persistent kernel as a launch on a GPU of that compute capability would compile it (its arguments'
@@ -1113,15 +1018,15 @@ class PersistentStep:
         return {k: {p: float(v[j::5].sum()) for j, p in enumerate(PHASES[1:])} for k, v in rows.items()}
 
 
-def barrier_cost_us(programs: int, count: int, device, num_warps: int = 4, poll: int = 0) -> dict[str, float]:
-    """`count` grid barriers over `programs` programs with nothing between them (_barriers_only, the count watched
-    as `poll` says: _grid_sync), the last of three launches: per barrier, the mean time from program 0 leaving one
+def barrier_cost_us(programs: int, count: int, device, num_warps: int = 4) -> dict[str, float]:
+    """`count` grid barriers over `programs` programs with nothing between them (_barriers_only), the last of three
+    launches: per barrier, the mean time from program 0 leaving one
     to leaving the next (`period`) and from the last arrival to program 0 leaving (`sync`)."""
     bar = torch.zeros(1, dtype=torch.int32, device=device)
     clock = torch.zeros(2, count, programs, dtype=torch.int64, device=device)
     for _ in range(3):
         bar.zero_()
-        _barriers_only[(programs,)](bar, clock, NB=count, POLL=poll, num_warps=num_warps,
+        _barriers_only[(programs,)](bar, clock, NB=count, num_warps=num_warps,
                                     **pdl.triton_opts(device))
     torch.cuda.synchronize(device)
     ex, _, sync = _read_stamps(clock)

@@ -312,46 +312,6 @@ def test_packed_scales_are_copied_ahead(fmt):
 
 
 @compiled_for_sm90
-@pytest.mark.parametrize("fmt", ["bf16", "q4_1", "q4_k"])
-def test_prefetch_asks_the_l2_for_each_gemm_phase(fmt):
-    """prefetch=n: before each barrier a program asks the L2 for its next GEMM phase's first n units: six places a
-    layer stack (layer 0's q|k|v after the prologue; o, gate and up, down; the next layer's q|k|v), each a bulk
-    prefetch of the weights, and of Q4_1 also of the scales and mins (Q4_K: the words alone); prefetch=0 none."""
-    from onepass.harness.synth import random_packed
-    from onepass.kernels.persistent_step import PersistentStep
-
-    cfg = replace(WIDE_LLAMA, n_layers=2)
-    w = {k: v if k == ROPE_FREQS else v.to(torch.bfloat16) for k, v in random_weights(cfg, seed=2).items()}
-    if fmt != "bf16":
-        g = torch.Generator().manual_seed(3)
-        w.update({k: random_packed(tuple(v.shape), fmt, v.shape[1] ** -0.5, "cpu", g) for k, v in w.items()
-                  if k.startswith("blk.") and v.dim() == 2})
-    model = FusedDecoder(cfg, w, get_step_kernels("torch"), max_pos=64)
-    kv = ContiguousKVCache(cfg, 2, 32, torch.bfloat16, "cpu")
-    per_unit = {"bf16": 1, "q4_1": 3, "q4_k": 1}[fmt]
-    for n in (0, 1, 2):
-        step = PersistentStep(model, kv, programs=4, prefetch=n)
-        ptx = step.compile_for(torch.tensor([3, 4]), torch.tensor([0, 1]), model.buffers(2)["residual"]).asm["ptx"]
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 6 * n * per_unit, (fmt, n)
-
-
-def test_prefetch_refuses_unaligned_weights(tiny_ggufs):
-    """The L2 takes bulk prefetches of 16-byte aligned ranges only: a layer weight that starts off a 16-byte boundary
-    is refused by name when prefetch is asked for, and runs without it."""
-    from onepass.kernels.persistent_step import PersistentStep
-
-    model = _model(tiny_ggufs["llama"])
-    kv = _cache(model.cfg, False, slots=2)
-    w = model.layers[1]["o"].weights[0]
-    shifted = torch.empty(w.numel() + 1, dtype=w.dtype, device=w.device)[1:].view_as(w)
-    shifted.copy_(w)
-    model.layers[1]["o"].weights[0] = shifted
-    with pytest.raises(ConfigError, match=r"prefetch=1 .* o tensor starts at [1-9]\d* past 16 bytes"):
-        PersistentStep(model, kv, prefetch=1)
-    assert PersistentStep(model, kv).prefetch == 0
-
-
-@compiled_for_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_default_form_fits_hopper_shared_memory(dtype):
     """The default form's pipeline stages, compiled for Hopper, fit its 227 KB of shared memory a block, in bf16 and
@@ -391,11 +351,9 @@ def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged, form):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("settings", [dict(per_sm=2), dict(poll=1), dict(prefetch=2)])
-def test_launch_forms_equal_phases(tiny_ggufs, settings):
-    """per_sm=2: twice the programs, each phase's units spread over both of an SM's; poll=1: the barriers' count
-    watched by acquire loads; prefetch=2: each program's next two units of weights asked of the L2 before each
-    barrier. The same bits as the phases."""
+def test_two_programs_an_sm_equal_phases(tiny_ggufs):
+    """per_sm=2: twice the programs, each phase's units spread over both of an SM's. The same bits as the phases."""
+    settings = dict(per_sm=2)
     model = _model(tiny_ggufs["llama"])
     kv = _cache(model.cfg, False, slots=16)
     _history(model, kv, [3 + s % 5 for s in range(16)], False)

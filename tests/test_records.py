@@ -54,6 +54,22 @@ def test_record_command_refuses_and_keeps_the_csv(experiments, tmp_path, monkeyp
     assert "would drop 2" in capsys.readouterr().err and experiments.read_text() == before
 
 
+def test_record_from_an_unreadable_store_records_nothing_and_says_so(experiments, tmp_path, monkeypatch, capsys):
+    """--record takes runs from the tracking store only: a store it cannot read (here one whose schema a newer MLflow
+    wrote) fails the command and names the fix, instead of regenerating the report from runs.csv as if recorded."""
+    def newer(name, uri, newest=True):
+        raise RuntimeError("Detected out-of-date database schema (found version f4a9b2c7d1e6, but expected "
+                           "dc11669786a5)")
+
+    monkeypatch.setattr(report, "runs_from_store", newer)
+    monkeypatch.setitem(report.TABLES, "t", lambda df: ("### Headline\n\n| B |\n|---|\n| 1 |\n", None))
+    before = experiments.read_text()
+    assert report.main(["t", "--record", "--merge", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read, nothing recorded" in err and "newer MLflow is read with that version" in err
+    assert experiments.read_text() == before and not (tmp_path / "out").exists()
+
+
 def test_a_merge_replaces_the_rows_it_remeasures_and_keeps_the_rest(experiments, tmp_path, monkeypatch):
     """--record --merge: a store run of a recorded row's key takes that row's place (not refused as a drop), every other
     recorded row stays."""
