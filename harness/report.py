@@ -1834,8 +1834,8 @@ def main(argv: list[str] | None = None) -> int:
                 source = f"the tracking store {args.uri}"
             except Exception as e:
                 if args.source == "store" or args.record:   # --record takes runs from the store and nowhere else
-                    print(f"[error] {name}: the tracking store {args.uri} cannot be read, nothing recorded: "
-                          f"{e}{_schema_hint(e)}", file=sys.stderr)
+                    print(f"[error] {name}: the tracking store cannot be read ({args.uri})"
+                          f"{', nothing recorded' if args.record else ''}: {e}{_schema_hint(e)}", file=sys.stderr)
                     status = 2
                     continue
                 print(f"[report] {name}: tracking store unavailable ({e}); reading experiments/{name}/runs.csv",
