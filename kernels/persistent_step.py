@@ -1020,8 +1020,8 @@ class PersistentStep:
 
 def barrier_cost_us(programs: int, count: int, device, num_warps: int = 4) -> dict[str, float]:
     """`count` grid barriers over `programs` programs with nothing between them (_barriers_only), the last of three
-    launches: per barrier, the mean time from program 0 leaving one
-    to leaving the next (`period`) and from the last arrival to program 0 leaving (`sync`)."""
+    launches: per barrier, the mean time from program 0 leaving one to leaving the next (`period`) and from the last
+    arrival to program 0 leaving (`sync`)."""
     bar = torch.zeros(1, dtype=torch.int32, device=device)
     clock = torch.zeros(2, count, programs, dtype=torch.int64, device=device)
     for _ in range(3):

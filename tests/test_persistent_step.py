@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
-from pathlib import Path
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,16 +353,15 @@ def test_persistent_launch_equals_its_phases(tiny_ggufs, arch, paged, form):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 def test_two_programs_an_sm_equal_phases(tiny_ggufs):
     """per_sm=2: twice the programs, each phase's units spread over both of an SM's. The same bits as the phases."""
-    settings = dict(per_sm=2)
     model = _model(tiny_ggufs["llama"])
     kv = _cache(model.cfg, False, slots=16)
     _history(model, kv, [3 + s % 5 for s in range(16)], False)
     tokens = torch.randint(3, 200, (5,), generator=_gen(5)).to(DEV)
     slots, positions = torch.arange(5, device=DEV), torch.tensor([3 + s % 5 for s in range(5)], device=DEV)
     a, b = _clone(kv), _clone(kv)
-    one = _step(model, a, tokens, positions, slots, False, "persistent", **settings)
-    phased = _step(model, b, tokens, positions, slots, False, "phased", **settings)
-    assert torch.equal(one, phased), _msg(str(settings))
+    one = _step(model, a, tokens, positions, slots, False, "persistent", per_sm=2)
+    phased = _step(model, b, tokens, positions, slots, False, "phased", per_sm=2)
+    assert torch.equal(one, phased), _msg("per_sm=2")
 
 
 @pytest.mark.gpu
